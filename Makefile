@@ -1,0 +1,42 @@
+# Every target creates .venv itself: on a fresh machine `make run` or `make test` is all it takes.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP_RUN := $(VENV)/.installed-run
+STAMP_DEV := $(VENV)/.installed-dev
+LISTEN ?= tcp://127.0.0.1:4170
+PYTEST_ARGS ?=
+
+.PHONY: run test test-full lint schemas bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP_RUN): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(STAMP_DEV): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@ $(STAMP_RUN)
+
+run: $(STAMP_RUN)
+	@echo "acp-server: connect an ACP client to $(LISTEN) (newline-delimited JSON-RPC), e.g. 'nc 127.0.0.1 4170'" >&2
+	$(VENV)/bin/acp-server serve --listen $(LISTEN)
+
+lint: $(STAMP_DEV)
+	$(VENV)/bin/ruff check acp_server tests
+	$(VENV)/bin/mypy
+
+test: $(STAMP_DEV) lint
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-full: $(STAMP_DEV)
+	ACP_SERVER_FULL=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+schemas: $(STAMP_DEV)
+	$(PY) -m acp_server.schemagen schemas
+
+clean:
+	rm -rf $(VENV) build *.egg-info

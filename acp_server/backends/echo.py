@@ -1,0 +1,76 @@
+"""The built-in echo agent: the reference backend.
+
+It streams the prompt's text back as ``agent_message_chunk`` updates, one chunk per word with its
+whitespace kept, so the chunks joined equal the input text. Other content blocks are described in
+text. ``delay_ms`` makes each turn take at least that long (so backpressure can be seen by hand); a
+cancel ends the wait at once.
+"""
+
+from __future__ import annotations
+
+import re
+
+import trio
+
+from ..types.acp import (
+    AgentMessageChunk,
+    AudioContent,
+    ContentBlock,
+    EmbeddedResource,
+    ImageContent,
+    ResourceLink,
+    StopReason,
+    TextContent,
+)
+from .base import Turn
+
+__all__ = ["EchoBackend", "describe_block", "split_words"]
+
+_WORD = re.compile(r"\s*\S+\s*|\s+")
+
+
+def split_words(text: str) -> list[str]:
+    """``text`` in chunks of one word each, whitespace kept: ``"".join(split_words(t)) == t``."""
+    return _WORD.findall(text)
+
+
+def describe_block(block: ContentBlock) -> str:
+    """The text the echo agent sends back for one content block."""
+    if isinstance(block, TextContent):
+        return block.text
+    if isinstance(block, ImageContent):
+        return f"[image {block.mime_type}, {len(block.data)} base64 chars]"
+    if isinstance(block, AudioContent):
+        return f"[audio {block.mime_type}, {len(block.data)} base64 chars]"
+    if isinstance(block, ResourceLink):
+        return f"[resource link {block.name}: {block.uri}]"
+    assert isinstance(block, EmbeddedResource)
+    uri = block.resource.get("uri", "?")
+    return f"[embedded resource {uri}]"
+
+
+class EchoBackend:
+    """Echoes prompts back word by word.
+
+    Args:
+        delay_ms: the least time each turn takes, in milliseconds (0: no wait).
+    """
+
+    def __init__(self, *, delay_ms: int = 0, name: str = "echo") -> None:
+        self.name = name
+        self.delay_ms = delay_ms
+
+    async def prompt(self, turn: Turn) -> StopReason:
+        start = trio.current_time() if self.delay_ms else 0.0
+        emit = turn.emit
+        for block in turn.prompt:
+            for chunk in split_words(describe_block(block)):
+                emit(AgentMessageChunk(content=TextContent(text=chunk)))
+        if self.delay_ms:
+            await trio.sleep_until(start + self.delay_ms / 1000)
+        else:
+            await trio.lowlevel.checkpoint()
+        return "end_turn"
+
+    async def fork(self, source_session_id: str, new_session_id: str) -> None:
+        await trio.lowlevel.checkpoint()

@@ -1,0 +1,6 @@
+"""The session bridge: sessions, per-session prompt FIFOs, client ids, update fan-out."""
+
+from .bridge import BridgeStatistics, SessionBridge
+from .session import ClientReg, ForkTicket, Peer, PromptTicket, Session
+
+__all__ = ["BridgeStatistics", "ClientReg", "ForkTicket", "Peer", "PromptTicket", "Session", "SessionBridge"]

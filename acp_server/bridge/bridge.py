@@ -1,0 +1,530 @@
+"""The session bridge: sessions, per-session prompt FIFOs, client ids and update fan-out.
+
+Admission is synchronous: :meth:`SessionBridge.admit_prompt` checks and counts with no ``await`` in
+between, so under trio nothing can run between the check and the increment. Its order is fixed:
+session lookup, client id, a request already cancelled, the pending-prompt limit, then the increment
+and enqueue. Every admitted prompt settles exactly once (result or error), and the session's pending
+slot is released at that moment, whichever of success, error, cancel, deadline, lost connection or
+crash comes first. The bridge touches no socket: connections are :class:`Peer` objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+import trio
+
+from ..admission.limits import Limits
+from ..backends.base import Backend, Turn
+from ..errors import (
+    RETRY_AFTER_MS,
+    AcpError,
+    BranchWhilePromptActiveError,
+    InternalError,
+    InvalidClientIdError,
+    PromptDeadlineExceededError,
+    PromptQueueFullError,
+    RequestCancelledError,
+    SessionNotFoundError,
+)
+from ..types.acp import ContentBlock, PromptResult, SessionNotification, UserMessageChunk
+from .session import ClientReg, ForkTicket, Peer, PromptTicket, Session
+
+__all__ = ["BridgeStatistics", "SessionBridge"]
+
+log = logging.getLogger("acp_server.bridge")
+
+_encoder = msgspec.json.Encoder()
+_CANCELLED = PromptResult(stop_reason="cancelled")
+
+
+class _UpdateMsg(msgspec.Struct):
+    jsonrpc: str
+    method: str
+    params: SessionNotification
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class BridgeStatistics(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """A snapshot of the bridge, as ``_acp_server/stats`` reports it."""
+
+    sessions: int
+    pending_prompts: int
+    running_prompts: int
+    queued_prompts: int
+    clients: int
+    attached_connections: int
+    admitted_total: int
+    refused_total: int
+    settled_total: int
+
+
+class SessionBridge:
+    """Owns every session of one server instance.
+
+    Args:
+        backend: the agent every session's turns go to.
+        limits: the bounds; ``max_pending_prompts_per_session`` etc.
+        max_pending_prompts_per_session: shortcut overriding ``limits``' field (validated the same way).
+
+    Raises:
+        TypeError, ValueError: a limit is not of its accepted form (the message names it).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        limits: Limits | None = None,
+        *,
+        max_pending_prompts_per_session: Any = None,
+    ) -> None:
+        limits = limits or Limits()
+        if max_pending_prompts_per_session is not None:
+            limits = msgspec.structs.replace(limits, max_pending_prompts_per_session=max_pending_prompts_per_session)
+            limits.__post_init__()
+        self.limits = limits
+        self.backend = backend
+        self.sessions: dict[str, Session] = {}
+        self._nursery: trio.Nursery | None = None
+        self._prompt_seq = 0
+        self._admitted = 0
+        self._refused = 0
+        self._settled = 0
+        self._closing = False
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Host the bridge's tasks (turn runners, backend calls, the idle reaper) until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._reaper)
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def cancel_all(self) -> None:
+        """Shutdown: every queued and running prompt ends with ``stopReason: "cancelled"``."""
+        self._closing = True
+        for session in list(self.sessions.values()):
+            self._cancel_session_prompts(session)
+
+    # --- sessions and clients ----------------------------------------------------------------------
+
+    def new_session(
+        self, cwd: str, mcp_servers: list[dict[str, Any]], peer: Peer | None, client_id: str | None = None
+    ) -> tuple[Session, str]:
+        """Create a session and register the caller on it; returns the session and its client id."""
+        session_id = f"sess_{uuid.uuid4().hex}"
+        session = Session(self, session_id, cwd, mcp_servers, self.backend, trio.current_time(), _now_ms())
+        self.sessions[session_id] = session
+        return session, self.register(session, peer, client_id)
+
+    def get(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionNotFoundError(session_id=session_id)
+        return session
+
+    def register(self, session: Session, peer: Peer | None, requested: str | None = None) -> str:
+        """Register a client on ``session``: re-use ``requested`` if it is registered there, else mint one.
+
+        Registration never fails; the caller's connection becomes attached to the session.
+        """
+        now = trio.current_time()
+        reg = session.clients.get(requested) if requested else None
+        if reg is not None:
+            reg.refcount += 1
+            reg.last_seen, reg.last_seen_ms = now, _now_ms()
+        else:
+            client_id = f"client_{uuid.uuid4()}"
+            reg = session.clients[client_id] = ClientReg(client_id, now, _now_ms())
+        session.last_activity = now
+        if peer is not None and not peer.closed:
+            peer.registrations[session.session_id] = reg.client_id
+            self.attach(session, peer)
+        return reg.client_id
+
+    def resolve_client(self, session: Session, peer: Peer | None, requested: str | None) -> str | None:
+        """The client id a request acts as; ``invalid_client_id`` for an id the session does not know.
+
+        Absent: the connection's own registration for the session, else anonymous (``None``).
+        """
+        now = trio.current_time()
+        if requested is not None:
+            reg = session.clients.get(requested)
+            if reg is None:
+                raise InvalidClientIdError(session_id=session.session_id, client_id=requested)
+        else:
+            own = peer.registrations.get(session.session_id) if peer is not None else None
+            reg = session.clients.get(own) if own is not None else None
+            if reg is None:
+                return None
+        reg.last_seen, reg.last_seen_ms = now, _now_ms()
+        session.last_activity = now
+        return reg.client_id
+
+    def heartbeat(self, session: Session, client_id: str | None) -> int:
+        """Mark activity; returns the last-seen time (epoch ms) of the client, or of the session."""
+        session.last_activity = trio.current_time()
+        if client_id is not None:
+            return session.clients[client_id].last_seen_ms
+        return _now_ms()
+
+    def detach(self, session: Session, peer: Peer | None, client_id: str | None) -> None:
+        """Release one reference of ``client_id``; the connection stops receiving the session's updates
+        once it no longer holds a registration there."""
+        if client_id is not None:
+            reg = session.clients.get(client_id)
+            if reg is not None:
+                reg.refcount -= 1
+                if reg.refcount <= 0:
+                    del session.clients[client_id]
+        if peer is not None:
+            own = peer.registrations.get(session.session_id)
+            if own is None or own == client_id or own not in session.clients:
+                peer.registrations.pop(session.session_id, None)
+                self.unattach(session, peer)
+        session.last_activity = trio.current_time()
+
+    def attach(self, session: Session, peer: Peer) -> None:
+        if not peer.closed:
+            session.attached.add(peer)
+            peer.attached.add(session.session_id)
+
+    def unattach(self, session: Session, peer: Peer) -> None:
+        session.attached.discard(peer)
+        peer.attached.discard(session.session_id)
+
+    def peer_closed(self, peer: Peer) -> None:
+        """A connection is gone: it receives nothing more (its client ids stay with their sessions)."""
+        for session_id in list(peer.attached):
+            session = self.sessions.get(session_id)
+            if session is not None:
+                session.attached.discard(peer)
+        peer.attached.clear()
+
+    def close_session(self, session: Session) -> None:
+        """End the session for every client: its running and queued prompts are cancelled."""
+        self._cancel_session_prompts(session)
+        self.sessions.pop(session.session_id, None)
+        for peer in list(session.attached):
+            peer.attached.discard(session.session_id)
+            peer.registrations.pop(session.session_id, None)
+        session.attached.clear()
+        session.clients.clear()
+
+    def list_sessions(self, cwd: str | None = None) -> list[Session]:
+        return [s for s in self.sessions.values() if cwd is None or s.cwd == cwd]
+
+    # --- prompts -----------------------------------------------------------------------------------
+
+    def admit_prompt(
+        self,
+        session_id: str,
+        prompt: list[ContentBlock],
+        *,
+        peer: Peer | None,
+        client_id: str | None = None,
+        deadline_ms: int | None = None,
+        cancelled: bool = False,
+    ) -> PromptTicket:
+        """Admit a prompt or refuse it, synchronously and all or nothing.
+
+        Raises:
+            SessionNotFoundError, InvalidClientIdError, RequestCancelledError, PromptQueueFullError:
+                in this order of checks; a refusal changes nothing.
+        """
+        session = self.get(session_id)
+        client = self.resolve_client(session, peer, client_id)
+        if cancelled:
+            raise RequestCancelledError()
+        limit = self.limits.max_pending_prompts_per_session
+        if limit and session.pending_count >= limit:
+            self._refused += 1
+            raise PromptQueueFullError(
+                session_id=session_id, limit=limit, pending_count=session.pending_count, retry_after_ms=RETRY_AFTER_MS
+            )
+        effective = self.limits.prompt_deadline_ms
+        if deadline_ms is not None and (not effective or deadline_ms < effective):
+            effective = deadline_ms
+        self._prompt_seq += 1
+        ticket = PromptTicket(
+            session, f"prompt_{self._prompt_seq}", prompt, peer, client, trio.current_time(), effective
+        )
+        session.pending_count += 1
+        self._admitted += 1
+        if peer is not None:
+            self.attach(session, peer)
+        self._enqueue(session, ticket)
+        return ticket
+
+    async def prompt_outcome(self, ticket: PromptTicket) -> PromptResult:
+        """Wait for the prompt's outcome, enforcing its deadline from admission.
+
+        If the waiter is cancelled (``$/cancel_request``, or its connection closed) the prompt is
+        cancelled, unless its connection is gone and another live connection is attached to the
+        session: then it runs on and its outcome goes to history.
+        """
+        try:
+            with trio.move_on_at(ticket.deadline):
+                await ticket.done.wait()
+            if not ticket.settled:
+                self._expire(ticket)
+        except trio.Cancelled:
+            self._caller_gone(ticket)
+            raise
+        return ticket.outcome()
+
+    def cancel_session(self, session_id: str, peer: Peer | None, client_id: str | None = None) -> None:
+        """``session/cancel``: the running prompt and every queued one end with ``cancelled``."""
+        session = self.get(session_id)
+        self.resolve_client(session, peer, client_id)
+        self._cancel_session_prompts(session)
+
+    def _cancel_session_prompts(self, session: Session) -> None:
+        for item in list(session.fifo):
+            if isinstance(item, PromptTicket):
+                self._settle(item, _CANCELLED, None)
+            elif not item.settled:
+                item.settled = True
+                item.error = RequestCancelledError()
+                item.done.set()
+
+    def _caller_gone(self, ticket: PromptTicket) -> None:
+        if ticket.settled:
+            return
+        sender = ticket.sender
+        if sender is not None and sender.closed and any(not p.closed for p in ticket.session.attached):
+            log.info("%s runs on for the other attached connections of %s", ticket.prompt_id, ticket.session.session_id)
+            return
+        self._settle(ticket, None, RequestCancelledError())
+
+    def _expire(self, ticket: PromptTicket) -> None:
+        elapsed = int((trio.current_time() - ticket.admitted_at) * 1000)
+        self._settle(
+            ticket,
+            None,
+            PromptDeadlineExceededError(
+                session_id=ticket.session.session_id, deadline_ms=ticket.deadline_ms, elapsed_ms=elapsed
+            ),
+        )
+
+    def _settle(self, ticket: PromptTicket, result: PromptResult | None, error: AcpError | None) -> bool:
+        """Give the prompt its one outcome and release its slot; later calls change nothing."""
+        if ticket.settled:
+            return False
+        ticket.settled = True
+        ticket.result, ticket.error = result, error
+        session = ticket.session
+        session.pending_count -= 1
+        assert session.pending_count >= 0, "pending count went negative"
+        session.last_activity = trio.current_time()
+        self._settled += 1
+        if ticket.call_scope is not None:
+            ticket.call_scope.cancel()
+        ticket.done.set()
+        return True
+
+    # --- forks -------------------------------------------------------------------------------------
+
+    def admit_fork(self, session_id: str, peer: Peer | None, client_id: str | None) -> ForkTicket:
+        session = self.get(session_id)
+        client = self.resolve_client(session, peer, client_id)
+        ticket = ForkTicket(peer, client)
+        self._enqueue(session, ticket)
+        return ticket
+
+    async def fork_outcome(self, ticket: ForkTicket) -> tuple[Session, str]:
+        try:
+            await ticket.done.wait()
+        except trio.Cancelled:
+            if not ticket.settled:
+                ticket.settled = True
+                ticket.error = RequestCancelledError()
+            raise
+        if ticket.error is not None:
+            raise ticket.error
+        assert ticket.new_session is not None
+        new = ticket.new_session
+        return new, self.register(new, ticket.requester)
+
+    # --- the runner --------------------------------------------------------------------------------
+
+    def _enqueue(self, session: Session, item: PromptTicket | ForkTicket) -> None:
+        session.fifo.append(item)
+        if not session.runner_active:
+            if self._nursery is None:
+                raise InternalError()
+            session.runner_active = True
+            self._nursery.start_soon(self._run_session, session)
+
+    async def _run_session(self, session: Session) -> None:
+        fifo = session.fifo
+        try:
+            while fifo:
+                item = fifo[0]
+                if item.settled:
+                    fifo.popleft()
+                    continue
+                if isinstance(item, ForkTicket):
+                    await self._run_fork(session, item)
+                    fifo.popleft()
+                    continue
+                if session.abandoned is not None:
+                    # The backend is still finishing a prompt whose caller already has its answer.
+                    abandoned = session.abandoned
+                    with trio.move_on_at(item.deadline):
+                        await abandoned.wait()
+                    if not abandoned.is_set():
+                        self._expire(item)
+                    continue
+                call_done = trio.Event()
+                item.running = True
+                self._emit_user_prompt(item)
+                assert self._nursery is not None
+                self._nursery.start_soon(self._call_backend, item, call_done)
+                await item.done.wait()
+                fifo.popleft()
+                if not call_done.is_set():
+                    session.abandoned = call_done
+        finally:
+            session.runner_active = False
+
+    async def _call_backend(self, ticket: PromptTicket, call_done: trio.Event) -> None:
+        session = ticket.session
+        turn = Turn(session.session_id, ticket.prompt_id, ticket.prompt, lambda u: self._emit_for(ticket, u))
+        try:
+            with trio.CancelScope(deadline=ticket.deadline) as scope:
+                ticket.call_scope = scope
+                if ticket.settled:  # settled between start_soon and now
+                    scope.cancel()
+                stop_reason = await session.backend.prompt(turn)
+                self._settle(ticket, PromptResult(stop_reason=stop_reason, meta={"promptId": ticket.prompt_id}), None)
+            if scope.cancelled_caught and not ticket.settled:
+                if self._closing:
+                    self._settle(ticket, _CANCELLED, None)
+                else:
+                    self._expire(ticket)
+        except AcpError as exc:
+            self._settle(ticket, None, exc)
+        except trio.Cancelled:
+            self._settle(ticket, _CANCELLED, None)
+            raise
+        except Exception:
+            log.exception("backend %s failed on %s of session %s", session.backend.name, ticket.prompt_id, session.session_id)
+            self._settle(ticket, None, InternalError())
+        finally:
+            call_done.set()
+            if session.abandoned is call_done:
+                session.abandoned = None
+
+    async def _run_fork(self, session: Session, item: ForkTicket) -> None:
+        if session.abandoned is not None and not session.abandoned.is_set():
+            item.error = BranchWhilePromptActiveError(session_id=session.session_id)
+        else:
+            new = Session(self, f"sess_{uuid.uuid4().hex}", session.cwd, list(session.mcp_servers),
+                          session.backend, trio.current_time(), _now_ms())
+            try:
+                await session.backend.fork(session.session_id, new.session_id)
+            except AcpError as exc:
+                item.error = exc
+            except Exception:
+                log.exception("backend fork of %s failed", session.session_id)
+                item.error = InternalError()
+            else:
+                new.history = list(session.history)
+                new.next_event_id = session.next_event_id
+                new.mode_id = session.mode_id
+                new.title = session.title
+                self.sessions[new.session_id] = new
+                item.new_session = new
+        item.settled = True
+        item.done.set()
+
+    # --- updates -----------------------------------------------------------------------------------
+
+    def _emit_user_prompt(self, ticket: PromptTicket) -> None:
+        for block in ticket.prompt:
+            self.emit(ticket.session, UserMessageChunk(content=block), ticket.client_id, exclude=ticket.sender)
+
+    def _emit_for(self, ticket: PromptTicket, update: Any) -> None:
+        if not ticket.settled:
+            self.emit(ticket.session, update, ticket.client_id)
+
+    def emit(self, session: Session, update: Any, originator: str | None, *, exclude: Peer | None = None) -> None:
+        """Record ``update`` in the session's history and send it to every attached connection."""
+        event_id = session.next_event_id
+        session.next_event_id = event_id + 1
+        session.history.append((event_id, update))
+        meta: dict[str, Any] = {"eventId": event_id}
+        if originator is not None:
+            meta["originatorClientId"] = originator
+        if not session.attached:
+            return
+        data = _encoder.encode(
+            _UpdateMsg("2.0", "session/update", SessionNotification(session_id=session.session_id, update=update, meta=meta))
+        ) + b"\n"
+        for peer in tuple(session.attached):
+            if peer is not exclude:
+                peer.send(data)
+
+    # --- housekeeping ------------------------------------------------------------------------------
+
+    async def _reaper(self) -> None:
+        period = max(0.05, min(self.limits.client_idle_timeout_s, self.limits.session_idle_timeout_s) / 10)
+        while True:
+            await trio.sleep(period)
+            self.reap(trio.current_time())
+
+    def reap(self, now: float) -> None:
+        """Drop client ids idle past their timeout; close idle, unattached, clientless sessions."""
+        client_cut = now - self.limits.client_idle_timeout_s
+        session_cut = now - self.limits.session_idle_timeout_s
+        for session in list(self.sessions.values()):
+            for cid in [c for c, reg in session.clients.items() if reg.last_seen <= client_cut]:
+                log.info("client id %s of %s expired", cid, session.session_id)
+                del session.clients[cid]
+            if (
+                not session.clients
+                and not session.fifo
+                and session.abandoned is None
+                and not any(not p.closed for p in session.attached)
+                and session.last_activity <= session_cut
+            ):
+                log.info("closing idle session %s", session.session_id)
+                self.close_session(session)
+
+    def statistics(self) -> BridgeStatistics:
+        sessions = self.sessions.values()
+        running = sum(1 for s in sessions if s.running_ticket is not None)
+        pending = sum(s.pending_count for s in sessions)
+        peers: set[int] = set()
+        for s in sessions:
+            peers.update(p.peer_id for p in s.attached)
+        return BridgeStatistics(
+            sessions=len(self.sessions),
+            pending_prompts=pending,
+            running_prompts=running,
+            queued_prompts=pending - running,
+            clients=sum(len(s.clients) for s in sessions),
+            attached_connections=len(peers),
+            admitted_total=self._admitted,
+            refused_total=self._refused,
+            settled_total=self._settled,
+        )
+
+    def history_of(self, session: Session) -> Iterable[tuple[int, Any]]:
+        return iter(session.history)
+
+

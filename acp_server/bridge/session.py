@@ -1,0 +1,179 @@
+"""The state of one session: its FIFO of turns, its clients, the connections attached to it."""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+
+from ..errors import AcpError
+from ..types.acp import ContentBlock, PromptResult
+
+if TYPE_CHECKING:
+    from .bridge import SessionBridge
+
+__all__ = ["ClientReg", "ForkTicket", "Peer", "PromptTicket", "Session"]
+
+
+class Peer(Protocol):
+    """A connection as the bridge sees it: somewhere to send bytes, and whether it is gone."""
+
+    peer_id: int
+    #: session id -> the client id this connection registered there
+    registrations: dict[str, str]
+    #: sessions this connection is attached to (receives their updates)
+    attached: set[str]
+
+    @property
+    def closed(self) -> bool: ...
+
+    def send(self, data: bytes) -> None:
+        """Queue a notification; a connection that cannot keep up is evicted, never waited for."""
+        ...
+
+
+class ClientReg:
+    """One client id of a session: how many holders it has and when it was last seen."""
+
+    __slots__ = ("client_id", "last_seen", "last_seen_ms", "refcount")
+
+    def __init__(self, client_id: str, now: float, now_ms: int) -> None:
+        self.client_id = client_id
+        self.refcount = 1
+        self.last_seen = now
+        self.last_seen_ms = now_ms
+
+
+class PromptTicket:
+    """One admitted prompt, from admission to its single, caller-visible outcome.
+
+    ``settle`` happens exactly once (the bridge guards it): the session's pending count is released
+    then, and the waiter wakes.
+    """
+
+    __slots__ = (
+        "admitted_at",
+        "call_scope",
+        "client_id",
+        "deadline",
+        "deadline_ms",
+        "done",
+        "error",
+        "prompt",
+        "prompt_id",
+        "result",
+        "running",
+        "sender",
+        "session",
+        "settled",
+    )
+
+    def __init__(
+        self,
+        session: Session,
+        prompt_id: str,
+        prompt: list[ContentBlock],
+        sender: Peer | None,
+        client_id: str | None,
+        admitted_at: float,
+        deadline_ms: int,
+    ) -> None:
+        self.session = session
+        self.prompt_id = prompt_id
+        self.prompt = prompt
+        self.sender = sender
+        self.client_id = client_id
+        self.admitted_at = admitted_at
+        self.deadline_ms = deadline_ms
+        self.deadline = admitted_at + deadline_ms / 1000 if deadline_ms else float("inf")
+        self.running = False
+        self.settled = False
+        self.result: PromptResult | None = None
+        self.error: AcpError | None = None
+        self.done = trio.Event()
+        self.call_scope: trio.CancelScope | None = None
+
+    def outcome(self) -> PromptResult:
+        """The settled result, or raise the settled error."""
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+class ForkTicket:
+    """A fork waiting in its source session's FIFO; it takes no pending slot."""
+
+    __slots__ = ("client_id", "done", "error", "new_session", "requester", "settled")
+
+    def __init__(self, requester: Peer | None, client_id: str | None) -> None:
+        self.requester = requester
+        self.client_id = client_id
+        self.settled = False
+        self.done = trio.Event()
+        self.new_session: Session | None = None
+        self.error: AcpError | None = None
+
+
+class Session:
+    """One session: id, working directory, FIFO, clients and attached connections."""
+
+    __slots__ = (
+        "abandoned",
+        "attached",
+        "backend",
+        "bridge",
+        "clients",
+        "created_ms",
+        "cwd",
+        "fifo",
+        "history",
+        "last_activity",
+        "mcp_servers",
+        "mode_id",
+        "next_event_id",
+        "pending_count",
+        "runner_active",
+        "session_id",
+        "title",
+        "updated_ms",
+    )
+
+    def __init__(
+        self,
+        bridge: SessionBridge,
+        session_id: str,
+        cwd: str,
+        mcp_servers: list[dict[str, Any]],
+        backend: Any,
+        now: float,
+        now_ms: int,
+    ) -> None:
+        self.bridge = bridge
+        self.session_id = session_id
+        self.cwd = cwd
+        self.mcp_servers = mcp_servers
+        self.backend = backend
+        self.mode_id = "default"
+        self.title: str | None = None
+        self.created_ms = now_ms
+        self.updated_ms = now_ms
+        self.last_activity = now
+        self.fifo: collections.deque[PromptTicket | ForkTicket] = collections.deque()
+        self.pending_count = 0
+        self.runner_active = False
+        #: set while a backend call whose prompt already settled (cancelled, expired) is still running
+        self.abandoned: trio.Event | None = None
+        self.clients: dict[str, ClientReg] = {}
+        self.attached: set[Peer] = set()
+        #: (eventId, update) in order; fork copies it, issue E persists it
+        self.history: list[tuple[int, Any]] = []
+        self.next_event_id = 1
+
+    @property
+    def running_ticket(self) -> PromptTicket | None:
+        for item in self.fifo:
+            if isinstance(item, PromptTicket) and item.running and not item.settled:
+                return item
+        return None

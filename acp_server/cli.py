@@ -1,0 +1,207 @@
+"""The ``acp-server`` command line.
+
+Exit codes: 0 clean exit, 1 a runtime failure (port in use, a live Unix socket), 2 a bad command line
+(the message names the flag and what it accepts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import math
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit
+
+import trio
+
+from . import __version__
+from .admission import Limits
+from .server import ListenAddress, ServerConfig, serve
+
+__all__ = ["build_parser", "main", "parse_listen"]
+
+DEFAULT_LISTEN = "tcp://127.0.0.1:4170"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _int_arg(flag: str, *, minimum: int, meaning: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if math.isnan(value) or not value.is_integer() or value < minimum or not text.strip().lstrip("+-").isdigit():
+            raise argparse.ArgumentTypeError(f"{flag} must be {meaning}; got {text!r}")
+        return int(text)
+
+    parse.__name__ = flag
+    return parse
+
+
+def _seconds_arg(flag: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if math.isnan(value) or math.isinf(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive number of seconds; got {text!r}")
+        return value
+
+    return parse
+
+
+def parse_listen(text: str) -> ListenAddress:
+    """``tcp://HOST:PORT`` (port 0: any free port) or ``unix:/path`` (also ``unix:///path``)."""
+    accepted = "tcp://HOST:PORT (PORT 0-65535, 0 = any free port) or unix:/absolute/path"
+    if text.startswith("unix:"):
+        path = text[len("unix:") :]
+        if path.startswith("//"):
+            path = path[2:]
+        if not path.startswith("/"):
+            raise argparse.ArgumentTypeError(f"--listen {text!r}: a Unix socket needs an absolute path; accepted: {accepted}")
+        return ListenAddress("unix", path=path)
+    if text.startswith("tcp://"):
+        parts = urlsplit(text)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        host = parts.hostname
+        if not host or port is None or parts.path not in ("", "/"):
+            raise argparse.ArgumentTypeError(f"--listen {text!r} is not of the form {accepted}")
+        return ListenAddress("tcp", host=host, port=port)
+    raise argparse.ArgumentTypeError(f"--listen {text!r}: unknown scheme; accepted: {accepted}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line."""
+    return _build()[0]
+
+
+def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    parser = argparse.ArgumentParser(prog="acp-server", description="A gateway for the Agent Client Protocol.")
+    parser.add_argument("--version", action="version", version=f"acp-server {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    s = sub.add_parser("serve", help="serve ACP over stdio, TCP and Unix sockets", description="Serve ACP clients.")
+    s.add_argument("--stdio", action="store_true", help="serve one client on stdin/stdout (logs go to stderr)")
+    s.add_argument(
+        "--listen",
+        action="append",
+        type=parse_listen,
+        default=[],
+        metavar="URL",
+        help=f"tcp://HOST:PORT (loopback only; port 0 = any free port) or unix:/path; repeatable "
+        f"(default without --stdio: {DEFAULT_LISTEN})",
+    )
+    s.add_argument(
+        "--echo-delay-ms",
+        type=_int_arg("--echo-delay-ms", minimum=0, meaning="a non-negative integer (milliseconds)"),
+        default=0,
+        metavar="N",
+        help="each echo prompt takes at least N ms (default 0)",
+    )
+    s.add_argument(
+        "--max-message-bytes",
+        type=_int_arg("--max-message-bytes", minimum=1, meaning="a positive integer (bytes)"),
+        default=Limits().max_message_bytes,
+        metavar="N",
+        help="the longest line accepted; longer ones close the connection (default 50 MiB)",
+    )
+    s.add_argument(
+        "--max-pending-prompts-per-session",
+        type=_int_arg(
+            "--max-pending-prompts-per-session", minimum=0, meaning="a non-negative integer (0 disables the limit)"
+        ),
+        default=Limits().max_pending_prompts_per_session,
+        metavar="N",
+        help="queued + running prompts one session holds; 0 disables the limit (default 5)",
+    )
+    s.add_argument(
+        "--prompt-deadline-ms",
+        type=_int_arg("--prompt-deadline-ms", minimum=0, meaning="a non-negative integer (0 = no deadline)"),
+        default=0,
+        metavar="N",
+        help="deadline of every prompt, counted from admission; _meta.deadlineMs may shorten it (default off)",
+    )
+    s.add_argument(
+        "--max-inflight-requests",
+        type=_int_arg("--max-inflight-requests", minimum=1, meaning="a positive integer"),
+        default=Limits().max_inflight_requests,
+        metavar="N",
+        help="unanswered requests of one connection that run at once; later ones wait (default 256)",
+    )
+    s.add_argument(
+        "--max-outbound-bytes",
+        type=_int_arg("--max-outbound-bytes", minimum=0, meaning="a non-negative integer (0 = twice --max-message-bytes)"),
+        default=0,
+        metavar="N",
+        help="bytes queued to one connection before it is evicted (default twice --max-message-bytes)",
+    )
+    s.add_argument(
+        "--client-idle-timeout-s",
+        type=_seconds_arg("--client-idle-timeout-s"),
+        default=Limits().client_idle_timeout_s,
+        metavar="S",
+        help="a client id unused for S seconds expires (default 300)",
+    )
+    s.add_argument(
+        "--session-idle-timeout-s",
+        type=_seconds_arg("--session-idle-timeout-s"),
+        default=Limits().session_idle_timeout_s,
+        metavar="S",
+        help="an idle session with no client and no connection is closed after S seconds (default 1800)",
+    )
+    s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="stderr log level (default warning)")
+    return parser, s
+
+
+def _check_loopback(parser: argparse.ArgumentParser, addr: ListenAddress) -> None:
+    try:
+        infos = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        parser.error(f"--listen {addr}: cannot resolve {addr.host!r}: {exc.strerror}")
+    for info in infos:
+        ip = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+        if not ip.is_loopback:
+            parser.error(
+                f"--listen {addr}: {ip} is not a loopback address; acp-server has no authentication yet, "
+                "so it only listens on loopback (127.0.0.1, ::1, localhost) or Unix sockets"
+            )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, serve_parser = _build()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    listen = list(args.listen)
+    if not args.stdio and not listen:
+        listen = [parse_listen(DEFAULT_LISTEN)]
+    for addr in listen:
+        if addr.kind == "tcp":
+            _check_loopback(serve_parser, addr)
+    limits = Limits(
+        max_pending_prompts_per_session=args.max_pending_prompts_per_session,
+        prompt_deadline_ms=args.prompt_deadline_ms,
+        client_idle_timeout_s=args.client_idle_timeout_s,
+        session_idle_timeout_s=args.session_idle_timeout_s,
+        max_message_bytes=args.max_message_bytes,
+        max_outbound_bytes=args.max_outbound_bytes,
+        max_inflight_requests=args.max_inflight_requests,
+    )
+    config = ServerConfig(stdio=args.stdio, listen=listen, echo_delay_ms=args.echo_delay_ms, limits=limits)
+    try:
+        trio.run(serve, config)
+    except OSError as exc:
+        print(f"acp-server: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0

@@ -1,0 +1,204 @@
+"""Every error the server can send, as one tree of exception classes.
+
+Each class binds an ``errorKind`` (the stable discriminator clients switch on) to its JSON-RPC code, a
+message template, whether a retry can help, and the Struct of its ``data`` payload. The registry
+``schemas/errors/codes.json`` is generated from :data:`REGISTRY`; a test checks classes, registry and
+schemas agree. Blame is split as in h11: the peer's fault, overload, and our own bugs.
+
+    AcpError (jsonrpcserver.JsonRpcError)
+    ├── RemoteProtocolError                 the peer broke JSON-RPC or ACP rules
+    │   ├── ParseError                      -32700 parse_error
+    │   ├── InvalidRequestError             -32600 invalid_request
+    │   ├── NotInitializedError             -32600 not_initialized
+    │   ├── MessageTooLargeError            -32600 message_too_large
+    │   ├── MethodNotFoundError             -32601 method_not_found
+    │   └── InvalidParamsError              -32602 invalid_params
+    ├── RequestCancelledError               -32800 request_cancelled
+    ├── SessionStateError                   the session cannot take this request
+    │   ├── SessionNotFoundError            -32002 session_not_found
+    │   ├── InvalidClientIdError            -32003 invalid_client_id
+    │   └── BranchWhilePromptActiveError    -32006 branch_while_prompt_active
+    ├── OverloadError                       refused for capacity; retryable
+    │   └── PromptQueueFullError            -32001 prompt_queue_full
+    ├── PromptDeadlineExceededError         -32004 prompt_deadline_exceeded
+    └── InternalError                       -32603 internal (bugs only: overload is never -32603)
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+from jsonrpcserver.exceptions import JsonRpcError
+
+from .types import errors as data
+
+__all__ = [
+    "REGISTRY",
+    "RETRY_AFTER_MS",
+    "AcpError",
+    "BranchWhilePromptActiveError",
+    "InternalError",
+    "InvalidClientIdError",
+    "InvalidParamsError",
+    "InvalidRequestError",
+    "MessageTooLargeError",
+    "MethodNotFoundError",
+    "NotInitializedError",
+    "OverloadError",
+    "ParseError",
+    "PromptDeadlineExceededError",
+    "PromptQueueFullError",
+    "RemoteProtocolError",
+    "RequestCancelledError",
+    "SessionNotFoundError",
+    "SessionStateError",
+]
+
+#: The retry hint sent with ``prompt_queue_full``: long enough for a few echo-sized turns to drain.
+RETRY_AFTER_MS = 5000
+
+
+class AcpError(JsonRpcError):
+    """Base of every error sent on the wire.
+
+    Subclasses set ``code``, ``kind``, ``template`` (``str.format`` over the payload's field names),
+    ``retryable`` and ``data_type``. Construct with the payload's fields as keyword arguments;
+    ``errorKind`` is added by the payload's tag.
+    """
+
+    code: int
+    kind: ClassVar[str]
+    template: ClassVar[str]
+    retryable: ClassVar[bool] = False
+    data_type: ClassVar[type[data.ErrorData]]
+
+    def __init__(self, **fields: Any) -> None:
+        self.payload = self.data_type(**fields)
+        message = self.template.format(**fields)
+        super().__init__(self.code, message, self.payload)
+
+    def __str__(self) -> str:
+        return str(self.message)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-RPC error object, ``{"code", "message", "data"}``."""
+        return {"code": self.code, "message": self.message, "data": msgspec.to_builtins(self.payload)}
+
+
+class RemoteProtocolError(AcpError):
+    """The peer sent something JSON-RPC 2.0 or ACP does not allow."""
+
+
+class ParseError(RemoteProtocolError):
+    code = -32700
+    kind = "parse_error"
+    template = "Parse error: the line is not valid UTF-8 JSON ({detail})"
+    data_type = data.ParseErrorData
+
+
+class InvalidRequestError(RemoteProtocolError):
+    code = -32600
+    kind = "invalid_request"
+    template = "Invalid request: {detail}"
+    data_type = data.InvalidRequestData
+
+
+class NotInitializedError(RemoteProtocolError):
+    code = -32600
+    kind = "not_initialized"
+    template = 'Call "initialize" before "{method}"'
+    data_type = data.NotInitializedData
+
+
+class MessageTooLargeError(RemoteProtocolError):
+    code = -32600
+    kind = "message_too_large"
+    template = "Message larger than {limit} bytes; the connection will be closed"
+    data_type = data.MessageTooLargeData
+
+
+class MethodNotFoundError(RemoteProtocolError):
+    code = -32601
+    kind = "method_not_found"
+    template = 'Method not found: "{method}"'
+    data_type = data.MethodNotFoundData
+
+
+class InvalidParamsError(RemoteProtocolError):
+    code = -32602
+    kind = "invalid_params"
+    template = "Invalid params at {path}: {detail}"
+    data_type = data.InvalidParamsData
+
+
+class RequestCancelledError(AcpError):
+    code = -32800
+    kind = "request_cancelled"
+    template = "Request cancelled"
+    data_type = data.RequestCancelledData
+
+
+class SessionStateError(AcpError):
+    """The named session cannot take this request now."""
+
+
+class SessionNotFoundError(SessionStateError):
+    code = -32002
+    kind = "session_not_found"
+    template = 'Session "{session_id}" not found'
+    data_type = data.SessionNotFoundData
+
+
+class InvalidClientIdError(SessionStateError):
+    code = -32003
+    kind = "invalid_client_id"
+    template = 'Client id "{client_id}" is not registered for session "{session_id}"; re-register with session/resume'
+    data_type = data.InvalidClientIdData
+
+
+class BranchWhilePromptActiveError(SessionStateError):
+    code = -32006
+    kind = "branch_while_prompt_active"
+    template = 'Session "{session_id}" cannot be forked while its backend is still finishing an abandoned prompt'
+    data_type = data.BranchWhilePromptActiveData
+
+
+class OverloadError(AcpError):
+    """Refused for capacity: nothing ran, nothing was counted, a later retry may succeed."""
+
+    retryable = True
+
+
+class PromptQueueFullError(OverloadError):
+    code = -32001
+    kind = "prompt_queue_full"
+    template = 'Prompt queue full for session "{session_id}" ({pending_count}/{limit} pending)'
+    data_type = data.PromptQueueFullData
+
+
+class PromptDeadlineExceededError(AcpError):
+    code = -32004
+    kind = "prompt_deadline_exceeded"
+    template = 'Prompt deadline of {deadline_ms} ms exceeded for session "{session_id}" after {elapsed_ms} ms'
+    data_type = data.PromptDeadlineExceededData
+
+
+class InternalError(AcpError):
+    code = -32603
+    kind = "internal"
+    template = "Internal error; the server log has the details"
+    data_type = data.InternalData
+
+
+def _leaves(cls: type[AcpError]) -> list[type[AcpError]]:
+    out: list[type[AcpError]] = []
+    for sub in cls.__subclasses__():
+        if "kind" in sub.__dict__:
+            out.append(sub)
+        out.extend(_leaves(sub))
+    return out
+
+
+#: ``errorKind`` -> error class, for every kind the server can emit.
+REGISTRY: dict[str, type[AcpError]] = {cls.kind: cls for cls in _leaves(AcpError)}

@@ -1,0 +1,25 @@
+"""``session/prompt``: synchronous admission, then waiting for the turn's outcome."""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine
+from typing import Any
+
+from ..types.acp import PromptParams, PromptResult
+from .context import ConnContext
+from .meta import meta_client_id, meta_deadline_ms
+
+__all__ = ["prompt"]
+
+
+def prompt(ctx: ConnContext, params: PromptParams) -> Coroutine[Any, Any, PromptResult]:
+    bridge = ctx.bridge
+    ticket = bridge.admit_prompt(
+        params.session_id,
+        params.prompt,
+        peer=ctx.peer,
+        client_id=meta_client_id(params.meta),
+        deadline_ms=meta_deadline_ms(params.meta),
+        cancelled=ctx.cancelled,
+    )
+    return bridge.prompt_outcome(ticket)

@@ -1,0 +1,37 @@
+"""The JSON-RPC 2.0 core: framing, the sans-I/O connection and dispatch. It imports no event loop."""
+
+from .connection import (
+    NEED_DATA,
+    Batch,
+    Connection,
+    ErrorReply,
+    Event,
+    Notification,
+    Request,
+    Response,
+    TooLarge,
+    encode_error,
+    encode_result,
+)
+from .dispatch import Dispatcher, HandlerContext, Method, invalid_params_from
+from .framing import TOO_LARGE, LineBuffer
+
+__all__ = [
+    "NEED_DATA",
+    "TOO_LARGE",
+    "Batch",
+    "Connection",
+    "Dispatcher",
+    "ErrorReply",
+    "Event",
+    "HandlerContext",
+    "LineBuffer",
+    "Method",
+    "Notification",
+    "Request",
+    "Response",
+    "TooLarge",
+    "encode_error",
+    "encode_result",
+    "invalid_params_from",
+]

@@ -1,0 +1,315 @@
+"""The sans-I/O JSON-RPC 2.0 connection: bytes in, events out; messages in, bytes out.
+
+Modelled on h11's ``Connection``: :meth:`Connection.receive_data` feeds bytes, :meth:`Connection.next_event`
+returns one event at a time (or :data:`NEED_DATA`), and the ``send_*`` methods return the bytes to
+write. It allocates ids for our own requests to the peer and keeps the table of those still pending,
+so responses are routed by id; a response to an id we never sent is logged and dropped. It never
+touches a socket and imports no event loop, so plain synchronous tests drive it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Final
+
+import msgspec
+from jsonrpcserver.response import ErrorResponse, serialize_error
+from msgspec import UNSET, UnsetType
+
+from ..errors import AcpError, InvalidRequestError, MessageTooLargeError, ParseError
+from .framing import TOO_LARGE, LineBuffer
+
+__all__ = [
+    "NEED_DATA",
+    "Batch",
+    "Connection",
+    "ErrorReply",
+    "Event",
+    "Notification",
+    "Request",
+    "Response",
+    "TooLarge",
+    "encode_error",
+    "encode_result",
+]
+
+log = logging.getLogger("acp_server.jsonrpc")
+
+Id = int | str
+
+
+class _NeedData:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA: Final = _NeedData()
+
+
+class Request:
+    """A request from the peer; ``params`` is undecoded until the method (and so its type) is known."""
+
+    __slots__ = ("id", "method", "params")
+
+    def __init__(self, id: Id, method: str, params: msgspec.Raw | None) -> None:
+        self.id = id
+        self.method = method
+        self.params = params
+
+    def __repr__(self) -> str:
+        return f"Request(id={self.id!r}, method={self.method!r})"
+
+
+class Notification:
+    __slots__ = ("method", "params")
+
+    def __init__(self, method: str, params: msgspec.Raw | None) -> None:
+        self.method = method
+        self.params = params
+
+    def __repr__(self) -> str:
+        return f"Notification(method={self.method!r})"
+
+
+class Response:
+    """The peer's answer to one of our requests; ``method`` is the method we called."""
+
+    __slots__ = ("error", "id", "method", "result")
+
+    def __init__(self, id: Id, method: str, result: Any, error: dict[str, Any] | None) -> None:
+        self.id = id
+        self.method = method
+        self.result = result
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"Response(id={self.id!r}, method={self.method!r}, error={self.error is not None})"
+
+
+class ErrorReply:
+    """A message that could not be taken: ``data`` is the ready-made error response to send."""
+
+    __slots__ = ("data", "error")
+
+    def __init__(self, data: bytes, error: AcpError) -> None:
+        self.data = data
+        self.error = error
+
+
+class TooLarge:
+    """A line over the limit; ``data`` is the error response to send before closing the connection."""
+
+    __slots__ = ("data", "limit")
+
+    def __init__(self, data: bytes, limit: int) -> None:
+        self.data = data
+        self.limit = limit
+
+
+class Batch:
+    """A JSON-RPC batch: its items, each a Request, Notification, Response or ErrorReply."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[Request | Notification | Response | ErrorReply]) -> None:
+        self.items = items
+
+
+Event = Request | Notification | Response | ErrorReply | TooLarge | Batch
+
+
+class _Envelope(msgspec.Struct):
+    jsonrpc: str | UnsetType = UNSET
+    id: int | str | None | UnsetType = UNSET
+    method: str | UnsetType = UNSET
+    params: msgspec.Raw = msgspec.Raw(b"")
+    result: msgspec.Raw = msgspec.Raw(b"")
+    error: dict[str, Any] | None | UnsetType = UNSET
+
+
+class _ResultMsg(msgspec.Struct):
+    jsonrpc: str
+    id: Id | None
+    result: Any
+
+
+class _RequestMsg(msgspec.Struct, omit_defaults=True):
+    jsonrpc: str
+    id: Id
+    method: str
+    params: Any = None
+
+
+class _NotificationMsg(msgspec.Struct, omit_defaults=True):
+    jsonrpc: str
+    method: str
+    params: Any = None
+
+
+_encoder = msgspec.json.Encoder()
+_decode_envelope = msgspec.json.Decoder(_Envelope).decode
+_decode_batch = msgspec.json.Decoder(list[msgspec.Raw]).decode
+_decode_any = msgspec.json.Decoder().decode
+
+
+def encode_result(id: Id | None, result: Any) -> bytes:
+    """One success response, newline-terminated."""
+    return _encoder.encode(_ResultMsg("2.0", id, result)) + b"\n"
+
+
+def encode_error(id: Id | None, error: AcpError) -> bytes:
+    """One error response, newline-terminated (``data`` always carries ``errorKind``).
+
+    Shaped by jsonrpcserver's own ``ErrorResponse``/``serialize_error``; msgspec encodes the payload Struct.
+    """
+    return _encoder.encode(serialize_error(ErrorResponse(error.code, error.message, error.payload, id))) + b"\n"
+
+
+def _error_detail(exc: Exception) -> str:
+    return str(exc).split("\n", 1)[0][:200]
+
+
+class Connection:
+    """One side of a JSON-RPC 2.0 connection over NDJSON.
+
+    Args:
+        max_message_bytes: the largest line accepted from the peer.
+    """
+
+    def __init__(self, *, max_message_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._lines = LineBuffer(max_message_bytes)
+        self._next_id = 1
+        self._pending: dict[Id, str] = {}
+
+    # --- receiving ---------------------------------------------------------------------------------
+
+    def receive_data(self, data: bytes | bytearray) -> None:
+        """Feed bytes read from the peer."""
+        self._lines.feed(data)
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._lines.buffered
+
+    def next_event(self) -> Event | _NeedData:
+        """The next event from the bytes received so far, or :data:`NEED_DATA`."""
+        while True:
+            line = self._lines.next_line()
+            if line is None:
+                return NEED_DATA
+            if line is TOO_LARGE:
+                err = MessageTooLargeError(limit=self.max_message_bytes)
+                return TooLarge(encode_error(None, err), self.max_message_bytes)
+            assert isinstance(line, bytes)
+            stripped = line.strip()
+            if not stripped:
+                continue  # blank lines (and a lone "\r") are keep-alives, not messages
+            if stripped[:1] == b"[":
+                return self._batch(stripped)
+            event = self._one(stripped)
+            if event is not None:
+                return event
+
+    def _batch(self, line: bytes) -> Event:
+        try:
+            raws = _decode_batch(line)
+        except msgspec.ValidationError as exc:
+            return self._reply(None, InvalidRequestError(detail=_error_detail(exc)))
+        except msgspec.DecodeError as exc:
+            return self._reply(None, ParseError(detail=_error_detail(exc)))
+        if not raws:
+            return self._reply(None, InvalidRequestError(detail="an empty batch is not a request"))
+        items = [self._one(bytes(raw)) for raw in raws]
+        return Batch([item for item in items if item is not None])
+
+    def _reply(self, id: Id | None, error: AcpError) -> ErrorReply:
+        return ErrorReply(encode_error(id, error), error)
+
+    def _one(self, line: bytes) -> Request | Notification | Response | ErrorReply | None:
+        """Decode one message; ``None`` for a response that is logged and dropped."""
+        try:
+            env = _decode_envelope(line)
+        except msgspec.ValidationError as exc:
+            # Valid JSON of the wrong shape: an id may still be readable to address the error.
+            return self._reply(_salvage_id(line), InvalidRequestError(detail=_error_detail(exc)))
+        except msgspec.DecodeError as exc:
+            return self._reply(None, ParseError(detail=_error_detail(exc)))
+        id = env.id
+        if env.jsonrpc != "2.0":
+            return self._reply(
+                None if id is UNSET else id, InvalidRequestError(detail='"jsonrpc" must be "2.0"')
+            )
+        method = env.method
+        if method is not UNSET:
+            params = env.params
+            first = bytes(memoryview(params)[:1])
+            if not first or first == b"n":
+                params_raw = None
+            elif first in (b"{", b"["):
+                params_raw = params
+            else:
+                return self._reply(
+                    None if id is UNSET else id,
+                    InvalidRequestError(detail='"params" must be an object, an array or null'),
+                )
+            if id is UNSET:
+                return Notification(method, params_raw)
+            if id is None:
+                return self._reply(None, InvalidRequestError(detail='"id" must not be null in a request'))
+            return Request(id, method, params_raw)
+        if id is UNSET or id is None or (not env.result and env.error is UNSET):
+            if id is None and env.error is not UNSET:
+                # The peer could not parse something we sent; nothing to route it to.
+                log.warning("peer reported an error without an id: %r", env.error)
+                return None
+            return self._reply(
+                None if id is UNSET else id,
+                InvalidRequestError(detail='a message needs "method" (a request) or "result"/"error" (a response)'),
+            )
+        method_called = self._pending.pop(id, None)
+        if method_called is None:
+            log.warning("dropping a response to unknown request id %r", id)
+            return None
+        error = None if env.error is UNSET else env.error
+        result = _decode_any(env.result) if env.result else None
+        return Response(id, method_called, result, error)
+
+    # --- sending -----------------------------------------------------------------------------------
+
+    def send_request(self, method: str, params: Any = None) -> tuple[Id, bytes]:
+        """Allocate an id for our own request and return it with the bytes to write."""
+        id = self._next_id
+        self._next_id += 1
+        self._pending[id] = method
+        return id, _encoder.encode(_RequestMsg("2.0", id, method, params)) + b"\n"
+
+    def send_failed(self, id: Id) -> None:
+        """Forget a request of ours that will get no response (it could not be written)."""
+        self._pending.pop(id, None)
+
+    @property
+    def pending_requests(self) -> dict[Id, str]:
+        """Our requests still waiting for a response: id -> method."""
+        return dict(self._pending)
+
+    @staticmethod
+    def send_notification(method: str, params: Any = None) -> bytes:
+        return _encoder.encode(_NotificationMsg("2.0", method, params)) + b"\n"
+
+    send_result = staticmethod(encode_result)
+    send_error = staticmethod(encode_error)
+
+
+def _salvage_id(line: bytes) -> Id | None:
+    try:
+        obj = _decode_any(line)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(obj, dict):
+        id = obj.get("id")
+        if isinstance(id, (int, str)) and not isinstance(id, bool):
+            return id
+    return None

@@ -1,0 +1,150 @@
+"""Dispatch of requests and notifications to an explicit method table.
+
+A handler is a plain function ``handler(ctx, params)``. It runs synchronously, at the moment its
+request is taken off the wire and in arrival order, which is what makes admission atomic: no other
+request can run between a check and the count it changes. A handler that has to wait returns a
+coroutine; the transport shell awaits it in a task of its own (see :meth:`Dispatcher.finish`).
+
+jsonrpcserver supplies the error base class, the codes and the error response shape; its own async
+dispatch cannot run under trio, and its jsonschema request check is replaced by msgspec decoding
+into each method's params Struct. This module imports no event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from types import CoroutineType
+from typing import Any, NamedTuple
+
+import msgspec
+
+from ..errors import (
+    AcpError,
+    InternalError,
+    InvalidParamsError,
+    MethodNotFoundError,
+    NotInitializedError,
+)
+from .connection import Id, Notification, Request, encode_error, encode_result
+
+__all__ = ["Dispatcher", "HandlerContext", "Method", "invalid_params_from"]
+
+log = logging.getLogger("acp_server.dispatch")
+
+
+
+
+class HandlerContext:
+    """What every handler may read about the connection it serves; the server subclasses it."""
+
+    initialized: bool = False
+
+
+class Method(NamedTuple):
+    """One entry of the method table.
+
+    Attributes:
+        params_type: the Struct its params decode into, or ``None`` when it reads none.
+        handler: ``handler(ctx, params)``; returns the result, or a coroutine that produces it.
+        requires_init: answer ``not_initialized`` before ``initialize`` has succeeded.
+        sees_cancel: the handler runs even when its request was cancelled before it started, so that it
+            can check what comes before cancellation in its own admission order (``ctx.cancelled``).
+    """
+
+    params_type: type[Any] | None
+    handler: Callable[[Any, Any], Any]
+    requires_init: bool = True
+    sees_cancel: bool = False
+
+
+_AT = re.compile(r"^(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
+
+
+def invalid_params_from(exc: msgspec.ValidationError) -> InvalidParamsError:
+    """Turn msgspec's message into ``invalid_params`` with the dotted path of the offending field."""
+    m = _AT.match(str(exc))
+    detail = m.group("detail") if m else str(exc)
+    path = (m.group("path") or "") if m else ""
+    path = path[1:] if path.startswith(".") else path
+    missing = _MISSING.match(detail)
+    if missing:
+        path = f"{path}.{missing.group('field')}" if path else missing.group("field")
+    return InvalidParamsError(path=path or "params", detail=detail)
+
+
+
+class Dispatcher:
+    """Routes requests and notifications by name.
+
+    Args:
+        requests: method name -> :class:`Method`, for requests.
+        notifications: method name -> :class:`Method`, for notifications (their handlers must not
+            return coroutines; unknown notifications are ignored, as JSON-RPC requires).
+    """
+
+    def __init__(self, requests: Mapping[str, Method], notifications: Mapping[str, Method]) -> None:
+        self.requests = dict(requests)
+        self.notifications = dict(notifications)
+        self._decoders: dict[type[Any], Callable[[bytes], Any]] = {}
+        for m in (*self.requests.values(), *self.notifications.values()):
+            if m.params_type is not None and m.params_type not in self._decoders:
+                self._decoders[m.params_type] = msgspec.json.Decoder(m.params_type).decode
+
+    def _params(self, method: Method, raw: msgspec.Raw | None) -> Any:
+        if method.params_type is None:
+            return None
+        data = b"{}" if raw is None else raw
+        if bytes(memoryview(data)[:1]) == b"[":
+            raise InvalidParamsError(path="params", detail="params must be an object (by-name); arrays are not supported")
+        try:
+            return self._decoders[method.params_type](data)
+        except msgspec.ValidationError as exc:
+            raise invalid_params_from(exc) from None
+
+    def call(self, ctx: HandlerContext, req: Request) -> bytes | Coroutine[Any, Any, Any]:
+        """Run a request's synchronous part: the response bytes, or a coroutine for :meth:`finish`."""
+        method = self.requests.get(req.method)
+        try:
+            if method is None:
+                raise MethodNotFoundError(method=req.method)
+            if method.requires_init and not ctx.initialized:
+                raise NotInitializedError(method=req.method)
+            out = method.handler(ctx, self._params(method, req.params))
+        except AcpError as exc:
+            return encode_error(req.id, exc)
+        except Exception:
+            log.exception("handler of %s (request id %r) failed", req.method, req.id)
+            return encode_error(req.id, InternalError())
+        if type(out) is CoroutineType:
+            return out
+        return encode_result(req.id, out)
+
+    async def finish(self, req_id: Id, method: str, pending: Awaitable[Any]) -> bytes:
+        """Await a handler's coroutine and shape its response (cancellation propagates to the caller)."""
+        try:
+            result = await pending
+        except AcpError as exc:
+            return encode_error(req_id, exc)
+        except Exception:
+            log.exception("handler of %s (request id %r) failed", method, req_id)
+            return encode_error(req_id, InternalError())
+        return encode_result(req_id, result)
+
+    def notify(self, ctx: HandlerContext, note: Notification) -> None:
+        """Run a notification's handler; nothing is ever sent back, whatever happens."""
+        method = self.notifications.get(note.method)
+        if method is None:
+            log.debug("ignoring unknown notification %s", note.method)
+            return
+        if method.requires_init and not ctx.initialized:
+            log.warning("ignoring %s before initialize", note.method)
+            return
+        try:
+            method.handler(ctx, self._params(method, note.params))
+        except AcpError as exc:
+            log.warning("notification %s refused: %s", note.method, exc)
+        except Exception:
+            log.exception("notification handler of %s failed", note.method)

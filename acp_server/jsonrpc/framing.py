@@ -1,0 +1,84 @@
+"""NDJSON framing: one JSON-RPC message per line, ``\\n``-terminated, UTF-8.
+
+Memory stays bounded by the line limit: a line that grows past it is discarded as it arrives, never
+accumulated, and reported once as :data:`TOO_LARGE`.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["TOO_LARGE", "LineBuffer"]
+
+
+class _TooLarge:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "TOO_LARGE"
+
+
+TOO_LARGE: Final = _TooLarge()
+
+
+class LineBuffer:
+    """Splits a byte stream into lines of at most ``max_line_bytes`` (newline excluded).
+
+    Args:
+        max_line_bytes: the largest line accepted; a longer one yields :data:`TOO_LARGE` once and
+            its bytes are dropped up to and including its newline.
+    """
+
+    __slots__ = ("_buf", "_discarding", "_max", "_pos", "_scan")
+
+    def __init__(self, max_line_bytes: int) -> None:
+        self._max = max_line_bytes
+        self._buf = bytearray()
+        self._pos = 0  # start of the first unread line in _buf
+        self._scan = 0  # where the newline search resumes (bytes before it hold no newline)
+        self._discarding = False
+
+    def feed(self, data: bytes | bytearray) -> None:
+        """Append bytes received from the peer."""
+        if self._discarding:
+            nl = data.find(b"\n")
+            if nl < 0:
+                return
+            self._discarding = False
+            data = data[nl + 1 :]
+        if self._pos and self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = self._scan = 0
+        self._buf += data
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held that do not yet form a complete line."""
+        return len(self._buf) - self._pos
+
+    def next_line(self) -> bytes | _TooLarge | None:
+        """The next complete line, :data:`TOO_LARGE`, or ``None`` when more bytes are needed."""
+        buf = self._buf
+        nl = buf.find(b"\n", max(self._scan, self._pos))
+        if nl < 0:
+            if len(buf) - self._pos > self._max:
+                # Drop what we hold of the oversized line and skip the rest as it arrives.
+                del buf[:]
+                self._pos = self._scan = 0
+                self._discarding = True
+                return TOO_LARGE
+            self._scan = len(buf)
+            if self._pos > 65536 and self._pos * 2 > len(buf):
+                del buf[: self._pos]
+                self._scan -= self._pos
+                self._pos = 0
+            return None
+        start = self._pos
+        self._pos = self._scan = nl + 1
+        if nl - start > self._max:
+            return TOO_LARGE
+        line = bytes(buf[start:nl])
+        if self._pos == len(buf):
+            buf.clear()
+            self._pos = self._scan = 0
+        return line

@@ -1,0 +1,157 @@
+"""One server instance: the bridge, the method table, the connections, the listeners.
+
+Everything shares one :class:`~acp_server.bridge.SessionBridge`, so a session created over TCP can be
+prompted from a Unix connection or from stdio. There are no module globals: servers in one process
+are independent.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import trio
+
+from . import __version__
+from .admission import Limits
+from .backends import Backend, EchoBackend
+from .bridge import SessionBridge
+from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
+from .jsonrpc import Dispatcher
+from .transports import ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
+from .types.ext import LimitsCapability
+
+__all__ = ["ListenAddress", "Server", "ServerConfig", "serve"]
+
+log = logging.getLogger("acp_server")
+
+#: How long shutdown waits for cancelled prompts to be answered and written.
+SHUTDOWN_GRACE_S = 3.0
+
+
+@dataclass(frozen=True)
+class ListenAddress:
+    """Where to listen: ``kind`` is ``"tcp"`` (host, port) or ``"unix"`` (path)."""
+
+    kind: str
+    host: str = ""
+    port: int = 0
+    path: str = ""
+
+    def __str__(self) -> str:
+        if self.kind == "unix":
+            return f"unix:{self.path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    stdio: bool = False
+    listen: Sequence[ListenAddress] = field(default_factory=list)
+    echo_delay_ms: int = 0
+    limits: Limits = field(default_factory=Limits)
+
+
+class Server:
+    """The server: owns the bridge and serves connections on any trio stream.
+
+    Args:
+        limits: every bound of this instance.
+        backend: the agent behind the bridge (default: the echo agent).
+    """
+
+    version = __version__
+
+    def __init__(self, limits: Limits | None = None, backend: Backend | None = None) -> None:
+        self.limits = limits or Limits()
+        self.bridge = SessionBridge(backend or EchoBackend(), self.limits)
+        self.dispatcher = Dispatcher(REQUESTS, NOTIFICATIONS)
+        self.connections: set[ConnectionShell] = set()
+
+    def limits_capability(self) -> LimitsCapability:
+        """``limits`` as ``initialize`` and ``_acp_server/capabilities`` advertise them (null: disabled)."""
+        lim = self.limits
+        return LimitsCapability(
+            max_pending_prompts_per_session=lim.pending_limit,
+            prompt_deadline_ms=lim.prompt_deadline_ms or None,
+            max_message_bytes=lim.max_message_bytes,
+            max_outbound_bytes=lim.outbound_bytes,
+            max_inflight_requests=lim.max_inflight_requests,
+            client_idle_timeout_s=lim.client_idle_timeout_s,
+            session_idle_timeout_s=lim.session_idle_timeout_s,
+        )
+
+    def _closed(self, shell: ConnectionShell) -> None:
+        self.connections.discard(shell)
+        self.bridge.peer_closed(shell)
+
+    async def handle_stream(self, stream: trio.abc.Stream, name: str = "connection") -> None:
+        """Serve one connection until it ends (its failures stay its own)."""
+        lim = self.limits
+        shell = ConnectionShell(
+            stream,
+            self.dispatcher,
+            lambda sh: ConnContext(self, sh),
+            max_message_bytes=lim.max_message_bytes,
+            max_outbound_bytes=lim.outbound_bytes,
+            max_inflight_requests=lim.max_inflight_requests,
+            on_close=self._closed,
+            name=name,
+        )
+        self.connections.add(shell)
+        await shell.run()
+
+    async def shutdown(self) -> None:
+        """Cancel every prompt (they answer ``cancelled``), let the answers out, close connections."""
+        self.bridge.cancel_all()
+        with trio.move_on_after(SHUTDOWN_GRACE_S):
+            while any(c.inflight for c in self.connections):  # noqa: ASYNC110 - a condition over many connections
+                await trio.sleep(0.01)
+        for conn in list(self.connections):
+            conn.close()
+
+
+async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run a server until SIGINT/SIGTERM, or until stdin ends when stdio is the only transport.
+
+    Each listener prints one line to stderr when ready: ``acp-server: listening on URL``.
+    """
+    server = Server(config.limits, EchoBackend(delay_ms=config.echo_delay_ms))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.bridge.run)
+        serving = trio.open_nursery()
+        async with serving as listeners:
+            for addr in config.listen:
+                if addr.kind == "tcp":
+                    bound = await listeners.start(partial(serve_tcp, host=addr.host), server.handle_stream, addr.port)
+                else:
+                    bound = await listeners.start(serve_unix, server.handle_stream, addr.path)
+                for listener in bound:
+                    print(f"acp-server: listening on {listener_url(listener)}", file=sys.stderr, flush=True)
+
+            async def stdio_then_exit() -> None:
+                await server.handle_stream(stdio_stream(), "stdio")
+                if not config.listen:
+                    log.info("stdin closed and no listeners: exiting")
+                    listeners.cancel_scope.cancel()
+
+            if config.stdio:
+                listeners.start_soon(stdio_then_exit)
+
+            async def on_signals() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        log.info("received %s: shutting down", signal.Signals(signum).name)
+                        break
+                with trio.move_on_after(SHUTDOWN_GRACE_S + 1):
+                    await server.shutdown()
+                listeners.cancel_scope.cancel()
+
+            listeners.start_soon(on_signals)
+            task_status.started(server)
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,360 @@
+"""The thin trio shell around one connection: a reader feeding the sans-I/O core, and one writer.
+
+Modelled on hypercorn's trio TCP server: the reader turns bytes into events and runs each request's
+synchronous part at once, in arrival order; requests that must wait run as tasks. One writer owns
+the stream and joins everything queued into one ``send_all``. The shell knows no ACP method: it
+gets a :class:`~acp_server.jsonrpc.Dispatcher` and a context for its handlers.
+
+Bounds: at most ``max_inflight_requests`` unanswered requests run at once, later ones wait unstarted;
+reading pauses (backpressure through the transport, no error) only when four times that many wait.
+Notifications fanned out to this connection are queued up to ``max_outbound_bytes``; a connection
+that lets that overflow is sent ``_acp_server/evicted`` and closed, instead of slowing anyone else.
+Answers to the connection's own requests wait for the writer instead of overflowing.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import msgspec
+import trio
+
+from ..errors import InvalidRequestError, RequestCancelledError
+from ..jsonrpc import (
+    NEED_DATA,
+    Batch,
+    Connection,
+    Dispatcher,
+    ErrorReply,
+    HandlerContext,
+    Notification,
+    Request,
+    Response,
+    TooLarge,
+    encode_error,
+)
+from ..types.acp import CancelRequestParams
+
+__all__ = ["ConnectionShell"]
+
+log = logging.getLogger("acp_server.connection")
+
+_ids = itertools.count(1)
+_decode_cancel = msgspec.json.Decoder(CancelRequestParams).decode
+_FLUSH_TIMEOUT_S = 2.0
+_READ_SIZE = 65536
+
+
+class _Slot:
+    """One request of the peer's, from arrival to answer."""
+
+    __slots__ = ("cancelled", "scope")
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.scope: trio.CancelScope | None = None
+
+
+class _BatchReplies:
+    """Collects the answers of a batch; sends them as one JSON array once all are in."""
+
+    __slots__ = ("missing", "parts", "shell")
+
+    def __init__(self, shell: ConnectionShell) -> None:
+        self.shell = shell
+        self.parts: list[bytes] = []
+        self.missing = 0
+
+    def add(self, data: bytes) -> None:
+        self.parts.append(data.rstrip(b"\n"))
+        self.missing -= 1
+        self.flush()
+
+    def flush(self) -> None:
+        if self.missing == 0 and self.parts:
+            self.shell.reply(b"[" + b",".join(self.parts) + b"]\n")
+            self.parts = []
+
+
+class ConnectionShell:
+    """Serve one JSON-RPC connection on a trio stream.
+
+    Args:
+        stream: the byte stream (socket, stdio pair, or in-memory for tests).
+        dispatcher: routes requests and notifications to handlers.
+        make_context: builds the handler context for this connection (given the shell).
+        max_message_bytes, max_outbound_bytes, max_inflight_requests: the bounds described above.
+        on_close: called once, synchronously, when the connection is gone.
+        name: for logs.
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.HalfCloseableStream | trio.abc.Stream,
+        dispatcher: Dispatcher,
+        make_context: Callable[[ConnectionShell], HandlerContext],
+        *,
+        max_message_bytes: int,
+        max_outbound_bytes: int,
+        max_inflight_requests: int,
+        on_close: Callable[[ConnectionShell], None] | None = None,
+        name: str = "connection",
+    ) -> None:
+        self.peer_id = next(_ids)
+        self.name = name
+        self.stream = stream
+        self.core = Connection(max_message_bytes=max_message_bytes)
+        self.dispatcher = dispatcher
+        self.max_outbound_bytes = max_outbound_bytes
+        self.max_inflight = max_inflight_requests
+        self.registrations: dict[str, str] = {}
+        self.attached: set[str] = set()
+        self.evicted = False
+        self._on_close = on_close
+        self._closed = False
+        self._out: list[bytes] = []
+        self._out_bytes = 0
+        self._wake = trio.Event()
+        self._drained = trio.Event()
+        self._drained.set()
+        self._slots: dict[Any, _Slot] = {}
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._inflight = 0
+        self._room = trio.Event()
+        self._outbound: dict[Any, trio.MemorySendChannel[Response]] = {}
+        self._reader_scope = trio.CancelScope()
+        self._handlers: trio.Nursery | None = None
+        self.ctx = make_context(self)
+
+    # --- the Peer interface of the bridge ----------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def send(self, data: bytes) -> None:
+        """Queue a notification; evict the connection if it lets its queue overflow."""
+        if self._closed:
+            return
+        self._enqueue(data)
+        if self._out_bytes > self.max_outbound_bytes:
+            self._evict()
+
+    def reply(self, data: bytes) -> None:
+        """Queue an answer to the peer (never evicts: the caller bounds these)."""
+        if not self.evicted:
+            self._enqueue(data)
+
+    def _enqueue(self, data: bytes) -> None:
+        self._out.append(data)
+        self._out_bytes += len(data)
+        self._wake.set()
+        if self._drained.is_set():
+            self._drained = trio.Event()
+
+    async def _wait_for_room(self) -> None:
+        while self._out_bytes > self.max_outbound_bytes and not self._closed:
+            drained = self._drained
+            await drained.wait()
+
+    def _evict(self) -> None:
+        log.warning(
+            "%s: evicting a slow consumer (%d bytes queued, limit %d)", self.name, self._out_bytes, self.max_outbound_bytes
+        )
+        self.evicted = True
+        self._out.append(
+            Connection.send_notification(
+                "_acp_server/evicted",
+                {"reason": "queue_overflow", "limit": self.max_outbound_bytes, "queuedBytes": self._out_bytes},
+            )
+        )
+        self.close()
+
+    def close(self) -> None:
+        """Stop reading; what is queued is flushed (for a short while) and the connection closes."""
+        self._mark_closed()
+        self._reader_scope.cancel()
+
+    def _mark_closed(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._on_close is not None:
+                self._on_close(self)
+
+    # --- our own requests to the peer --------------------------------------------------------------
+
+    async def request(self, method: str, params: Any = None) -> Response:
+        """Send a request to the peer and wait for its response."""
+        send, receive = trio.open_memory_channel[Response](1)
+        id, data = self.core.send_request(method, params)
+        self._outbound[id] = send
+        try:
+            await self._wait_for_room()
+            self.reply(data)
+            return await receive.receive()
+        finally:
+            self._outbound.pop(id, None)
+            self.core.send_failed(id)
+
+    # --- running -----------------------------------------------------------------------------------
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    async def run(self) -> None:
+        """Serve until the peer leaves, the connection is closed or evicted, or we are cancelled."""
+        try:
+            async with trio.open_nursery() as outer:
+                outer.start_soon(self._writer)
+                async with trio.open_nursery() as handlers:
+                    self._handlers = handlers
+                    try:
+                        with self._reader_scope:
+                            await self._reader()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                        log.info("%s: read failed: %s", self.name, exc)
+                    finally:
+                        self._mark_closed()
+                        handlers.cancel_scope.cancel()
+                with trio.move_on_after(_FLUSH_TIMEOUT_S):
+                    await self._drained.wait()
+                outer.cancel_scope.cancel()
+        finally:
+            self._mark_closed()
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await self.stream.aclose()
+
+    async def _writer(self) -> None:
+        stream = self.stream
+        try:
+            while True:
+                if not self._out:
+                    self._drained.set()
+                    self._wake = trio.Event()
+                    await self._wake.wait()
+                    continue
+                data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
+                self._out = []
+                self._out_bytes = 0
+                await stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            log.info("%s: write failed: %s", self.name, exc)
+            self._out = []
+            self._out_bytes = 0
+            self._drained.set()
+            self.close()
+
+    async def _reader(self) -> None:
+        core = self.core
+        limit_waiting = 4 * self.max_inflight
+        while True:
+            while len(self._waiting) >= limit_waiting:
+                self._room = trio.Event()
+                await self._room.wait()
+            if self._out_bytes > self.max_outbound_bytes:
+                await self._wait_for_room()
+            data = await self.stream.receive_some(_READ_SIZE)
+            if not data:
+                log.debug("%s: end of input", self.name)
+                return
+            core.receive_data(data)
+            while True:
+                event = core.next_event()
+                if event is NEED_DATA:
+                    break
+                if isinstance(event, TooLarge):
+                    log.warning("%s: message over %d bytes; closing", self.name, event.limit)
+                    self.reply(event.data)
+                    return
+                self._handle(event, self.reply)
+
+    def _handle(self, event: Any, reply: Callable[[bytes], None]) -> None:
+        if isinstance(event, Request):
+            if event.id in self._slots:
+                reply(encode_error(event.id, InvalidRequestError(detail=f"id {event.id!r} is already in use by a request in flight")))
+                return
+            self._slots[event.id] = _Slot()
+            if self._waiting or self._inflight >= self.max_inflight:
+                if reply == self.reply:
+                    self._waiting.append(event)
+                    return
+            self._start(event, reply)
+        elif isinstance(event, Notification):
+            if event.method == "$/cancel_request":
+                self._cancel_request(event)
+            else:
+                self.dispatcher.notify(self.ctx, event)
+        elif isinstance(event, Response):
+            channel = self._outbound.pop(event.id, None)
+            if channel is not None:
+                channel.send_nowait(event)
+        elif isinstance(event, ErrorReply):
+            reply(event.data)
+        elif isinstance(event, Batch):
+            replies = _BatchReplies(self)
+            replies.missing = sum(1 for item in event.items if isinstance(item, (Request, ErrorReply)))
+            for item in event.items:
+                self._handle(item, replies.add)
+            replies.flush()
+
+    def _cancel_request(self, note: Notification) -> None:
+        try:
+            params = _decode_cancel(note.params or b"{}")
+        except msgspec.ValidationError as exc:
+            log.warning("%s: ignoring malformed $/cancel_request: %s", self.name, exc)
+            return
+        slot = self._slots.get(params.request_id)
+        if slot is None:
+            log.debug("%s: $/cancel_request for %r, which is not in flight", self.name, params.request_id)
+            return
+        slot.cancelled = True
+        if slot.scope is not None:
+            slot.scope.cancel()
+
+    def _start(self, req: Request, reply: Callable[[bytes], None]) -> None:
+        slot = self._slots[req.id]
+        method = self.dispatcher.requests.get(req.method)
+        if slot.cancelled and (method is None or not method.sees_cancel):
+            del self._slots[req.id]
+            reply(encode_error(req.id, RequestCancelledError()))
+            return
+        ctx = self.ctx
+        ctx.cancelled = slot.cancelled  # type: ignore[attr-defined]
+        try:
+            out = self.dispatcher.call(ctx, req)
+        finally:
+            ctx.cancelled = False  # type: ignore[attr-defined]
+        if isinstance(out, bytes):
+            del self._slots[req.id]
+            reply(out)
+            return
+        self._inflight += 1
+        assert self._handlers is not None
+        self._handlers.start_soon(self._finish, req, out, slot, reply)
+
+    async def _finish(
+        self, req: Request, pending: Coroutine[Any, Any, Any], slot: _Slot, reply: Callable[[bytes], None]
+    ) -> None:
+        data: bytes | None = None
+        try:
+            with trio.CancelScope() as scope:
+                slot.scope = scope
+                if slot.cancelled:
+                    scope.cancel()
+                data = await self.dispatcher.finish(req.id, req.method, pending)
+            if data is None and not self._closed:
+                data = encode_error(req.id, RequestCancelledError())
+        finally:
+            self._inflight -= 1
+            self._slots.pop(req.id, None)
+            while self._waiting and self._inflight < self.max_inflight:
+                self._start(self._waiting.popleft(), self.reply)
+            self._room.set()
+        if data is not None and not self._closed:
+            await self._wait_for_room()
+            reply(data)

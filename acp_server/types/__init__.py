@@ -1,0 +1,1 @@
+"""msgspec Structs for the wire: ACP messages, our extensions, and error payloads."""

@@ -1,0 +1,90 @@
+"""The ``data`` payload of every error the server sends, one Struct per ``errorKind``.
+
+Each payload is a tagged Struct: the tag is ``errorKind``, so encoding a payload always carries its
+discriminator and the JSON Schemas in ``schemas/errors/`` (generated from these types) pin it with
+``const``. ``acp_server.errors`` binds each payload to its JSON-RPC code, message and retry policy.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "BranchWhilePromptActiveData",
+    "ErrorData",
+    "InternalData",
+    "InvalidClientIdData",
+    "InvalidParamsData",
+    "InvalidRequestData",
+    "MessageTooLargeData",
+    "MethodNotFoundData",
+    "NotInitializedData",
+    "ParseErrorData",
+    "PromptDeadlineExceededData",
+    "PromptQueueFullData",
+    "RequestCancelledData",
+    "SessionNotFoundData",
+]
+
+
+class ErrorData(msgspec.Struct, rename="camel", kw_only=True, tag_field="errorKind"):
+    """Base of every error payload; subclasses set ``tag`` to their ``errorKind``."""
+
+
+class ParseErrorData(ErrorData, tag="parse_error"):
+    detail: str
+
+
+class InvalidRequestData(ErrorData, tag="invalid_request"):
+    detail: str
+
+
+class MethodNotFoundData(ErrorData, tag="method_not_found"):
+    method: str
+
+
+class InvalidParamsData(ErrorData, tag="invalid_params"):
+    path: str
+    detail: str
+
+
+class InternalData(ErrorData, tag="internal"):
+    pass
+
+
+class RequestCancelledData(ErrorData, tag="request_cancelled"):
+    pass
+
+
+class NotInitializedData(ErrorData, tag="not_initialized"):
+    method: str
+
+
+class MessageTooLargeData(ErrorData, tag="message_too_large"):
+    limit: int
+
+
+class PromptQueueFullData(ErrorData, tag="prompt_queue_full"):
+    session_id: str
+    limit: int
+    pending_count: int
+    retry_after_ms: int
+
+
+class SessionNotFoundData(ErrorData, tag="session_not_found"):
+    session_id: str
+
+
+class InvalidClientIdData(ErrorData, tag="invalid_client_id"):
+    session_id: str
+    client_id: str
+
+
+class PromptDeadlineExceededData(ErrorData, tag="prompt_deadline_exceeded"):
+    session_id: str
+    deadline_ms: int
+    elapsed_ms: int
+
+
+class BranchWhilePromptActiveData(ErrorData, tag="branch_while_prompt_active"):
+    session_id: str

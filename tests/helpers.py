@@ -1,0 +1,203 @@
+"""Shared test helpers: an in-process server over memory streams, a raw JSON-RPC test client, and
+the check that every error the server emits validates against ``schemas/``."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import jsonschema
+import trio
+import trio.testing
+
+from acp_server.admission import Limits
+from acp_server.backends import Backend
+from acp_server.server import Server
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCHEMAS = ROOT / "schemas"
+
+#: make test-full sets this: heavy counts run in full there, reduced in make test.
+FULL = os.environ.get("ACP_SERVER_FULL") == "1"
+
+
+def scaled(full: int, reduced: int) -> int:
+    return full if FULL else reduced
+
+
+_error_validator: jsonschema.protocols.Validator | None = None
+
+
+def error_validator() -> jsonschema.protocols.Validator:
+    """A validator for a JSON-RPC error object, from ``schemas/jsonrpc-error.json`` and the per-kind schemas."""
+    global _error_validator
+    if _error_validator is None:
+        from referencing import Registry, Resource
+
+        registry: Registry = Registry()
+        for path in SCHEMAS.rglob("*.json"):
+            doc = json.loads(path.read_text())
+            if "$id" in doc:
+                registry = registry.with_resource(doc["$id"], Resource.from_contents(doc))
+        top = json.loads((SCHEMAS / "jsonrpc-error.json").read_text())
+        _error_validator = jsonschema.Draft202012Validator(top, registry=registry)
+    return _error_validator
+
+
+def assert_error_valid(error: dict[str, Any]) -> None:
+    """Validate one JSON-RPC error object against the committed schemas."""
+    error_validator().validate(error)
+
+
+class RpcError(Exception):
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(error.get("message"))
+        self.error = error
+        self.code = error["code"]
+        self.data = error.get("data") or {}
+        self.kind = self.data.get("errorKind")
+
+
+class RawClient:
+    """A JSON-RPC client over a trio stream that records every message the server sends.
+
+    Every error response it sees is validated against ``schemas/`` (so any test using it checks the
+    error contract for free). Notifications land in ``self.notifications``.
+    """
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.next_id = 1
+        self.waiting: dict[Any, trio.MemorySendChannel[dict[str, Any]]] = {}
+        self.notifications: list[dict[str, Any]] = []
+        self.messages: list[dict[str, Any]] = []
+        self.errors: list[dict[str, Any]] = []
+        self.notified = trio.Event()
+        self.eof = trio.Event()
+        self._buf = b""
+        self.requests_from_server: list[dict[str, Any]] = []
+        self._send_lock = trio.Lock()
+
+    async def pump(self) -> None:
+        try:
+            while True:
+                data = await self.stream.receive_some(65536)
+                if not data:
+                    break
+                self._buf += data
+                while b"\n" in self._buf:
+                    line, self._buf = self._buf.split(b"\n", 1)
+                    if line.strip():
+                        self._dispatch(json.loads(line))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            self.eof.set()
+
+    def _dispatch(self, msg: Any) -> None:
+        self.messages.append(msg)
+        items = msg if isinstance(msg, list) else [msg]
+        for item in items:
+            if "error" in item:
+                assert_error_valid(item["error"])
+                self.errors.append(item["error"])
+            if "method" in item:
+                if "id" in item:
+                    self.requests_from_server.append(item)
+                else:
+                    self.notifications.append(item)
+                    self.notified.set()
+                    self.notified = trio.Event()
+            elif not isinstance(msg, list) and item.get("id") in self.waiting:
+                self.waiting.pop(item["id"]).send_nowait(item)
+
+    async def send_raw(self, data: bytes) -> None:
+        async with self._send_lock:
+            await self.stream.send_all(data)
+
+    async def send(self, obj: Any) -> None:
+        await self.send_raw(json.dumps(obj).encode() + b"\n")
+
+    async def notify(self, method: str, params: Any = None) -> None:
+        msg: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            msg["params"] = params
+        await self.send(msg)
+
+    def start_request(self, method: str, params: Any = None, *, id: Any = None) -> tuple[Any, trio.MemoryReceiveChannel[dict[str, Any]]]:
+        """Register a request id and its reply channel (send it with :meth:`send`)."""
+        if id is None:
+            id = self.next_id
+            self.next_id += 1
+        send, receive = trio.open_memory_channel[dict[str, Any]](1)
+        self.waiting[id] = send
+        return id, receive
+
+    async def call_raw(self, method: str, params: Any = None, *, id: Any = None) -> dict[str, Any]:
+        """Send a request and return the whole response message."""
+        id, receive = self.start_request(method, params, id=id)
+        msg: dict[str, Any] = {"jsonrpc": "2.0", "id": id, "method": method}
+        if params is not None:
+            msg["params"] = params
+        await self.send(msg)
+        return await receive.receive()
+
+    async def call(self, method: str, params: Any = None, *, id: Any = None) -> Any:
+        """Send a request; return its result or raise :class:`RpcError`."""
+        resp = await self.call_raw(method, params, id=id)
+        if "error" in resp:
+            raise RpcError(resp["error"])
+        return resp["result"]
+
+    async def initialize(self) -> dict[str, Any]:
+        return await self.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})  # type: ignore[no-any-return]
+
+    async def new_session(self, cwd: str = "/tmp", **meta: Any) -> tuple[str, str]:
+        params: dict[str, Any] = {"cwd": cwd, "mcpServers": []}
+        if meta:
+            params["_meta"] = meta
+        result = await self.call("session/new", params)
+        return result["sessionId"], result["_meta"]["clientId"]
+
+    async def prompt(self, session_id: str, text: str = "hello world", **meta: Any) -> Any:
+        params: dict[str, Any] = {"sessionId": session_id, "prompt": [{"type": "text", "text": text}]}
+        if meta:
+            params["_meta"] = meta
+        return await self.call("session/prompt", params)
+
+    def updates(self, session_id: str) -> list[dict[str, Any]]:
+        return [
+            n["params"] for n in self.notifications if n["method"] == "session/update" and n["params"]["sessionId"] == session_id
+        ]
+
+    def agent_text(self, session_id: str) -> str:
+        return "".join(
+            u["update"]["content"]["text"] for u in self.updates(session_id) if u["update"]["sessionUpdate"] == "agent_message_chunk"
+        )
+
+
+@asynccontextmanager
+async def running_server(
+    limits: Limits | None = None, backend: Backend | None = None
+) -> AsyncIterator[tuple[Server, trio.Nursery]]:
+    """A server with its bridge running, inside a nursery; cancelled on exit."""
+    server = Server(limits, backend)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.bridge.run)
+        yield server, nursery
+        nursery.cancel_scope.cancel()
+
+
+async def connect(server: Server, nursery: trio.Nursery, *, initialize: bool = True) -> RawClient:
+    """A new in-memory connection to ``server`` with a :class:`RawClient` on the other end."""
+    client_end, server_end = trio.testing.memory_stream_pair()
+    nursery.start_soon(server.handle_stream, server_end, "test")
+    client = RawClient(client_end)
+    nursery.start_soon(client.pump)
+    if initialize:
+        await client.initialize()
+    return client
