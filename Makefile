@@ -38,5 +38,13 @@ test-full: $(STAMP_DEV)
 schemas: $(STAMP_DEV)
 	$(PY) -m acp_server.schemagen schemas
 
+# Benchmarks (a few minutes; not part of make test): Markdown to stdout, JSON to bench/results/latest.json.
+bench: $(STAMP_DEV)
+	$(PY) bench/run.py
+
+.PHONY: bench-smoke
+bench-smoke: $(STAMP_DEV)
+	$(PY) bench/run.py --tiny --out bench/results/tiny.json
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,15 +10,18 @@ import argparse
 import ipaddress
 import logging
 import math
+import shlex
 import socket
 import sys
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
+import msgspec
 import trio
 
 from . import __version__
 from .admission import Limits
+from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config
 from .server import ListenAddress, ServerConfig, serve
 
 __all__ = ["build_parser", "main", "parse_listen"]
@@ -155,8 +158,79 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="S",
         help="an idle session with no client and no connection is closed after S seconds (default 1800)",
     )
+    s.add_argument(
+        "--agent",
+        action="append",
+        type=_agent_arg,
+        default=[],
+        metavar="NAME=CMD",
+        help="an ACP agent backend: NAME and the command that starts it (shell-quoted); repeatable",
+    )
+    s.add_argument(
+        "--default-backend",
+        metavar="NAME",
+        help="the backend of sessions that name none in _meta.backend (default: the agent after --, else echo)",
+    )
+    s.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file with default_backend and [backends.NAME] tables (the command line overrides it)",
+    )
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="stderr log level (default warning)")
+    s.add_argument(
+        "agent_command",
+        nargs="*",
+        metavar="-- CMD ARGS",
+        help="after --: one ACP agent command, served as the backend named 'agent' (and the default)",
+    )
     return parser, s
+
+
+def _agent_arg(text: str) -> tuple[str, list[str]]:
+    name, sep, command = text.partition("=")
+    if not sep or not name or not command.strip():
+        raise argparse.ArgumentTypeError(f"--agent must be NAME=COMMAND (e.g. claude='claude-code-acp --debug'); got {text!r}")
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--agent {name}: cannot split the command: {exc}") from None
+    return name, argv
+
+
+def backends_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[dict[str, BackendConfig], str]:
+    """The backend table: the config file, then the command line over it."""
+    file_config = FileConfig()
+    if args.config:
+        try:
+            file_config = load_config(args.config)
+        except ConfigError as exc:
+            parser.error(str(exc))
+    backends: dict[str, BackendConfig] = {"echo": BackendConfig(kind="echo")}
+    backends.update(file_config.backends)
+    default = file_config.default_backend or "echo"
+    for name, command in args.agent:
+        base = backends.get(name)
+        if base is not None and base.kind == "acp":
+            backends[name] = msgspec.structs.replace(base, command=command)
+        else:
+            backends[name] = BackendConfig(kind="acp", command=command)
+    if args.agent_command:
+        backends["agent"] = BackendConfig(kind="acp", command=list(args.agent_command))
+        default = "agent"
+    echo = backends.get("echo")
+    if echo is not None and echo.kind == "echo" and args.echo_delay_ms:
+        backends["echo"] = msgspec.structs.replace(echo, delay_ms=args.echo_delay_ms)
+    if args.default_backend is not None:
+        default = args.default_backend
+    if default not in backends:
+        known = ", ".join(sorted(backends))
+        parser.error(f"--default-backend {default!r} is not a configured backend; known: {known}")
+    for name, cfg in backends.items():
+        try:
+            check_backend(name, cfg)
+        except ConfigError as exc:
+            parser.error(str(exc))
+    return backends, default
 
 
 def _check_loopback(parser: argparse.ArgumentParser, addr: ListenAddress) -> None:
@@ -196,12 +270,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_outbound_bytes=args.max_outbound_bytes,
         max_inflight_requests=args.max_inflight_requests,
     )
-    config = ServerConfig(stdio=args.stdio, listen=listen, echo_delay_ms=args.echo_delay_ms, limits=limits)
+    backends, default_backend = backends_from(args, serve_parser)
+    config = ServerConfig(
+        stdio=args.stdio,
+        listen=listen,
+        echo_delay_ms=args.echo_delay_ms,
+        limits=limits,
+        backends=backends,
+        default_backend=default_backend,
+    )
     try:
         trio.run(serve, config)
-    except OSError as exc:
-        print(f"acp-server: {exc.strerror or exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 0
+    except Exception as exc:
+        failure = _os_error(exc)
+        if failure is None:
+            raise
+        print(f"acp-server: {failure.strerror or failure}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The ``OSError`` behind a runtime failure, out of trio's nursery exception groups (else ``None``)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, OSError) else None

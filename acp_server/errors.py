@@ -19,8 +19,13 @@ schemas agree. Blame is split as in h11: the peer's fault, overload, and our own
     │   ├── InvalidClientIdError            -32003 invalid_client_id
     │   └── BranchWhilePromptActiveError    -32006 branch_while_prompt_active
     ├── OverloadError                       refused for capacity; retryable
-    │   └── PromptQueueFullError            -32001 prompt_queue_full
+    │   ├── PromptQueueFullError            -32001 prompt_queue_full
+    │   └── CapacityExceededError           -32005 capacity_exceeded
     ├── PromptDeadlineExceededError         -32004 prompt_deadline_exceeded
+    ├── BackendError                        the agent behind a session failed or refused
+    │   ├── BackendUnavailableError         -32007 backend_unavailable
+    │   ├── AuthRequiredError               -32000 auth_required
+    │   └── AgentError                      -32012 agent_error (the agent's own error, wrapped)
     └── InternalError                       -32603 internal (bugs only: overload is never -32603)
 """
 
@@ -35,9 +40,14 @@ from .types import errors as data
 
 __all__ = [
     "REGISTRY",
+    "AgentError",
+    "AuthRequiredError",
+    "BackendError",
+    "BackendUnavailableError",
     "RETRY_AFTER_MS",
     "AcpError",
     "BranchWhilePromptActiveError",
+    "CapacityExceededError",
     "InternalError",
     "InvalidClientIdError",
     "InvalidParamsError",
@@ -177,11 +187,47 @@ class PromptQueueFullError(OverloadError):
     data_type = data.PromptQueueFullData
 
 
+class CapacityExceededError(OverloadError):
+    code = -32005
+    kind = "capacity_exceeded"
+    template = (
+        'Backend "{backend_id}" is at capacity ({active_count} running, {waiting_count} waiting, limit {limit});'
+        ' prompt for session "{session_id}" refused, retry after {retry_after_ms} ms'
+    )
+    data_type = data.CapacityExceededData
+
+
 class PromptDeadlineExceededError(AcpError):
     code = -32004
     kind = "prompt_deadline_exceeded"
     template = 'Prompt deadline of {deadline_ms} ms exceeded for session "{session_id}" after {elapsed_ms} ms'
     data_type = data.PromptDeadlineExceededData
+
+
+class BackendError(AcpError):
+    """The agent behind the session failed or refused; never passes for one of ours."""
+
+
+class BackendUnavailableError(BackendError):
+    code = -32007
+    kind = "backend_unavailable"
+    template = 'Backend "{backend_id}" is unavailable ({reason}, exit code {exit_code})'
+    retryable = True
+    data_type = data.BackendUnavailableData
+
+
+class AuthRequiredError(BackendError):
+    code = -32000
+    kind = "auth_required"
+    template = 'Backend "{backend_id}" requires authentication; call "authenticate" first'
+    data_type = data.AuthRequiredData
+
+
+class AgentError(BackendError):
+    code = -32012
+    kind = "agent_error"
+    template = 'Backend "{backend_id}" answered with error {agent_code}: {agent_message}'
+    data_type = data.AgentErrorData
 
 
 class InternalError(AcpError):

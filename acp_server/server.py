@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -19,7 +19,10 @@ import trio
 from . import __version__
 from .admission import Limits
 from .backends import Backend, EchoBackend
+from .backends.registry import build_backends
 from .bridge import SessionBridge
+from .config import BackendConfig
+from .errors import AcpError
 from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
 from .jsonrpc import Dispatcher
 from .transports import ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
@@ -55,6 +58,9 @@ class ServerConfig:
     listen: Sequence[ListenAddress] = field(default_factory=list)
     echo_delay_ms: int = 0
     limits: Limits = field(default_factory=Limits)
+    #: name -> backend configuration (default: the echo agent alone)
+    backends: Mapping[str, BackendConfig] = field(default_factory=dict)
+    default_backend: str = "echo"
 
 
 class Server:
@@ -67,11 +73,19 @@ class Server:
 
     version = __version__
 
-    def __init__(self, limits: Limits | None = None, backend: Backend | None = None) -> None:
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        backend: Backend | Mapping[str, Backend] | None = None,
+        *,
+        default_backend: str | None = None,
+    ) -> None:
         self.limits = limits or Limits()
-        self.bridge = SessionBridge(backend or EchoBackend(), self.limits)
+        self.bridge = SessionBridge(backend or EchoBackend(), self.limits, default_backend=default_backend)
         self.dispatcher = Dispatcher(REQUESTS, NOTIFICATIONS)
         self.connections: set[ConnectionShell] = set()
+        self._running = 0
+        self._all_done = trio.Event()
 
     def limits_capability(self) -> LimitsCapability:
         """``limits`` as ``initialize`` and ``_acp_server/capabilities`` advertise them (null: disabled)."""
@@ -104,7 +118,13 @@ class Server:
             name=name,
         )
         self.connections.add(shell)
-        await shell.run()
+        self._running += 1
+        try:
+            await shell.run()
+        finally:
+            self._running -= 1
+            if not self._running:
+                self._all_done.set()
 
     async def shutdown(self) -> None:
         """Cancel every prompt (they answer ``cancelled``), let the answers out, close connections."""
@@ -114,6 +134,11 @@ class Server:
                 await trio.sleep(0.01)
         for conn in list(self.connections):
             conn.close()
+        if self._running:
+            # Closed connections flush what is queued (bounded by the shell's own timeout).
+            self._all_done = trio.Event()
+            with trio.move_on_after(SHUTDOWN_GRACE_S):
+                await self._all_done.wait()
 
 
 async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
@@ -121,16 +146,31 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
 
     Each listener prints one line to stderr when ready: ``acp-server: listening on URL``.
     """
-    server = Server(config.limits, EchoBackend(delay_ms=config.echo_delay_ms))
+    configs = dict(config.backends) or {"echo": BackendConfig(kind="echo", delay_ms=config.echo_delay_ms)}
+    backends = build_backends(configs)
+    server = Server(config.limits, backends, default_backend=config.default_backend if config.backends else "echo")
     async with trio.open_nursery() as nursery:
+        for backend in backends.values():
+            run = getattr(backend, "run", None)
+            if run is not None:
+                await nursery.start(run)
         await nursery.start(server.bridge.run)
+        ensure_started = getattr(server.bridge.backend, "ensure_started", None)
+        if ensure_started is not None:
+            try:
+                await ensure_started()  # so that initialize can advertise the agent's authMethods
+            except AcpError as exc:
+                log.warning("default backend %s did not start: %s", server.bridge.backend.name, exc)
         serving = trio.open_nursery()
         async with serving as listeners:
             for addr in config.listen:
-                if addr.kind == "tcp":
-                    bound = await listeners.start(partial(serve_tcp, host=addr.host), server.handle_stream, addr.port)
-                else:
-                    bound = await listeners.start(serve_unix, server.handle_stream, addr.path)
+                try:
+                    if addr.kind == "tcp":
+                        bound = await listeners.start(partial(serve_tcp, host=addr.host), server.handle_stream, addr.port)
+                    else:
+                        bound = await listeners.start(serve_unix, server.handle_stream, addr.path)
+                except OSError as exc:
+                    raise OSError(exc.errno, f"cannot listen on {addr}: {exc.strerror or exc}") from exc
                 for listener in bound:
                     print(f"acp-server: listening on {listener_url(listener)}", file=sys.stderr, flush=True)
 

@@ -1,5 +1,16 @@
 """Admission control: the limits, and (later) capacity pools and policy. Knows nothing of JSON-RPC."""
 
 from .limits import Limits, check_non_negative_int, check_positive_int
+from .pool import CapacityManager, CapacityPool, Lease, Permit, PoolLimits, PoolStatistics
 
-__all__ = ["Limits", "check_non_negative_int", "check_positive_int"]
+__all__ = [
+    "CapacityManager",
+    "CapacityPool",
+    "Lease",
+    "Limits",
+    "Permit",
+    "PoolLimits",
+    "PoolStatistics",
+    "check_non_negative_int",
+    "check_positive_int",
+]

@@ -1,6 +1,25 @@
 """Agent backends behind one Protocol; ``EchoBackend`` is the reference."""
 
-from .base import Backend, Turn
+from .acp_agent import AcpAgentBackend
+from .base import (
+    Backend,
+    BaseBackend,
+    ClientChannel,
+    ClientRequestError,
+    ConnectionLostError,
+    SessionSetup,
+    Turn,
+)
 from .echo import EchoBackend
 
-__all__ = ["Backend", "EchoBackend", "Turn"]
+__all__ = [
+    "AcpAgentBackend",
+    "Backend",
+    "BaseBackend",
+    "ClientChannel",
+    "ClientRequestError",
+    "ConnectionLostError",
+    "EchoBackend",
+    "SessionSetup",
+    "Turn",
+]

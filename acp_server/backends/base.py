@@ -1,7 +1,14 @@
 """What the session bridge needs of an agent backend, as a small Protocol.
 
-A backend never learns who the client is: it gets a :class:`Turn` with the session id, the prompt's
-content blocks and ``emit`` to stream ``session/update`` payloads, and returns a stop reason.
+A backend never learns who the client is. For each prompt it gets a :class:`Turn`: the session id, the
+prompt's content blocks, ``emit`` to stream ``session/update`` payloads, and ``client``, a narrow channel
+to the connection that sent the prompt (for an agent's own requests: permission, fs, terminal), or
+``None`` when that connection is gone. It returns a stop reason.
+
+Session lifecycle calls (``open_session``, ``close_session``, ``cancel``, ``set_mode``) let a backend
+that fronts a real agent keep the agent's sessions in step with ours; the echo agent ignores them.
+Errors a backend raises are :class:`~acp_server.errors.AcpError` subclasses (``backend_unavailable``,
+``agent_error``, ``auth_required``), so they reach the client with their own ``errorKind``.
 """
 
 from __future__ import annotations
@@ -9,9 +16,65 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from ..types.acp import ContentBlock, StopReason
+import trio
 
-__all__ = ["Backend", "Turn"]
+from ..types.acp import ClientCapabilities, ContentBlock, StopReason
+
+__all__ = [
+    "Backend",
+    "BaseBackend",
+    "ClientChannel",
+    "ClientRequestError",
+    "ConnectionLostError",
+    "SessionSetup",
+    "Turn",
+]
+
+
+class ClientChannel(Protocol):
+    """The connection that sent the running prompt, as a backend may address it."""
+
+    @property
+    def capabilities(self) -> ClientCapabilities:
+        """What the client advertised at ``initialize`` (only those requests may be relayed)."""
+        ...
+
+    async def request(self, method: str, params: Any) -> Any:
+        """Send a request to the client and return its result.
+
+        Raises:
+            ClientRequestError: the client answered with an error (``.error`` is its error object).
+            ConnectionLostError: the connection closed before it answered.
+        """
+        ...
+
+
+class ClientRequestError(Exception):
+    """The client answered a relayed request with an error."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(error.get("message", "client error"))
+        self.error = error
+
+
+class ConnectionLostError(Exception):
+    """The client connection closed before it answered a relayed request."""
+
+
+class SessionSetup:
+    """What a backend returns when it opens a session: modes and extra result fields to pass on."""
+
+    __slots__ = ("config_options", "meta", "modes")
+
+    def __init__(
+        self,
+        modes: dict[str, Any] | None = None,
+        config_options: list[dict[str, Any]] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.modes = modes
+        self.config_options = config_options
+        self.meta = meta
 
 
 class Turn:
@@ -19,20 +82,31 @@ class Turn:
 
     Attributes:
         session_id: the bridge's session id.
+        prompt_id: the server's id of this prompt.
         prompt: the content blocks sent by the client.
         emit: call with a session update (a Struct such as ``AgentMessageChunk``, or a dict) to stream it
             to every attached client; updates emitted after the prompt settled are dropped.
+        client: the prompt's sender, for relaying the agent's requests; ``None`` once it is gone.
+        meta: the request's ``_meta`` without our own keys (passed through to an agent).
     """
 
-    __slots__ = ("emit", "prompt", "prompt_id", "session_id")
+    __slots__ = ("client", "emit", "meta", "prompt", "prompt_id", "session_id")
 
     def __init__(
-        self, session_id: str, prompt_id: str, prompt: Sequence[ContentBlock], emit: Callable[[Any], None]
+        self,
+        session_id: str,
+        prompt_id: str,
+        prompt: Sequence[ContentBlock],
+        emit: Callable[[Any], None],
+        client: ClientChannel | None = None,
+        meta: dict[str, Any] | None = None,
     ) -> None:
         self.session_id = session_id
         self.prompt_id = prompt_id
         self.prompt = prompt
         self.emit = emit
+        self.client = client
+        self.meta = meta
 
 
 @runtime_checkable
@@ -41,10 +115,58 @@ class Backend(Protocol):
 
     name: str
 
+    async def open_session(
+        self, session_id: str, cwd: str, mcp_servers: list[dict[str, Any]], emit: Callable[[Any], None]
+    ) -> SessionSetup:
+        """Create the agent's side of a new session; ``emit`` streams updates outside any turn."""
+        ...
+
     async def prompt(self, turn: Turn) -> StopReason:
-        """Run one turn to its end; cancellation (trio's) means the client cancelled it."""
+        """Run one turn to its end; trio cancellation means it was cancelled (or its deadline passed)."""
+        ...
+
+    async def cancel(self, session_id: str) -> None:
+        """Ask the agent to stop the session's running turn (``session/cancel``)."""
+        ...
+
+    async def set_mode(self, session_id: str, mode_id: str) -> None:
+        """Change the session's mode (``session/set_mode``)."""
+        ...
+
+    async def close_session(self, session_id: str) -> None:
+        """The session ended; release the agent's side of it."""
         ...
 
     async def fork(self, source_session_id: str, new_session_id: str) -> None:
         """Make ``new_session_id`` a branch of ``source_session_id`` (the bridge copies the history)."""
         ...
+
+
+class BaseBackend:
+    """Defaults for the optional parts of :class:`Backend`: a backend with no agent-side session state.
+
+    Subclasses implement :meth:`prompt`; everything else is a no-op that still checkpoints.
+    """
+
+    name: str = "backend"
+
+    async def open_session(
+        self, session_id: str, cwd: str, mcp_servers: list[dict[str, Any]], emit: Callable[[Any], None]
+    ) -> SessionSetup:
+        await trio.lowlevel.checkpoint()
+        return SessionSetup()
+
+    async def prompt(self, turn: Turn) -> StopReason:
+        raise NotImplementedError
+
+    async def cancel(self, session_id: str) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def set_mode(self, session_id: str, mode_id: str) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def close_session(self, session_id: str) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def fork(self, source_session_id: str, new_session_id: str) -> None:
+        await trio.lowlevel.checkpoint()

@@ -22,7 +22,7 @@ from ..types.acp import (
     StopReason,
     TextContent,
 )
-from .base import Turn
+from .base import BaseBackend, Turn
 
 __all__ = ["EchoBackend", "describe_block", "split_words"]
 
@@ -49,7 +49,7 @@ def describe_block(block: ContentBlock) -> str:
     return f"[embedded resource {uri}]"
 
 
-class EchoBackend:
+class EchoBackend(BaseBackend):
     """Echoes prompts back word by word.
 
     Args:
@@ -71,6 +71,3 @@ class EchoBackend:
         else:
             await trio.lowlevel.checkpoint()
         return "end_turn"
-
-    async def fork(self, source_session_id: str, new_session_id: str) -> None:
-        await trio.lowlevel.checkpoint()

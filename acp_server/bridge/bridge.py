@@ -13,20 +13,22 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
 import trio
 
 from ..admission.limits import Limits
-from ..backends.base import Backend, Turn
+from ..backends.base import Backend, ClientChannel, SessionSetup, Turn
 from ..errors import (
     RETRY_AFTER_MS,
     AcpError,
+    BackendUnavailableError,
     BranchWhilePromptActiveError,
     InternalError,
     InvalidClientIdError,
+    InvalidParamsError,
     PromptDeadlineExceededError,
     PromptQueueFullError,
     RequestCancelledError,
@@ -71,9 +73,10 @@ class SessionBridge:
     """Owns every session of one server instance.
 
     Args:
-        backend: the agent every session's turns go to.
+        backend: the agent sessions go to: one backend, or a table name -> backend.
         limits: the bounds; ``max_pending_prompts_per_session`` etc.
         max_pending_prompts_per_session: shortcut overriding ``limits``' field (validated the same way).
+        default_backend: the name of the backend a session gets when it names none (with a table).
 
     Raises:
         TypeError, ValueError: a limit is not of its accepted form (the message names it).
@@ -81,17 +84,29 @@ class SessionBridge:
 
     def __init__(
         self,
-        backend: Backend,
+        backend: Backend | Mapping[str, Backend],
         limits: Limits | None = None,
         *,
         max_pending_prompts_per_session: Any = None,
+        default_backend: str | None = None,
     ) -> None:
         limits = limits or Limits()
         if max_pending_prompts_per_session is not None:
             limits = msgspec.structs.replace(limits, max_pending_prompts_per_session=max_pending_prompts_per_session)
             limits.__post_init__()
         self.limits = limits
-        self.backend = backend
+        if isinstance(backend, Mapping):
+            self.backends: dict[str, Backend] = dict(backend)
+            self.default_backend = default_backend or next(iter(self.backends))
+        else:
+            self.backends = {backend.name: backend}
+            self.default_backend = backend.name
+        if self.default_backend not in self.backends:
+            raise ValueError(f"default_backend {self.default_backend!r} is not one of {sorted(self.backends)}")
+        self.backend = self.backends[self.default_backend]
+        for b in self.backends.values():
+            if hasattr(b, "on_exit"):
+                b.on_exit = self._backend_exited
         self.sessions: dict[str, Session] = {}
         self._nursery: trio.Nursery | None = None
         self._prompt_seq = 0
@@ -121,14 +136,55 @@ class SessionBridge:
 
     # --- sessions and clients ----------------------------------------------------------------------
 
+    def backend_named(self, name: str | None) -> Backend:
+        """The backend called ``name`` (the default for ``None``); ``invalid_params`` naming the known ones."""
+        if name is None:
+            return self.backend
+        backend = self.backends.get(name)
+        if backend is None:
+            known = ", ".join(sorted(self.backends))
+            raise InvalidParamsError(path="_meta.backend", detail=f"unknown backend {name!r}; known: {known}")
+        return backend
+
     def new_session(
-        self, cwd: str, mcp_servers: list[dict[str, Any]], peer: Peer | None, client_id: str | None = None
+        self,
+        cwd: str,
+        mcp_servers: list[dict[str, Any]],
+        peer: Peer | None,
+        client_id: str | None = None,
+        *,
+        backend: Backend | None = None,
     ) -> tuple[Session, str]:
-        """Create a session and register the caller on it; returns the session and its client id."""
+        """Create a session and register the caller on it; returns the session and its client id.
+
+        The backend is not told (see :meth:`open_session`, which is what ``session/new`` uses).
+        """
         session_id = f"sess_{uuid.uuid4().hex}"
-        session = Session(self, session_id, cwd, mcp_servers, self.backend, trio.current_time(), _now_ms())
+        session = Session(
+            self, session_id, cwd, mcp_servers, backend or self.backend, trio.current_time(), _now_ms()
+        )
         self.sessions[session_id] = session
         return session, self.register(session, peer, client_id)
+
+    async def open_session(
+        self,
+        cwd: str,
+        mcp_servers: list[dict[str, Any]],
+        peer: Peer | None,
+        client_id: str | None = None,
+        *,
+        backend: Backend | None = None,
+    ) -> tuple[Session, str, SessionSetup]:
+        """Create a session on its backend (the agent's side first), then register the caller."""
+        backend = backend or self.backend
+        session_id = f"sess_{uuid.uuid4().hex}"
+        session = Session(self, session_id, cwd, mcp_servers, backend, trio.current_time(), _now_ms())
+        setup = await backend.open_session(session_id, cwd, mcp_servers, lambda u: self.emit(session, u, None))
+        session.modes = setup.modes
+        if setup.modes and isinstance(setup.modes.get("currentModeId"), str):
+            session.mode_id = setup.modes["currentModeId"]
+        self.sessions[session_id] = session
+        return session, self.register(session, peer, client_id), setup
 
     def get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
@@ -217,12 +273,61 @@ class SessionBridge:
     def close_session(self, session: Session) -> None:
         """End the session for every client: its running and queued prompts are cancelled."""
         self._cancel_session_prompts(session)
-        self.sessions.pop(session.session_id, None)
+        if self.sessions.pop(session.session_id, None) is not None and self._nursery is not None:
+            self._nursery.start_soon(self._close_on_backend, session)
         for peer in list(session.attached):
             peer.attached.discard(session.session_id)
             peer.registrations.pop(session.session_id, None)
         session.attached.clear()
         session.clients.clear()
+
+    async def _close_on_backend(self, session: Session) -> None:
+        try:
+            await session.backend.close_session(session.session_id)
+        except Exception as exc:  # the session is gone for us whatever the agent says
+            log.info("backend %s could not close %s: %s", session.backend.name, session.session_id, exc)
+
+    def _backend_exited(self, backend_name: str, exit_code: int | None) -> None:
+        """An agent process died: every running and queued prompt on it gets one ``backend_unavailable``."""
+        for session in list(self.sessions.values()):
+            if session.backend.name != backend_name:
+                continue
+            for item in list(session.fifo):
+                if isinstance(item, PromptTicket):
+                    self._settle(
+                        item,
+                        None,
+                        BackendUnavailableError(
+                            backend_id=backend_name, session_id=session.session_id, reason="exited", exit_code=exit_code
+                        ),
+                    )
+
+    async def replay(self, session: Session, peer: Peer, after_event_id: int = 0) -> None:
+        """Send the session's history after ``after_event_id`` to ``peer`` alone, then attach it.
+
+        Replayed updates keep their original ``eventId`` and carry no ``originatorClientId``. They wait
+        for the connection's writer instead of overflowing; updates that arrive meanwhile are sent in
+        order before the connection is attached to the live stream (no gap, no duplicate).
+        """
+        history = session.history
+        index = 0
+        while index < len(history) and history[index][0] <= after_event_id:
+            index += 1
+        while True:
+            end = len(history)
+            for event_id, update in history[index:end]:
+                data = _encoder.encode(
+                    _UpdateMsg(
+                        "2.0",
+                        "session/update",
+                        SessionNotification(session_id=session.session_id, update=update, meta={"eventId": event_id}),
+                    )
+                ) + b"\n"
+                await peer.send_reliably(data)
+            index = end
+            if len(history) == index:
+                break
+        self.attach(session, peer)
 
     def list_sessions(self, cwd: str | None = None) -> list[Session]:
         return [s for s in self.sessions.values() if cwd is None or s.cwd == cwd]
@@ -238,6 +343,8 @@ class SessionBridge:
         client_id: str | None = None,
         deadline_ms: int | None = None,
         cancelled: bool = False,
+        channel: ClientChannel | None = None,
+        meta: dict[str, Any] | None = None,
     ) -> PromptTicket:
         """Admit a prompt or refuse it, synchronously and all or nothing.
 
@@ -262,6 +369,8 @@ class SessionBridge:
         ticket = PromptTicket(
             session, f"prompt_{self._prompt_seq}", prompt, peer, client, trio.current_time(), effective
         )
+        ticket.channel = channel
+        ticket.meta = meta
         session.pending_count += 1
         self._admitted += 1
         if peer is not None:
@@ -389,6 +498,11 @@ class SessionBridge:
                     if not abandoned.is_set():
                         self._expire(item)
                     continue
+                # A $/cancel_request read in the same chunk as its prompt is processed by the
+                # request's own task, scheduled in this same batch: let it run before the turn starts.
+                await trio.lowlevel.checkpoint()
+                if item.settled:
+                    continue
                 call_done = trio.Event()
                 item.running = True
                 self._emit_user_prompt(item)
@@ -403,10 +517,21 @@ class SessionBridge:
 
     async def _call_backend(self, ticket: PromptTicket, call_done: trio.Event) -> None:
         session = ticket.session
-        turn = Turn(session.session_id, ticket.prompt_id, ticket.prompt, lambda u: self._emit_for(ticket, u))
+        turn = Turn(
+            session.session_id,
+            ticket.prompt_id,
+            ticket.prompt,
+            lambda u: self._emit_for(ticket, u),
+            ticket.channel,
+            ticket.meta,
+        )
         try:
             with trio.CancelScope(deadline=ticket.deadline) as scope:
                 ticket.call_scope = scope
+                # Yield once before the backend starts: a $/cancel_request read in the same chunk as its
+                # prompt settles the ticket in the caller's task one scheduling step after admission,
+                # which is before this step, so a prompt cancelled before its handler ran never starts.
+                await trio.lowlevel.checkpoint()
                 if ticket.settled:  # settled between start_soon and now
                     scope.cancel()
                 stop_reason = await session.backend.prompt(turn)

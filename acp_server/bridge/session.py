@@ -32,6 +32,14 @@ class Peer(Protocol):
         """Queue a notification; a connection that cannot keep up is evicted, never waited for."""
         ...
 
+    async def send_reliably(self, data: bytes) -> None:
+        """Queue a message that must not be dropped (a replay): waits for the writer, never evicts."""
+        ...
+
+    async def request(self, method: str, params: Any = None) -> Any:
+        """Send a request to the peer and wait for its response (``trio.EndOfChannel`` if it leaves)."""
+        ...
+
 
 class ClientReg:
     """One client id of a session: how many holders it has and when it was last seen."""
@@ -55,11 +63,14 @@ class PromptTicket:
     __slots__ = (
         "admitted_at",
         "call_scope",
+        "channel",
         "client_id",
         "deadline",
         "deadline_ms",
         "done",
         "error",
+        "lease",
+        "meta",
         "prompt",
         "prompt_id",
         "result",
@@ -93,6 +104,12 @@ class PromptTicket:
         self.error: AcpError | None = None
         self.done = trio.Event()
         self.call_scope: trio.CancelScope | None = None
+        #: the sender, for the agent's own requests (permission, fs, terminal)
+        self.channel: Any = None
+        #: the request's ``_meta`` without our own keys, passed to the agent
+        self.meta: dict[str, Any] | None = None
+        #: the backend pool lease, held from admission to settlement (issue C)
+        self.lease: Any = None
 
     def outcome(self) -> PromptResult:
         """The settled result, or raise the settled error."""
@@ -132,6 +149,7 @@ class Session:
         "last_activity",
         "mcp_servers",
         "mode_id",
+        "modes",
         "next_event_id",
         "pending_count",
         "runner_active",
@@ -156,6 +174,8 @@ class Session:
         self.mcp_servers = mcp_servers
         self.backend = backend
         self.mode_id = "default"
+        #: the agent's SessionModeState (a dict) when the backend reports one
+        self.modes: dict[str, Any] | None = None
         self.title: str | None = None
         self.created_ms = now_ms
         self.updated_ms = now_ms

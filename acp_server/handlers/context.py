@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import trio
+
+from ..backends.base import ClientRequestError, ConnectionLostError
 from ..jsonrpc import HandlerContext
 from ..types.acp import ClientCapabilities
 
@@ -11,7 +14,7 @@ if TYPE_CHECKING:
     from ..bridge import Peer, SessionBridge
     from ..server import Server
 
-__all__ = ["ConnContext"]
+__all__ = ["ConnChannel", "ConnContext"]
 
 
 class ConnContext(HandlerContext):
@@ -39,3 +42,28 @@ class ConnContext(HandlerContext):
     @property
     def bridge(self) -> SessionBridge:
         return self.server.bridge
+
+    def channel(self) -> ConnChannel:
+        return ConnChannel(self)
+
+
+class ConnChannel:
+    """This connection as a backend may address it: its capabilities and a way to ask it things."""
+
+    __slots__ = ("_ctx",)
+
+    def __init__(self, ctx: ConnContext) -> None:
+        self._ctx = ctx
+
+    @property
+    def capabilities(self) -> ClientCapabilities:
+        return self._ctx.client_capabilities
+
+    async def request(self, method: str, params: Any) -> Any:
+        try:
+            response = await self._ctx.peer.request(method, params)
+        except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError):
+            raise ConnectionLostError(f"the client left before answering {method}") from None
+        if response.error is not None:
+            raise ClientRequestError(response.error)
+        return response.result

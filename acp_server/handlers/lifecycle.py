@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..types.acp import (
     PROTOCOL_VERSION,
     AgentCapabilities,
@@ -13,8 +15,9 @@ from ..types.acp import (
     SessionCapabilities,
 )
 from .context import ConnContext
+from .meta import passthrough_meta
 
-__all__ = ["authenticate", "initialize"]
+__all__ = ["authenticate", "initialize", "logout"]
 
 
 def initialize(ctx: ConnContext, params: InitializeParams) -> InitializeResult:
@@ -26,17 +29,28 @@ def initialize(ctx: ConnContext, params: InitializeParams) -> InitializeResult:
     return InitializeResult(
         protocol_version=PROTOCOL_VERSION,
         agent_capabilities=AgentCapabilities(
-            load_session=False,
+            load_session=True,
             # The echo agent takes every content block (it describes what is not text).
             prompt_capabilities=PromptCapabilities(image=True, audio=True, embedded_context=True),
-            session_capabilities=SessionCapabilities(list={}, close={}),
+            session_capabilities=SessionCapabilities(list={}, close={}, resume={}),
             meta={"limits": server.limits_capability()},
         ),
         agent_info=Implementation(name="acp-server", version=server.version),
-        auth_methods=[],
+        auth_methods=list(getattr(ctx.bridge.backend, "auth_methods", None) or []),
     )
 
 
-def authenticate(ctx: ConnContext, params: AuthenticateParams) -> dict[str, object]:
-    """No authentication methods are offered yet, so every ``authenticate`` succeeds."""
-    return {}
+def authenticate(ctx: ConnContext, params: AuthenticateParams) -> Any:
+    """Forwarded to the default backend when it is an agent with authentication; else it succeeds."""
+    forward = getattr(ctx.bridge.backend, "authenticate", None)
+    if forward is None:
+        return {}
+    return forward(params.method_id, passthrough_meta(params.meta))
+
+
+def logout(ctx: ConnContext, params: None) -> Any:
+    """Forwarded to the default backend when it supports it; else it succeeds."""
+    forward = getattr(ctx.bridge.backend, "logout", None)
+    if forward is None:
+        return {}
+    return forward()

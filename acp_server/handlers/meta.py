@@ -1,4 +1,7 @@
-"""Our own ``_meta`` keys on requests, read and checked in one place."""
+"""Our own ``_meta`` keys on requests, read and checked in one place.
+
+Our keys are consumed here and never forwarded to an agent; every other ``_meta`` key passes through.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +9,27 @@ from typing import Any
 
 from ..errors import InvalidParamsError
 
-__all__ = ["meta_client_id", "meta_deadline_ms"]
+__all__ = ["OUR_META_KEYS", "meta_client_id", "meta_deadline_ms", "meta_str", "passthrough_meta"]
+
+#: ``_meta`` keys acp-server reads itself (those of later issues included).
+OUR_META_KEYS = frozenset({"clientId", "deadlineMs", "backend", "tenantId", "priority", "idempotencyKey", "afterEventId"})
+
+
+def meta_str(meta: dict[str, Any] | None, key: str) -> str | None:
+    """``_meta.<key>``: a non-empty string, or absent."""
+    if not meta:
+        return None
+    value = meta.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise InvalidParamsError(path=f"_meta.{key}", detail=f"must be a non-empty string; got {value!r}")
+    return value
 
 
 def meta_client_id(meta: dict[str, Any] | None) -> str | None:
     """``_meta.clientId``: a non-empty string, or absent."""
-    if not meta:
-        return None
-    value = meta.get("clientId")
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise InvalidParamsError(path="_meta.clientId", detail=f"must be a non-empty string; got {value!r}")
-    return value
+    return meta_str(meta, "clientId")
 
 
 def meta_deadline_ms(meta: dict[str, Any] | None) -> int | None:
@@ -31,3 +42,11 @@ def meta_deadline_ms(meta: dict[str, Any] | None) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidParamsError(path="_meta.deadlineMs", detail=f"must be a positive integer (milliseconds); got {value!r}")
     return value
+
+
+def passthrough_meta(meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``_meta`` without our own keys (what an agent may see), or ``None`` when nothing is left."""
+    if not meta:
+        return None
+    rest = {k: v for k, v in meta.items() if k not in OUR_META_KEYS}
+    return rest or None

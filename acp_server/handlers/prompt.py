@@ -7,7 +7,7 @@ from typing import Any
 
 from ..types.acp import PromptParams, PromptResult
 from .context import ConnContext
-from .meta import meta_client_id, meta_deadline_ms
+from .meta import meta_client_id, meta_deadline_ms, passthrough_meta
 
 __all__ = ["prompt"]
 
@@ -21,5 +21,7 @@ def prompt(ctx: ConnContext, params: PromptParams) -> Coroutine[Any, Any, Prompt
         client_id=meta_client_id(params.meta),
         deadline_ms=meta_deadline_ms(params.meta),
         cancelled=ctx.cancelled,
+        channel=ctx.channel(),
+        meta=passthrough_meta(params.meta),
     )
     return bridge.prompt_outcome(ticket)

@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Coroutine
 from typing import Any
 
+import msgspec
+
+from ..backends import Backend
+from ..bridge import Session
 from ..errors import InvalidParamsError, SessionNotFoundError
 from ..types.acp import (
     CancelParams,
     CloseSessionParams,
     ListSessionsParams,
     ListSessionsResult,
+    LoadSessionParams,
     NewSessionParams,
-    NewSessionResult,
     SessionInfo,
     SessionMode,
     SessionModeState,
     SetSessionModeParams,
 )
 from .context import ConnContext
-from .meta import meta_client_id
+from .meta import meta_client_id, meta_str
 
 __all__ = ["cancel", "close", "list_sessions", "new", "set_mode", "MODES"]
 
@@ -33,13 +38,69 @@ def _modes(current: str) -> SessionModeState:
     return SessionModeState(current_mode_id=current, available_modes=MODES)
 
 
-def new(ctx: ConnContext, params: NewSessionParams) -> NewSessionResult:
-    if not os.path.isabs(params.cwd):
-        raise InvalidParamsError(path="cwd", detail=f"must be an absolute path; got {params.cwd!r}")
-    session, client_id = ctx.bridge.new_session(
-        params.cwd, params.mcp_servers, ctx.peer, meta_client_id(params.meta)
+def new(ctx: ConnContext, params: NewSessionParams) -> Coroutine[Any, Any, dict[str, Any]]:
+    _check_cwd(params.cwd)
+    backend = ctx.bridge.backend_named(meta_str(params.meta, "backend"))
+    return _open(ctx, params, backend)
+
+
+async def _open(ctx: ConnContext, params: NewSessionParams, backend: Backend) -> dict[str, Any]:
+    session, client_id, setup = await ctx.bridge.open_session(
+        params.cwd, params.mcp_servers, ctx.peer, meta_client_id(params.meta), backend=backend
     )
-    return NewSessionResult(session_id=session.session_id, modes=_modes(session.mode_id), meta={"clientId": client_id})
+    result: dict[str, Any] = {"sessionId": session.session_id}
+    result["modes"] = setup.modes if setup.modes is not None else msgspec.to_builtins(_modes(session.mode_id))
+    if setup.config_options is not None:
+        result["configOptions"] = setup.config_options
+    meta = dict(setup.meta or {})
+    meta["clientId"] = client_id
+    meta["backend"] = backend.name
+    result["_meta"] = meta
+    return result
+
+
+def _reattach_result(session: Session, client_id: str) -> dict[str, Any]:
+    modes = session.modes if session.modes is not None else msgspec.to_builtins(_modes(session.mode_id))
+    return {"modes": modes, "_meta": {"clientId": client_id}}
+
+
+def _after_event_id(meta: dict[str, Any] | None) -> int | None:
+    if not meta or meta.get("afterEventId") is None:
+        return None
+    value = meta["afterEventId"]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidParamsError(path="_meta.afterEventId", detail=f"must be a non-negative integer; got {value!r}")
+    return value
+
+
+def _check_cwd(cwd: str) -> None:
+    if not os.path.isabs(cwd):
+        raise InvalidParamsError(path="cwd", detail=f"must be an absolute path; got {cwd!r}")
+
+
+def load(ctx: ConnContext, params: LoadSessionParams) -> Coroutine[Any, Any, dict[str, Any]]:
+    """Replay the transcript (after ``_meta.afterEventId`` if given), then register the caller."""
+    _check_cwd(params.cwd)
+    session = ctx.bridge.get(params.session_id)
+    after = _after_event_id(params.meta) or 0
+    return _load(ctx, session, after, meta_client_id(params.meta))
+
+
+async def _load(ctx: ConnContext, session: Session, after: int, requested: str | None) -> dict[str, Any]:
+    await ctx.bridge.replay(session, ctx.peer, after)
+    return _reattach_result(session, ctx.bridge.register(session, ctx.peer, requested))
+
+
+def resume(ctx: ConnContext, params: LoadSessionParams) -> Any:
+    """Re-register the caller (a fresh client id unless ``_meta.clientId`` is still registered);
+    replay only with ``_meta.afterEventId``."""
+    _check_cwd(params.cwd)
+    session = ctx.bridge.get(params.session_id)
+    after = _after_event_id(params.meta)
+    requested = meta_client_id(params.meta)
+    if after is None:
+        return _reattach_result(session, ctx.bridge.register(session, ctx.peer, requested))
+    return _load(ctx, session, after, requested)
 
 
 def list_sessions(ctx: ConnContext, params: ListSessionsParams) -> ListSessionsResult:
@@ -71,12 +132,22 @@ def close(ctx: ConnContext, params: CloseSessionParams) -> dict[str, Any]:
     return {}
 
 
-def set_mode(ctx: ConnContext, params: SetSessionModeParams) -> dict[str, Any]:
+def set_mode(ctx: ConnContext, params: SetSessionModeParams) -> Coroutine[Any, Any, dict[str, Any]]:
     session = ctx.bridge.get(params.session_id)
-    if params.mode_id not in {m.id for m in MODES}:
-        known = ", ".join(m.id for m in MODES)
+    ctx.bridge.resolve_client(session, ctx.peer, meta_client_id(params.meta))
+    if session.modes is not None:
+        offered = [m.get("id") for m in session.modes.get("availableModes", []) if isinstance(m, dict)]
+    else:
+        offered = [m.id for m in MODES]
+    if params.mode_id not in offered:
+        known = ", ".join(str(m) for m in offered)
         raise InvalidParamsError(path="modeId", detail=f"unknown mode {params.mode_id!r}; this session offers: {known}")
-    session.mode_id = params.mode_id
+    return _set_mode(session, params.mode_id)
+
+
+async def _set_mode(session: Session, mode_id: str) -> dict[str, Any]:
+    await session.backend.set_mode(session.session_id, mode_id)
+    session.mode_id = mode_id
     return {}
 
 

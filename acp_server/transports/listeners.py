@@ -87,9 +87,9 @@ async def open_unix_listener(path: str, *, backlog: int = 128) -> trio.SocketLis
         pass
     else:
         if not stat.S_ISSOCK(st.st_mode):
-            raise OSError(errno.EEXIST, f"{path} exists and is not a socket")
+            raise OSError(errno.EEXIST, "the path exists and is not a socket")
         if _socket_is_live(path):
-            raise OSError(errno.EADDRINUSE, f"a server is already listening on unix:{path}")
+            raise OSError(errno.EADDRINUSE, "another server is live on this socket")
         os.unlink(path)
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     old_umask = os.umask(0o177)  # the file is created 0600: no window where others could connect

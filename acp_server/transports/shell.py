@@ -149,6 +149,11 @@ class ConnectionShell:
         if not self.evicted:
             self._enqueue(data)
 
+    async def send_reliably(self, data: bytes) -> None:
+        """Queue a message that must arrive (a replay): wait for the writer instead of overflowing."""
+        await self._wait_for_room()
+        self.reply(data)
+
     def _enqueue(self, data: bytes) -> None:
         self._out.append(data)
         self._out_bytes += len(data)
@@ -182,13 +187,22 @@ class ConnectionShell:
     def _mark_closed(self) -> None:
         if not self._closed:
             self._closed = True
+            for channel in self._outbound.values():
+                channel.close()  # our requests in flight end with EndOfChannel
+            self._outbound.clear()
             if self._on_close is not None:
                 self._on_close(self)
 
     # --- our own requests to the peer --------------------------------------------------------------
 
     async def request(self, method: str, params: Any = None) -> Response:
-        """Send a request to the peer and wait for its response."""
+        """Send a request to the peer and wait for its response.
+
+        Raises:
+            trio.EndOfChannel: the connection closed before the peer answered.
+        """
+        if self._closed:
+            raise trio.EndOfChannel
         send, receive = trio.open_memory_channel[Response](1)
         id, data = self.core.send_request(method, params)
         self._outbound[id] = send

@@ -30,6 +30,7 @@ __all__ = [
     "InitializeResult",
     "ListSessionsParams",
     "ListSessionsResult",
+    "LoadSessionParams",
     "NewSessionParams",
     "NewSessionResult",
     "PromptCapabilities",
@@ -195,6 +196,15 @@ class CloseSessionParams(SessionIdParams, kw_only=True):
 
 class CancelParams(SessionIdParams, kw_only=True):
     pass
+
+
+class LoadSessionParams(Wire, kw_only=True):
+    """``session/load`` and ``session/resume`` (``mcpServers`` is ignored by resume)."""
+
+    session_id: str
+    cwd: str
+    mcp_servers: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    meta: Meta = meta_field()
 
 
 class SetSessionModeParams(Wire, kw_only=True):

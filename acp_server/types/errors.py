@@ -7,10 +7,16 @@ discriminator and the JSON Schemas in ``schemas/errors/`` (generated from these 
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import msgspec
 
 __all__ = [
+    "AgentErrorData",
+    "AuthRequiredData",
+    "BackendUnavailableData",
     "BranchWhilePromptActiveData",
+    "CapacityExceededData",
     "ErrorData",
     "InternalData",
     "InvalidClientIdData",
@@ -71,6 +77,17 @@ class PromptQueueFullData(ErrorData, tag="prompt_queue_full"):
     retry_after_ms: int
 
 
+class CapacityExceededData(ErrorData, tag="capacity_exceeded"):
+    # limit is the pool's max_active + max_waiting; waiting_count counts every admitted prompt not
+    # running a backend call (queued in its session, waiting for a permit, or between retries).
+    backend_id: str
+    session_id: str
+    limit: int
+    active_count: int
+    waiting_count: int
+    retry_after_ms: int
+
+
 class SessionNotFoundData(ErrorData, tag="session_not_found"):
     session_id: str
 
@@ -88,3 +105,21 @@ class PromptDeadlineExceededData(ErrorData, tag="prompt_deadline_exceeded"):
 
 class BranchWhilePromptActiveData(ErrorData, tag="branch_while_prompt_active"):
     session_id: str
+
+
+class BackendUnavailableData(ErrorData, tag="backend_unavailable"):
+    backend_id: str
+    session_id: str | None
+    reason: Literal["spawn_failed", "exited", "initialize_failed"]
+    exit_code: int | None
+
+
+class AuthRequiredData(ErrorData, tag="auth_required"):
+    backend_id: str
+
+
+class AgentErrorData(ErrorData, tag="agent_error"):
+    backend_id: str
+    agent_code: int
+    agent_message: str
+    agent_data: Any = None

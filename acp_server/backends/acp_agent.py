@@ -1,0 +1,598 @@
+"""A backend that fronts an ACP agent run as a subprocess, many of our sessions on one child.
+
+The child is spawned lazily (or by :meth:`AcpAgentBackend.ensure_started`) and initialized once,
+advertising the client capabilities we can relay (fs, terminal, elicitation). Each of our sessions
+maps to one session of the child; ``session/update`` from the child goes to the running turn's
+``emit``, or to the session's own ``emit`` outside a turn. The child's own requests
+(``session/request_permission``, ``fs/*``, ``terminal/*``, ``elicitation/create``) are relayed to the
+client that sent the running prompt, only when it advertised the capability; anything else is refused
+to the child at once, and whatever is still open when the prompt ends or its client leaves is answered
+for it (``cancelled`` for a permission, ``-32800`` otherwise), so the child never waits forever.
+
+When the child dies, each running prompt fails with ``backend_unavailable`` (``reason="exited"``),
+:attr:`AcpAgentBackend.on_exit` runs once, and the next call restarts it; sessions re-open on the new
+child at their next use (``session/load`` when the agent supports it, else ``session/new``). Restarts
+back off after repeated failures (0 s, then 0.5 s doubling to 30 s; reset once a child stayed up 60 s):
+inside that window calls fail at once with the last failure's reason (``spawn_failed``,
+``initialize_failed`` or ``exited``). Errors the child answers never pass for ours: ``-32000`` becomes
+``auth_required``, anything else ``agent_error`` with the agent's code, message and data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Literal, cast, get_args
+
+import msgspec
+import trio
+
+from .. import __version__
+from ..errors import (
+    AgentError,
+    AuthRequiredError,
+    BackendError,
+    BackendUnavailableError,
+    SessionNotFoundError,
+)
+from ..jsonrpc import Notification, Request
+from ..types.acp import PROTOCOL_VERSION, StopReason
+from .agent_process import AgentProcess, AgentRpcError, ChildExitedError, decode_params
+from .agent_relay import RELAYED_METHODS, TurnRelay
+from .base import BaseBackend, SessionSetup, Turn
+
+__all__ = ["AcpAgentBackend", "restart_delay"]
+
+log = logging.getLogger("acp_server.backends.acp_agent")
+
+FailureReason = Literal["spawn_failed", "exited", "initialize_failed"]
+
+#: the first delay of the restart backoff; each further failure doubles it
+BACKOFF_FIRST_S: Final = 0.5
+BACKOFF_MAX_S: Final = 30.0
+#: a child that stayed up this long resets the backoff
+BACKOFF_RESET_S: Final = 60.0
+
+_STOP_REASONS: Final = frozenset(get_args(StopReason))
+#: the client capabilities we advertise to the child: all that we can relay
+_CLIENT_CAPABILITIES: Final = {
+    "fs": {"readTextFile": True, "writeTextFile": True},
+    "terminal": True,
+    "elicitation": {"form": {}, "url": {}},
+}
+
+
+def restart_delay(failures: int) -> float:
+    """Seconds to wait before the next start after ``failures`` failures in a row (0 after the first)."""
+    if failures <= 1:
+        return 0.0
+    return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 2)))
+
+
+class _StartFailed(Exception):
+    def __init__(self, reason: FailureReason, exit_code: int | None) -> None:
+        super().__init__(reason)
+        self.reason: FailureReason = reason
+        self.exit_code = exit_code
+
+
+class _StartAttempt:
+    """One spawn + initialize, shared by every caller that needs the child meanwhile."""
+
+    __slots__ = ("done", "failure")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.failure: tuple[FailureReason, int | None] | None = ("spawn_failed", None)
+
+
+class _Session:
+    __slots__ = ("attach_lock", "child", "child_sid", "cwd", "emit", "id", "loading", "mcp_servers", "run")
+
+    def __init__(
+        self, id: str, cwd: str, mcp_servers: list[dict[str, Any]], emit: Callable[[Any], None] | None
+    ) -> None:
+        self.id = id
+        self.cwd = cwd
+        self.mcp_servers = mcp_servers
+        self.emit = emit
+        self.child: AgentProcess | None = None
+        self.child_sid: str | None = None
+        self.run: TurnRelay | None = None
+        self.loading = False  # session/load replays history as updates: not news for anyone
+        self.attach_lock = trio.Lock()
+
+
+class AcpAgentBackend(BaseBackend):
+    """Runs an ACP agent as a child process and multiplexes our sessions onto it.
+
+    Args:
+        name: the backend's id (in errors, and the logger ``acp_server.agent.<name>`` of its stderr).
+        command: the agent's program and arguments.
+        env: variables added to (or replacing) our environment for the child.
+        cwd: the child's working directory (``None``: ours).
+        cancel_grace_s: after a prompt is cancelled, how long to wait for the child's answer to it.
+        initialize_timeout_s: how long the child may take to answer ``initialize``.
+        max_message_bytes: the longest line accepted from the child.
+
+    :meth:`run` must be running (``await nursery.start(backend.run)``) for any other call.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        command: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        cancel_grace_s: float = 2.0,
+        initialize_timeout_s: float = 30.0,
+        max_message_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        if not command:
+            raise ValueError(f"backend {name!r}: the agent command must not be empty")
+        self.name = name
+        self.command = list(command)
+        self.env = dict(env or {})
+        self.cwd = cwd
+        self.cancel_grace_s = cancel_grace_s
+        self.initialize_timeout_s = initialize_timeout_s
+        self.max_message_bytes = max_message_bytes
+        #: set by the bridge: ``on_exit(backend_name, exit_code)``, once per death of an initialized child
+        self.on_exit: Callable[[str, int | None], None] | None = None
+        self._stderr_log = logging.getLogger(f"acp_server.agent.{name}")
+        self._nursery: trio.Nursery | None = None
+        self._child: AgentProcess | None = None
+        self._starting: _StartAttempt | None = None
+        self._init_result: dict[str, Any] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._routes: dict[str, _Session] = {}  # the current child's session id -> our session
+        self._failures = 0
+        self._retry_at = 0.0
+        self._last_failure: tuple[FailureReason, int | None] = ("spawn_failed", None)
+        self._auth: tuple[str, dict[str, Any] | None] | None = None
+
+    # --- what the child advertised -----------------------------------------------------------------
+
+    @property
+    def auth_methods(self) -> list[dict[str, Any]]:
+        """The child's ``authMethods`` from its last ``initialize`` (empty before any)."""
+        methods = self._init_result.get("authMethods")
+        return list(methods) if isinstance(methods, list) else []
+
+    @property
+    def agent_capabilities(self) -> dict[str, Any]:
+        """The child's ``agentCapabilities`` from its last ``initialize`` (empty before any)."""
+        caps = self._init_result.get("agentCapabilities")
+        return dict(caps) if isinstance(caps, dict) else {}
+
+    def _can_load(self) -> bool:
+        return self.agent_capabilities.get("loadSession") is True
+
+    def _can_close(self) -> bool:
+        session_caps = self.agent_capabilities.get("sessionCapabilities")
+        return isinstance(session_caps, dict) and session_caps.get("close") is not None
+
+    # --- the child's lifecycle ---------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Host the child process and its tasks until cancelled (which stops the child)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    async def ensure_started(self) -> None:
+        """Spawn and initialize the child unless it is running.
+
+        Raises:
+            BackendUnavailableError: it cannot start (``spawn_failed``, ``initialize_failed``), or is
+                inside its restart backoff after failures.
+        """
+        await self._ensure_child(None)
+
+    async def _ensure_child(self, session_id: str | None) -> AgentProcess:
+        while True:
+            child = self._child
+            if child is not None and child.alive:
+                return child
+            attempt = self._starting
+            if attempt is None:
+                if self._nursery is None:
+                    raise RuntimeError(f"backend {self.name!r}: run() must be running before it is used")
+                if trio.current_time() < self._retry_at:
+                    reason, exit_code = self._last_failure
+                    raise BackendUnavailableError(
+                        backend_id=self.name, session_id=session_id, reason=reason, exit_code=exit_code
+                    )
+                attempt = self._starting = _StartAttempt()
+                self._nursery.start_soon(self._start, attempt)
+            await attempt.done.wait()
+            if attempt.failure is not None:
+                reason, exit_code = attempt.failure
+                raise BackendUnavailableError(
+                    backend_id=self.name, session_id=session_id, reason=reason, exit_code=exit_code
+                )
+
+    async def _start(self, attempt: _StartAttempt) -> None:
+        try:
+            child = await self._spawn_and_initialize()
+        except _StartFailed as exc:
+            attempt.failure = (exc.reason, exc.exit_code)
+            self._note_failure(exc.reason, exc.exit_code)
+        except Exception:
+            log.exception("backend %s: starting the agent failed", self.name)
+            attempt.failure = ("spawn_failed", None)
+            self._note_failure("spawn_failed", None)
+        else:
+            if child.alive:
+                attempt.failure = None
+                self._child = child
+                self._routes.clear()
+            else:  # exited right after initialize (its on_exit was not ours to handle yet)
+                attempt.failure = ("initialize_failed", child.exit_code)
+                self._note_failure("initialize_failed", child.exit_code)
+        finally:
+            self._starting = None
+            attempt.done.set()
+
+    async def _spawn_and_initialize(self) -> AgentProcess:
+        assert self._nursery is not None
+        child = AgentProcess(
+            self.command,
+            env={**os.environ, **self.env},
+            cwd=self.cwd,
+            stderr_log=self._stderr_log,
+            max_message_bytes=self.max_message_bytes,
+            on_request=self._on_child_request,
+            on_notification=self._on_child_notification,
+            on_exit=self._on_child_exit,
+        )
+        log.info("backend %s: starting agent %r", self.name, self.command)
+        try:
+            await self._nursery.start(child.serve)
+        except OSError as exc:
+            log.warning("backend %s: cannot start agent %r: %s", self.name, self.command, exc)
+            raise _StartFailed("spawn_failed", None) from exc
+        params = {
+            "protocolVersion": PROTOCOL_VERSION,
+            "clientCapabilities": _CLIENT_CAPABILITIES,
+            "clientInfo": {"name": "acp-server", "title": "acp-server", "version": __version__},
+        }
+        try:
+            with trio.fail_after(self.initialize_timeout_s):
+                result = await child.request("initialize", params)
+        except ChildExitedError as exc:
+            log.warning("backend %s: agent exited during initialize (code %s)", self.name, exc.exit_code)
+            raise _StartFailed("initialize_failed", exc.exit_code) from exc
+        except AgentRpcError as exc:
+            log.warning("backend %s: agent refused initialize: %s", self.name, exc.error)
+            child.kill()
+            raise _StartFailed("initialize_failed", None) from exc
+        except trio.TooSlowError as exc:
+            log.warning(
+                "backend %s: agent did not answer initialize in %s s", self.name, self.initialize_timeout_s
+            )
+            child.kill()
+            raise _StartFailed("initialize_failed", None) from exc
+        if not isinstance(result, dict) or result.get("protocolVersion") != PROTOCOL_VERSION:
+            version = result.get("protocolVersion") if isinstance(result, dict) else None
+            log.warning(
+                "backend %s: agent speaks protocol version %r, not %d", self.name, version, PROTOCOL_VERSION
+            )
+            child.kill()
+            raise _StartFailed("initialize_failed", None)
+        child.init_result = result
+        self._init_result = result
+        log.info("backend %s: agent pid %s ready", self.name, child.pid)
+        if self._auth is not None:
+            await self._reauthenticate(child, *self._auth)
+        return child
+
+    async def _reauthenticate(self, child: AgentProcess, method_id: str, meta: dict[str, Any] | None) -> None:
+        """A restarted child forgets a login done through us: repeat it (failures are only logged)."""
+        try:
+            await child.request("authenticate", _with_meta({"methodId": method_id}, meta))
+        except (ChildExitedError, AgentRpcError) as exc:
+            log.warning("backend %s: repeating authenticate %r failed: %s", self.name, method_id, exc)
+
+    def _note_failure(self, reason: FailureReason, exit_code: int | None) -> None:
+        self._failures += 1
+        self._last_failure = (reason, exit_code)
+        self._retry_at = trio.current_time() + restart_delay(self._failures)
+
+    def _on_child_exit(self, child: AgentProcess, exit_code: int | None) -> None:
+        if child is not self._child:
+            return  # died before it was ready: its starter reports that
+        self._child = None
+        self._routes.clear()
+        if trio.current_time() - child.started_at >= BACKOFF_RESET_S:
+            self._failures = 0
+        self._note_failure("exited", exit_code)
+        log.warning("backend %s: agent pid %s exited with code %s", self.name, child.pid, exit_code)
+        for session in self._sessions.values():
+            if session.run is not None and session.run.child is child:
+                session.run.end()
+        if self.on_exit is not None:
+            try:
+                self.on_exit(self.name, exit_code)
+            except Exception:
+                log.exception("backend %s: on_exit hook failed", self.name)
+
+    # --- calls to the child ------------------------------------------------------------------------
+
+    def _agent_error(self, error: dict[str, Any]) -> BackendError:
+        code = error.get("code")
+        if code == -32000:
+            return AuthRequiredError(backend_id=self.name)
+        return AgentError(
+            backend_id=self.name,
+            agent_code=code if isinstance(code, int) and not isinstance(code, bool) else -32603,
+            agent_message=str(error.get("message", "")),
+            agent_data=error.get("data"),
+        )
+
+    async def _call(
+        self,
+        child: AgentProcess,
+        session_id: str | None,
+        method: str,
+        params: Any,
+        on_result: Callable[[Any], None] | None = None,
+    ) -> Any:
+        try:
+            return await child.request(method, params, on_result)
+        except ChildExitedError as exc:
+            raise BackendUnavailableError(
+                backend_id=self.name, session_id=session_id, reason="exited", exit_code=exc.exit_code
+            ) from None
+        except AgentRpcError as exc:
+            raise self._agent_error(exc.error) from None
+
+    def _malformed(self, method: str, what: str) -> AgentError:
+        return AgentError(
+            backend_id=self.name, agent_code=-32603, agent_message=f"malformed {method} result: {what}"
+        )
+
+    def _bind(self, session: _Session, child: AgentProcess, child_sid: str) -> None:
+        session.child = child
+        session.child_sid = child_sid
+        if child is self._child:
+            self._routes[child_sid] = session
+
+    def _unbind(self, session: _Session) -> None:
+        if session.child_sid is not None and self._routes.get(session.child_sid) is session:
+            del self._routes[session.child_sid]
+        session.child = None
+
+    def _bind_on_result(self, session: _Session, child: AgentProcess) -> Callable[[Any], None]:
+        def bind(result: Any) -> None:
+            if isinstance(result, dict) and isinstance(result.get("sessionId"), str):
+                self._bind(session, child, result["sessionId"])
+
+        return bind
+
+    async def _new_child_session(self, session: _Session, child: AgentProcess) -> dict[str, Any]:
+        params = {"cwd": session.cwd, "mcpServers": session.mcp_servers}
+        try:
+            result = await self._call(
+                child, session.id, "session/new", params, self._bind_on_result(session, child)
+            )
+            if session.child is not child or not isinstance(result, dict):
+                raise self._malformed("session/new", "no sessionId")
+        except BaseException:
+            self._unbind(session)
+            raise
+        return result
+
+    async def _attach(self, session: _Session) -> tuple[AgentProcess, str]:
+        """The child and its session id for ``session``, re-opening it on a restarted child."""
+        child = await self._ensure_child(session.id)
+        if session.child is child and session.child_sid is not None:
+            return child, session.child_sid
+        async with session.attach_lock:
+            child = await self._ensure_child(session.id)
+            if session.child is child and session.child_sid is not None:
+                return child, session.child_sid
+            if session.child_sid is not None and self._can_load():
+                try:
+                    await self._load(session, child)
+                    return child, session.child_sid
+                except AgentError as exc:
+                    log.warning(
+                        "backend %s: session/load of %s failed (%s); opening anew", self.name, session.id, exc
+                    )
+            await self._new_child_session(session, child)
+            assert session.child_sid is not None
+            return child, session.child_sid
+
+    async def _load(self, session: _Session, child: AgentProcess) -> None:
+        assert session.child_sid is not None
+        params = {"sessionId": session.child_sid, "cwd": session.cwd, "mcpServers": session.mcp_servers}
+        self._bind(session, child, session.child_sid)
+        session.loading = True
+        try:
+            await self._call(child, session.id, "session/load", params)
+        except BaseException:
+            self._unbind(session)
+            raise
+        finally:
+            session.loading = False
+        log.info("backend %s: re-opened %s on agent pid %s (session/load)", self.name, session.id, child.pid)
+
+    def _session(self, session_id: str) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFoundError(session_id=session_id)
+        return session
+
+    # --- the Backend protocol ----------------------------------------------------------------------
+
+    async def open_session(
+        self, session_id: str, cwd: str, mcp_servers: list[dict[str, Any]], emit: Callable[[Any], None]
+    ) -> SessionSetup:
+        session = _Session(session_id, cwd, list(mcp_servers), emit)
+        child = await self._ensure_child(session_id)
+        result = await self._new_child_session(session, child)
+        self._sessions[session_id] = session
+        return SessionSetup(
+            modes=result.get("modes"), config_options=result.get("configOptions"), meta=result.get("_meta")
+        )
+
+    async def prompt(self, turn: Turn) -> StopReason:
+        session = self._session(turn.session_id)
+        child, child_sid = await self._attach(session)
+        assert self._nursery is not None
+        run = TurnRelay(turn, child, self._nursery)
+        session.run = run
+        params: dict[str, Any] = {"sessionId": child_sid, "prompt": msgspec.to_builtins(list(turn.prompt))}
+        if turn.meta:
+            params["_meta"] = turn.meta
+        call = child.start_request("session/prompt", params)
+        try:
+            try:
+                await call.done.wait()
+            except trio.Cancelled:
+                # Ask the child to stop, answer what it still asks of the client, and give it a short
+                # grace to settle the prompt, so it is idle before the next one; never longer.
+                child.notify("session/cancel", {"sessionId": child_sid})
+                run.end()
+                with trio.CancelScope(shield=True), trio.move_on_after(self.cancel_grace_s):
+                    await call.done.wait()
+                if not call.done.is_set():
+                    log.warning(
+                        "backend %s: agent did not answer the cancelled prompt of %s within %s s",
+                        self.name,
+                        turn.session_id,
+                        self.cancel_grace_s,
+                    )
+                raise
+            result = call.outcome()
+        except ChildExitedError as exc:
+            raise BackendUnavailableError(
+                backend_id=self.name, session_id=turn.session_id, reason="exited", exit_code=exc.exit_code
+            ) from None
+        except AgentRpcError as exc:
+            raise self._agent_error(exc.error) from None
+        finally:
+            child.forget(call)
+            run.end()
+            if session.run is run:
+                session.run = None
+        stop_reason = result.get("stopReason") if isinstance(result, dict) else None
+        if stop_reason not in _STOP_REASONS:
+            raise self._malformed("session/prompt", f"stopReason {stop_reason!r}")
+        return cast(StopReason, stop_reason)
+
+    async def cancel(self, session_id: str) -> None:
+        session = self._sessions.get(session_id)
+        child = self._child
+        if session is not None and child is not None and session.child is child and session.child_sid:
+            child.notify("session/cancel", {"sessionId": session.child_sid})
+        await trio.lowlevel.checkpoint()
+
+    async def set_mode(self, session_id: str, mode_id: str) -> None:
+        session = self._session(session_id)
+        child, child_sid = await self._attach(session)
+        await self._call(child, session_id, "session/set_mode", {"sessionId": child_sid, "modeId": mode_id})
+
+    async def close_session(self, session_id: str) -> None:
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            await trio.lowlevel.checkpoint()
+            return
+        child, child_sid = session.child, session.child_sid
+        self._unbind(session)
+        if child is None or child is not self._child or child_sid is None or not self._can_close():
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            await self._call(child, session_id, "session/close", {"sessionId": child_sid})
+        except BackendError as exc:
+            log.info("backend %s: session/close of %s failed: %s", self.name, session_id, exc)
+
+    async def fork(self, source_session_id: str, new_session_id: str) -> None:
+        """The branch gets a fresh session of the child at its first prompt (the bridge keeps the history)."""
+        source = self._session(source_session_id)
+        if new_session_id not in self._sessions:
+            branch = _Session(new_session_id, source.cwd, list(source.mcp_servers), None)
+            self._sessions[new_session_id] = branch
+        await trio.lowlevel.checkpoint()
+
+    async def authenticate(self, method_id: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Forward ``authenticate`` to the child (and repeat it on the child's restarts).
+
+        Raises:
+            BackendUnavailableError: the child cannot start or died.
+            AuthRequiredError, AgentError: the child refused.
+        """
+        child = await self._ensure_child(None)
+        result = await self._call(child, None, "authenticate", _with_meta({"methodId": method_id}, meta))
+        self._auth = (method_id, meta)
+        return result if isinstance(result, dict) else {}
+
+    async def logout(self) -> None:
+        """Forward ``logout`` to the child, and stop repeating an earlier ``authenticate``."""
+        self._auth = None
+        child = await self._ensure_child(None)
+        await self._call(child, None, "logout", {})
+
+    # --- what the child sends us -------------------------------------------------------------------
+
+    def _on_child_notification(self, child: AgentProcess, note: Notification) -> None:
+        if note.method != "session/update":
+            log.debug("backend %s: ignoring %s from the agent", self.name, note.method)
+            return
+        params = decode_params(note.params)
+        if not isinstance(params, dict) or not isinstance(params.get("update"), dict):
+            log.warning("backend %s: dropping a malformed session/update", self.name)
+            return
+        child_sid = params.get("sessionId")
+        session = self._routes.get(child_sid) if isinstance(child_sid, str) else None
+        if session is None or session.child is not child:
+            log.debug("backend %s: dropping an update of unknown session %r", self.name, child_sid)
+            return
+        if session.loading:
+            return
+        run = session.run
+        emit = run.turn.emit if run is not None and run.child is child else session.emit
+        if emit is None:
+            return
+        try:
+            emit(params["update"])
+        except Exception:
+            log.exception("backend %s: emitting an update of %s failed", self.name, session.id)
+
+    def _on_child_request(self, child: AgentProcess, req: Request) -> None:
+        refusal = self._take_request(child, req)
+        if refusal is not None:
+            code, message = refusal
+            log.info("backend %s: refused %s from the agent: %s", self.name, req.method, message)
+            child.respond_error(req.id, {"code": code, "message": message})
+
+    def _take_request(self, child: AgentProcess, req: Request) -> tuple[int, str] | None:
+        """Start relaying ``req``, or answer it for the client; else the refusal's code and message."""
+        method = req.method
+        if method not in RELAYED_METHODS:
+            return -32601, f'Method not found: acp-server does not relay "{method}" to its clients'
+        params = decode_params(req.params)
+        child_sid = params.get("sessionId") if isinstance(params, dict) else None
+        if not isinstance(params, dict) or not isinstance(child_sid, str):
+            return -32602, f"Invalid params: {method} needs an object with a string sessionId"
+        session = self._routes.get(child_sid)
+        if session is None or session.child is not child:
+            return -32603, f'{method} names session "{child_sid}", which acp-server does not know'
+        run = session.run
+        if run is None or run.child is not child:
+            return -32603, f"{method} arrived outside a prompt turn of the session: there is no client to ask"
+        return run.take(req.id, method, {**params, "sessionId": session.id})
+
+
+def _with_meta(params: dict[str, Any], meta: dict[str, Any] | None) -> dict[str, Any]:
+    if meta:
+        params["_meta"] = meta
+    return params

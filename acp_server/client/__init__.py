@@ -1,0 +1,51 @@
+"""The Python client SDK for acp-server (trio), on the same sans-I/O JSON-RPC core as the server.
+
+    async with connect("tcp://127.0.0.1:4170") as client:
+        session = await client.new_session("/work")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(show, session.updates)      # session/update, as an async iterator
+            result = await session.prompt("hello", retry=RetryPolicy())
+        print(result.stop_reason)
+
+What it adds over raw ACP: a :class:`SessionClient` per session carrying the server-given client id
+(``_meta.clientId``) on every call and re-registering it once when it went stale (self-heal); a local
+pending-prompt guard (:class:`PendingPromptLimitError`, nothing sent); retries of refusals for capacity
+within the caller's deadline, every attempt carrying one ``_meta.idempotencyKey``; and cancellation of
+one's own prompt with ``$/cancel_request`` (never ``session/cancel``, which ends everyone's).
+"""
+
+from ..types.acp import PromptResult, SessionInfo
+from .client import Client, connect
+from .errors import (
+    ClientError,
+    ConnectionLostError,
+    PendingPromptLimitError,
+    ProtocolError,
+    RpcError,
+    is_retryable,
+)
+from .hooks import Hooks
+from .retry import Attempt, RetryPolicy, retrying
+from .session import PromptCall, SessionClient
+from .updates import Update, UpdateStream
+
+__all__ = [
+    "Attempt",
+    "Client",
+    "ClientError",
+    "ConnectionLostError",
+    "Hooks",
+    "PendingPromptLimitError",
+    "PromptCall",
+    "PromptResult",
+    "ProtocolError",
+    "RetryPolicy",
+    "RpcError",
+    "SessionClient",
+    "SessionInfo",
+    "Update",
+    "UpdateStream",
+    "connect",
+    "is_retryable",
+    "retrying",
+]

@@ -1,0 +1,526 @@
+"""``make bench``: acp-server's benchmarks, side by side with the official ACP Python SDK.
+
+Scenarios (``--only NAME``, repeatable; all by default):
+
+1. ``sdk``: the SDK client drives the SDK's echo agent and ``acp-server serve --stdio``, A/B.
+2. ``pipelined``: our load generator over TCP: a trivial method, then echo prompts over 100 sessions.
+3. ``overload``: 3x the prompts the pending limit admits, against 1x; the cost of a refusal.
+4. ``scale``: RSS per idle session at 10,000 sessions; 1,000 connections prompting at once.
+
+Prints a Markdown table (each figure with the command that reproduces it) and writes JSON to
+``bench/results/latest.json``. ``--tiny`` (or ``BENCH_TINY=1``) runs everything with tiny counts, in
+seconds: a smoke test, not a measurement. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from procfs import cpu_source, percentile
+from sdk_ab import AbSizes, Totals, run_ab
+from servers import BENCH, BenchError, TcpServer, acp_server_argv, sdk_echo_argv, server_flags, shell_command
+
+SCENARIOS = ("sdk", "pipelined", "overload", "scale")
+DEFAULT_OUT = BENCH / "results" / "latest.json"
+TEXT = "the quick brown fox jumps over the lazy dog"
+#: Trivial requests in flight: enough that the server never waits for the client between batches.
+RPC_WINDOW = 1024
+
+
+@dataclass(frozen=True)
+class Sizes:
+    ab: AbSizes
+    duration: float  # seconds of each timed load-generator run
+    warmup: float
+    reps: int  # timed runs per pipelined figure (the median is reported)
+    echo_sessions: int
+    overload_sessions: int
+    refusal_round_trips: int
+    idle_sessions: int
+    connections: int
+
+
+FULL = Sizes(
+    ab=AbSizes(rounds=3, warmup=50, sequential=1000, sessions=8, per_session=150, text=TEXT),
+    duration=3.0,
+    warmup=0.5,
+    reps=3,
+    echo_sessions=100,
+    # 3x the pending limit (5) per session stays under --max-inflight-requests (256) on one connection.
+    overload_sessions=16,
+    refusal_round_trips=2000,
+    idle_sessions=10_000,
+    connections=1000,
+)
+TINY = Sizes(
+    ab=AbSizes(rounds=1, warmup=2, sequential=10, sessions=8, per_session=2, text=TEXT),
+    duration=0.1,
+    warmup=0.05,
+    reps=1,
+    echo_sessions=100,
+    overload_sessions=16,
+    refusal_round_trips=20,
+    idle_sessions=200,
+    connections=20,
+)
+
+
+@dataclass
+class Figure:
+    """One number of the report; ``sdk`` and ``ratio`` only where the SDK ran the same workload."""
+
+    scenario: str
+    name: str
+    unit: str
+    ours: float | None
+    sdk: float | None = None
+    goal: str | None = None
+    met: bool | None = None
+    command: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.ours is None or not self.sdk:
+            return None
+        return self.ours / self.sdk
+
+
+@dataclass
+class Report:
+    tiny: bool
+    figures: list[Figure] = field(default_factory=list)
+    scenarios: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+    load_at_start: list[float] = field(default_factory=lambda: list(os.getloadavg()))
+
+    def command(self, scenario: str) -> str:
+        return f"python bench/run.py --only {scenario}" + (" --tiny" if self.tiny else "")
+
+    def add(self, scenario: str, name: str, unit: str, ours: float | None, **kw: Any) -> None:
+        number = str(SCENARIOS.index(scenario) + 1)
+        self.figures.append(Figure(number, name, unit, ours, command=self.command(scenario), **kw))
+
+
+def progress(text: str) -> None:
+    print(f"bench: {text}", file=sys.stderr, flush=True)
+
+
+def loadgen(mode: str, server: TcpServer, args: list[str], runs: list[dict[str, str]]) -> dict[str, Any]:
+    """Run bench/loadgen.py in its own process against ``server``; its JSON output."""
+    argv = [
+        sys.executable,
+        str(BENCH / "loadgen.py"),
+        mode,
+        "--port",
+        str(server.port),
+        "--server-pid",
+        str(server.pid),
+    ]
+    shown = [sys.executable, str(BENCH / "loadgen.py"), mode, "--port", "PORT", "--server-pid", "PID", *args]
+    runs.append({"server": server.command, "client": shell_command(shown)})
+    proc = subprocess.run([*argv, *args], capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise BenchError(f"{shell_command(shown)} exited {proc.returncode}: {proc.stderr.strip()}")
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out
+
+
+def check_busy(report: Report, what: str, run: dict[str, Any]) -> None:
+    """Note a run that neither process could drive at full speed (a busy machine) or the client limited."""
+    server, client = run.get("server_cpu_share") or 0.0, run.get("client_cpu_share") or 0.0
+    if client > 0.9:
+        report.notes.append(
+            f"{what}: the load generator was {client:.0%} busy, so it may be what limits the rate."
+        )
+    elif server < 0.9:
+        report.notes.append(
+            f"{what}: the server used only {server:.0%} of a CPU while loaded: other processes took the "
+            "machine's CPUs, so the rate is a lower bound (CPU per operation is the steadier figure)."
+        )
+
+
+def median_run(results: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The run whose ``key`` is the median (the lower middle one for an even count)."""
+    ordered = sorted(results, key=lambda r: r[key] or 0)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+# --- scenario 1 ----------------------------------------------------------------------------------
+
+
+def scenario_sdk(report: Report, sizes: Sizes) -> None:
+    ab = sizes.ab
+    ours, sdk = shell_command([*acp_server_argv(), "serve", "--stdio"]), shell_command(sdk_echo_argv())
+    progress(f"1: SDK client -> {sdk} | {ours}, {ab.rounds} A/B rounds")
+    totals = run_ab({"sdk": sdk_echo_argv(), "ours": [*acp_server_argv(), "serve", "--stdio"]}, ab)
+    raw: dict[str, Any] = {
+        "agents": {"ours": ours, "sdk": sdk},
+        "sizes": asdict(ab),
+        "words_per_prompt": len(ab.text.split()),
+    }
+    for workload, label in (
+        ("sequential", "sequential prompts, 1 session"),
+        ("concurrent", f"{ab.sessions} sessions at once"),
+    ):
+        per: dict[str, dict[str, Any]] = {}
+        for name in ("ours", "sdk"):
+            t: Totals = totals[name][workload]
+            per[name] = {
+                "prompts": t.prompts,
+                "prompts_per_s": t.prompts / t.seconds,
+                "p50_ms": _ms(percentile(t.latencies, 0.50)),
+                "p99_ms": _ms(percentile(t.latencies, 0.99)),
+                "cpu_us_per_prompt": t.cpu_s * 1e6 / t.prompts,
+                "rounds": t.rounds,
+            }
+        raw[workload] = per
+        o, s = per["ours"], per["sdk"]
+        report.add("sdk", f"{label}: prompts/s", "1/s", o["prompts_per_s"], sdk=s["prompts_per_s"])
+        report.add("sdk", f"{label}: p50 latency", "ms", o["p50_ms"], sdk=s["p50_ms"])
+        report.add("sdk", f"{label}: p99 latency", "ms", o["p99_ms"], sdk=s["p99_ms"])
+        cpu_o, cpu_s = o["cpu_us_per_prompt"], s["cpu_us_per_prompt"]
+        met = cpu_o is not None and cpu_s is not None and cpu_o <= cpu_s / 3
+        report.add(
+            "sdk", f"{label}: server CPU per prompt", "µs", cpu_o, sdk=cpu_s, goal="<= 1/3 of SDK", met=met
+        )
+    report.scenarios["sdk"] = raw
+    words = len(ab.text.split())
+    report.notes.append(
+        f"Scenario 1: prompts of {words} words ({words} updates each) over stdio, {ab.rounds} alternating "
+        "A/B round(s); prompts/s and latency are bounded by the SDK client (the same on both sides), the "
+        "server CPU per prompt is the agent process's own, read from /proc."
+    )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return seconds * 1000 if seconds is not None else None
+
+
+# --- scenario 2 ----------------------------------------------------------------------------------
+
+
+def scenario_pipelined(report: Report, sizes: Sizes) -> None:
+    timing = ["--duration", str(sizes.duration), "--warmup", str(sizes.warmup)]
+    raw: dict[str, Any] = {"runs": []}
+    runs = raw["runs"]
+    variants: list[tuple[str, list[str]]] = [("defaults", [])]
+    if "--ephemeral" in server_flags():
+        variants.append(("--ephemeral", ["--ephemeral"]))
+    else:
+        report.skipped.append("Scenario 2: the --ephemeral variant (the server has no --ephemeral flag yet).")
+    for label, flags in variants:
+        with TcpServer(flags) as server:
+            progress(f"2: pipelined over TCP ({label}): {server.command}")
+            window = str(RPC_WINDOW)
+            rpc = [loadgen("rpc", server, ["--window", window, *timing], runs) for _ in range(sizes.reps)]
+            echo: dict[int, list[dict[str, Any]]] = {2: [], 5: []}
+            for _ in range(sizes.reps):
+                for depth in echo:
+                    args = ["--sessions", str(sizes.echo_sessions), "--depth", str(depth), *timing]
+                    echo[depth].append(loadgen("echo", server, args, runs))
+        suffix = "" if label == "defaults" else f" ({label})"
+        rpc_run = median_run(rpc, "ok_per_s")
+        raw[f"rpc{suffix}"] = rpc
+        what = f"_acp_server/capabilities, {RPC_WINDOW} in flight"
+        report.add("pipelined", f"{what}: requests/s{suffix}", "1/s", rpc_run["ok_per_s"])
+        cpu_us = rpc_run["server_cpu_us_per_ok"]
+        report.add("pipelined", f"{what}: server CPU per request{suffix}", "µs", cpu_us)
+        report.add(
+            "pipelined", f"{what}: requests/s per busy core{suffix}", "1/s", 1e6 / cpu_us if cpu_us else None
+        )
+        check_busy(report, f"Scenario 2, {what}", rpc_run)
+        for depth, results in echo.items():
+            run = median_run(results, "ok_per_s")
+            raw[f"echo_depth{depth}{suffix}"] = results
+            what = f"echo, {sizes.echo_sessions} sessions x {depth} in flight"
+            rate = run["ok_per_s"]
+            report.add(
+                "pipelined", f"{what}: prompts/s{suffix}", "1/s", rate, goal=">= 10,000", met=rate >= 10_000
+            )
+            report.add("pipelined", f"{what}: p50 latency{suffix}", "ms", run["ok_p50_ms"])
+            report.add("pipelined", f"{what}: p99 latency{suffix}", "ms", run["ok_p99_ms"])
+            cpu_us = run["server_cpu_us_per_ok"]
+            report.add("pipelined", f"{what}: server CPU per prompt{suffix}", "µs", cpu_us)
+            report.add(
+                "pipelined",
+                f"{what}: prompts/s per busy core (1e6 / CPU per prompt){suffix}",
+                "1/s",
+                1e6 / cpu_us if cpu_us else None,
+            )
+            check_busy(report, f"Scenario 2, {what}", run)
+    report.scenarios["pipelined"] = raw
+    report.notes.append(
+        "Scenario 2: one TCP connection, one-word prompts (1 update each), the median of "
+        f"{sizes.reps} run(s) of {sizes.duration} s; 100 x 5 in flight is over --max-inflight-requests "
+        "(256), so part of it waits in the connection's queue. The server runs its defaults: there is no "
+        "session store yet (a later issue), so nothing is persisted."
+    )
+
+
+# --- scenario 3 ----------------------------------------------------------------------------------
+
+
+def scenario_overload(report: Report, sizes: Sizes) -> None:
+    timing = ["--duration", str(sizes.duration), "--warmup", str(sizes.warmup)]
+    raw: dict[str, Any] = {"runs": []}
+    runs = raw["runs"]
+    by_factor: dict[int, list[dict[str, Any]]] = {1: [], 3: []}
+    with TcpServer() as server:
+        progress(f"3: {sizes.overload_sessions} sessions at 1x and 3x the pending limit: {server.command}")
+        for _ in range(sizes.reps):
+            for factor in by_factor:  # alternating 1x / 3x
+                args = ["--sessions", str(sizes.overload_sessions), "--per-limit", str(factor), *timing]
+                by_factor[factor].append(loadgen("echo", server, args, runs))
+    with TcpServer(["--echo-delay-ms", "600000"]) as held:
+        progress(f"3: refusal cost on a full session: {held.command}")
+        refusals = loadgen(
+            "refusals", held, ["--count", str(sizes.refusal_round_trips), "--window", "256", *timing], runs
+        )
+    one, three = median_run(by_factor[1], "ok_per_s"), median_run(by_factor[3], "ok_per_s")
+    check_busy(report, "Scenario 3, 1x", one)
+    raw.update({"1x": by_factor[1], "3x": by_factor[3], "refusals": refusals})
+    report.scenarios["overload"] = raw
+    ratio = three["ok_per_s"] / one["ok_per_s"] if one["ok_per_s"] else None
+    limit = one.get("pending_limit")
+    report.add(
+        "overload",
+        f"goodput at 1x ({sizes.overload_sessions} sessions x {limit} in flight)",
+        "1/s",
+        one["ok_per_s"],
+    )
+    report.add(
+        "overload",
+        f"goodput at 3x ({sizes.overload_sessions} x {3 * (limit or 0)}, refused re-sent at once)",
+        "1/s",
+        three["ok_per_s"],
+    )
+    report.add(
+        "overload", "goodput 3x / 1x", "", ratio, goal=">= 0.90", met=ratio is not None and ratio >= 0.9
+    )
+    # The same ratio per second of server CPU: what the refusals cost, whatever else the machine runs.
+    per_cpu = {
+        f: r["ok"] / r["server_cpu_s"] if r["server_cpu_s"] else None for f, r in ((1, one), (3, three))
+    }
+    cpu_ratio = per_cpu[3] / per_cpu[1] if per_cpu[1] and per_cpu[3] else None
+    report.add("overload", "goodput per server CPU-second, 3x / 1x", "", cpu_ratio)
+    report.add("overload", "refusals/s at 3x", "1/s", three["refused_per_s"])
+    refusal_us = refusals["pipelined"]["server_cpu_us_per_refused"]
+    if refusal_us and three["server_cpu_s"]:
+        share = three["refused"] * refusal_us / 1e6 / three["server_cpu_s"]
+        report.add("overload", "share of the server's CPU spent refusing at 3x (estimate)", "", share)
+    report.add(
+        "overload", "refusal round trip p50, one at a time (client-side)", "ms", refusals["rtt_p50_ms"]
+    )
+    p99 = refusals["rtt_p99_ms"]
+    report.add(
+        "overload",
+        "refusal round trip p99, one at a time (client-side)",
+        "ms",
+        p99,
+        goal="<= 1 ms",
+        met=p99 is not None and p99 <= 1.0,
+    )
+    report.add(
+        "overload", "refusal round trip p99 at 3x (client-side, with queueing)", "ms", three["refusal_p99_ms"]
+    )
+    pipelined = refusals["pipelined"]
+    report.add(
+        "overload",
+        "server CPU per refusal (pipelined refusals)",
+        "µs",
+        pipelined["server_cpu_us_per_refused"],
+    )
+    report.add("overload", "refusals/s, pipelined on one full session", "1/s", pipelined["refused_per_s"])
+    report.notes.append(
+        "Scenario 3: the server does not report how long a refusal takes (request read to error "
+        "written), so refusal times are client-side round trips over loopback, an upper bound. Server-side "
+        "figures need the shell to stamp each request when its bytes are read (after receive_some) and "
+        "when the writer's send_all holding its answer returns, kept as a p50/p99 histogram per outcome "
+        "(admitted, refused) in _acp_server/stats. The 3x clients re-send a refused prompt at once, "
+        "ignoring retryAfterMs: the worst case, where refusals come back as fast as the server makes them. "
+        "Server CPU per refusal comes from a session held full (--echo-delay-ms 600000) and pipelined "
+        "prompts that are all refused."
+    )
+
+
+# --- scenario 4 ----------------------------------------------------------------------------------
+
+
+def scenario_scale(report: Report, sizes: Sizes) -> None:
+    raw: dict[str, Any] = {"runs": []}
+    runs = raw["runs"]
+    extra: list[str] = []
+    if "--max-sessions" in server_flags():
+        extra = ["--max-sessions", str(2 * sizes.idle_sessions)]
+    else:
+        report.skipped.append(
+            "Scenario 4: --max-sessions (the server has no such flag yet; no session cap applies)."
+        )
+    with TcpServer(extra) as server:
+        progress(f"4: {sizes.idle_sessions} idle sessions: {server.command}")
+        idle = loadgen("sessions", server, ["--count", str(sizes.idle_sessions)], runs)
+    with TcpServer() as server:
+        progress(f"4: {sizes.connections} connections at once: {server.command}")
+        conns = loadgen("connections", server, ["--count", str(sizes.connections)], runs)
+    raw.update({"sessions": idle, "connections": conns})
+    report.scenarios["scale"] = raw
+    per = idle["rss_per_session_bytes"]
+    report.add(
+        "scale",
+        f"RSS per idle session at {sizes.idle_sessions:,} sessions",
+        "bytes",
+        per,
+        goal="<= 8 KiB",
+        met=per <= 8192,
+    )
+    report.add("scale", "session/new, pipelined: sessions/s", "1/s", idle["session_new_per_s"])
+    served = conns["served"]
+    report.add(
+        "scale",
+        f"connections served of {sizes.connections:,} at once (each prompts once)",
+        "",
+        served,
+        goal=f"{sizes.connections:,}",
+        met=served == sizes.connections,
+    )
+    report.add("scale", f"{sizes.connections:,} connections: wall time", "s", conns["wall_s"])
+    report.add("scale", f"{sizes.connections:,} connections: p99 time to answer", "ms", conns["p99_ms"])
+    report.add("scale", "RSS per open connection", "bytes", conns["rss_per_connection_bytes"])
+
+
+RUNNERS: dict[str, Callable[[Report, Sizes], None]] = {
+    "sdk": scenario_sdk,
+    "pipelined": scenario_pipelined,
+    "overload": scenario_overload,
+    "scale": scenario_scale,
+}
+
+
+# --- output --------------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if unit in ("1/s", "bytes") or (isinstance(value, int) and not isinstance(value, bool)):
+        return f"{value:,.0f}"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
+def markdown(report: Report) -> str:
+    mode = " (tiny: smoke counts, not a measurement)" if report.tiny else ""
+    load = ", ".join(f"{x:.1f}" for x in report.load_at_start)
+    lines = [
+        f"## acp-server benchmarks{mode}",
+        "",
+        f"{os.cpu_count()} CPUs, load average {load} at the start (a busy machine makes rates noisy; "
+        "CPU per operation is the steadier figure). Scenario numbers follow bench/README.md.",
+        "",
+        "| # | figure | unit | ours | SDK | ours/SDK | goal | met | reproduce |",
+        "|---|---|---|--:|--:|--:|---|---|---|",
+    ]
+    for f in report.figures:
+        ratio = f"{f.ratio:.2f}" if f.ratio is not None else "-"
+        met = {True: "yes", False: "**no**", None: ""}[f.met]
+        lines.append(
+            f"| {f.scenario} | {f.name} | {f.unit} | {fmt(f.ours, f.unit)} | {fmt(f.sdk, f.unit)} | {ratio} "
+            f"| {f.goal or ''} | {met} | `{f.command}` |"
+        )
+    for title, items in (("Skipped", report.skipped), ("Notes", report.notes)):
+        if items:
+            lines += ["", f"{title}:", ""] + [f"- {item}" for item in items]
+    if report.errors:
+        lines += ["", "Failed scenarios:", ""] + [f"- {name}: {msg}" for name, msg in report.errors.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    out = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=BENCH.parent, capture_output=True, text=True, check=False
+    )
+    return out.stdout.strip() or None
+
+
+def to_json(report: Report, selected: Sequence[str], started: float) -> dict[str, Any]:
+    return {
+        "meta": {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "tiny": report.tiny,
+            "scenarios": list(selected),
+            "seconds": round(time.monotonic() - started, 1),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "acp_server": _version("acp-server"),
+            "agent_client_protocol": _version("agent-client-protocol"),
+            "git_commit": _git_commit(),
+            "cpu_time_source": cpu_source(os.getpid()),
+            "load_average_at_start": report.load_at_start,
+            "load_average_at_end": list(os.getloadavg()),
+            "command": "python bench/run.py" + (" --tiny" if report.tiny else ""),
+        },
+        "figures": [{**asdict(f), "ratio": f.ratio} for f in report.figures],
+        "scenarios": report.scenarios,
+        "skipped": report.skipped,
+        "notes": report.notes,
+        "errors": report.errors,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        default=os.environ.get("BENCH_TINY") == "1",
+        help="tiny counts: every scenario in seconds (also BENCH_TINY=1)",
+    )
+    parser.add_argument(
+        "--only", action="append", choices=SCENARIOS, help="run this scenario only (repeatable)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"the JSON file (default {DEFAULT_OUT})"
+    )
+    args = parser.parse_args(argv)
+    selected = [s for s in SCENARIOS if s in (args.only or SCENARIOS)]
+    sizes = TINY if args.tiny else FULL
+    report = Report(tiny=args.tiny)
+    started = time.monotonic()
+    for name in selected:
+        try:
+            RUNNERS[name](report, sizes)
+        except (BenchError, OSError, subprocess.SubprocessError) as exc:
+            progress(f"scenario {name} failed: {exc}")
+            report.errors[name] = str(exc)
+    sys.stdout.write(markdown(report))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(to_json(report, selected, started), indent=2) + "\n")
+    progress(f"wrote {args.out} in {time.monotonic() - started:.1f} s")
+    return 1 if report.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

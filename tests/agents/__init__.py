@@ -1,0 +1,1 @@
+"""Agents the tests spawn as subprocesses (written with the official ACP SDK)."""

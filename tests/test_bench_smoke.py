@@ -1,0 +1,55 @@
+"""The benchmark suite's smoke test: ``bench/run.py --tiny`` runs every scenario end to end.
+
+It is the only benchmark run under ``make test``: tiny counts, so it shows the suite works (the
+servers start, the SDK peer echoes like ours, the load generator talks to the server), not how fast.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+from .helpers import ROOT
+
+RUN = ROOT / "bench" / "run.py"
+FIGURE_KEYS = {"scenario", "name", "unit", "ours", "sdk", "ratio", "goal", "met", "command"}
+
+
+def test_bench_tiny_prints_the_table_and_writes_json(tmp_path: pathlib.Path) -> None:
+    """Every scenario runs, each figure is a table row with its command, and the JSON has them all."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(RUN), "--tiny", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| # | figure | unit | ours | SDK | ours/SDK | goal | met | reproduce |" in proc.stdout
+
+    report = json.loads(out.read_text())
+    assert set(report) == {"meta", "figures", "scenarios", "skipped", "notes", "errors"}
+    assert report["errors"] == {}
+    assert report["meta"]["tiny"] is True
+    assert set(report["scenarios"]) == {"sdk", "pipelined", "overload", "scale"}
+    figures = report["figures"]
+    assert {f["scenario"] for f in figures} == {"1", "2", "3", "4"}
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == len(figures)
+    for figure, row in zip(figures, rows, strict=True):
+        assert set(figure) == FIGURE_KEYS
+        assert figure["name"] in row and f"`{figure['command']}`" in row
+        assert figure["command"].startswith("python bench/run.py --only ")
+
+    sdk_side = [f for f in figures if f["scenario"] == "1"]
+    assert sdk_side and all(f["sdk"] is not None and f["ratio"] is not None for f in sdk_side)
+    served = next(f for f in figures if f["name"].startswith("connections served"))
+    assert served["met"] is True
+    echo = report["scenarios"]["pipelined"]["echo_depth2"][0]
+    assert echo["ok"] > 0 and echo["notifications"] == echo["ok"]  # one update per one-word prompt
+    refusals = report["scenarios"]["overload"]["refusals"]
+    assert refusals["round_trips"] > 0 and refusals["pipelined"]["ok"] == 0
