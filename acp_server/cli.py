@@ -21,6 +21,7 @@ import trio
 
 from . import __version__
 from .admission import Limits
+from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config
 from .server import ListenAddress, ServerConfig, serve
 
@@ -103,7 +104,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     s.add_argument(
         "--echo-delay-ms",
         type=_int_arg("--echo-delay-ms", minimum=0, meaning="a non-negative integer (milliseconds)"),
-        default=0,
+        default=None,  # None: not given, so a config file's delay_ms stands (an explicit 0 overrides it)
         metavar="N",
         help="each echo prompt takes at least N ms (default 0)",
     )
@@ -159,6 +160,13 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="an idle session with no client and no connection is closed after S seconds (default 1800)",
     )
     s.add_argument(
+        "--idempotency-ttl-s",
+        type=_seconds_arg("--idempotency-ttl-s"),
+        default=Limits().idempotency_ttl_s,
+        metavar="S",
+        help="how long an admitted _meta.idempotencyKey is remembered per session (default 600)",
+    )
+    s.add_argument(
         "--agent",
         action="append",
         type=_agent_arg,
@@ -183,6 +191,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="-- CMD ARGS",
         help="after --: one ACP agent command, served as the backend named 'agent' (and the default)",
     )
+    client_cli.add_commands(sub)  # prompt, sessions: after serve, which --help lists first
     return parser, s
 
 
@@ -218,7 +227,7 @@ def backends_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         backends["agent"] = BackendConfig(kind="acp", command=list(args.agent_command))
         default = "agent"
     echo = backends.get("echo")
-    if echo is not None and echo.kind == "echo" and args.echo_delay_ms:
+    if echo is not None and echo.kind == "echo" and args.echo_delay_ms is not None:
         backends["echo"] = msgspec.structs.replace(echo, delay_ms=args.echo_delay_ms)
     if args.default_backend is not None:
         default = args.default_backend
@@ -250,6 +259,8 @@ def _check_loopback(parser: argparse.ArgumentParser, addr: ListenAddress) -> Non
 def main(argv: Sequence[str] | None = None) -> int:
     parser, serve_parser = _build()
     args = parser.parse_args(argv)
+    if args.command in client_cli.COMMANDS:
+        return client_cli.run(args)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         stream=sys.stderr,
@@ -269,12 +280,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_message_bytes=args.max_message_bytes,
         max_outbound_bytes=args.max_outbound_bytes,
         max_inflight_requests=args.max_inflight_requests,
+        idempotency_ttl_s=args.idempotency_ttl_s,
     )
     backends, default_backend = backends_from(args, serve_parser)
     config = ServerConfig(
         stdio=args.stdio,
         listen=listen,
-        echo_delay_ms=args.echo_delay_ms,
+        echo_delay_ms=args.echo_delay_ms or 0,
         limits=limits,
         backends=backends,
         default_backend=default_backend,

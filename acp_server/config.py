@@ -76,6 +76,8 @@ def check_backend(name: str, cfg: BackendConfig) -> BackendConfig:
         value = getattr(cfg, field)
         if value is not None and value < 0:
             raise ConfigError(f"{key}.{field}: must be a non-negative integer; got {value}")
+    if cfg.max_waiting is not None and cfg.max_active is None:
+        raise ConfigError(f"{key}.max_waiting: needs max_active (with unlimited active calls nothing waits)")
     if cfg.max_active == 0:
         raise ConfigError(f"{key}.max_active: must be at least 1 (leave it out for no limit)")
     return cfg

@@ -17,7 +17,8 @@ schemas agree. Blame is split as in h11: the peer's fault, overload, and our own
     ├── SessionStateError                   the session cannot take this request
     │   ├── SessionNotFoundError            -32002 session_not_found
     │   ├── InvalidClientIdError            -32003 invalid_client_id
-    │   └── BranchWhilePromptActiveError    -32006 branch_while_prompt_active
+    │   ├── BranchWhilePromptActiveError    -32006 branch_while_prompt_active
+    │   └── IdempotencyKeyConflictError     -32008 idempotency_key_conflict
     ├── OverloadError                       refused for capacity; retryable
     │   ├── PromptQueueFullError            -32001 prompt_queue_full
     │   └── CapacityExceededError           -32005 capacity_exceeded
@@ -48,6 +49,7 @@ __all__ = [
     "AcpError",
     "BranchWhilePromptActiveError",
     "CapacityExceededError",
+    "IdempotencyKeyConflictError",
     "InternalError",
     "InvalidClientIdError",
     "InvalidParamsError",
@@ -172,6 +174,13 @@ class BranchWhilePromptActiveError(SessionStateError):
     kind = "branch_while_prompt_active"
     template = 'Session "{session_id}" cannot be forked while its backend is still finishing an abandoned prompt'
     data_type = data.BranchWhilePromptActiveData
+
+
+class IdempotencyKeyConflictError(SessionStateError):
+    code = -32008
+    kind = "idempotency_key_conflict"
+    template = 'Idempotency key "{idempotency_key}" of session "{session_id}" was used for a different prompt'
+    data_type = data.IdempotencyKeyConflictData
 
 
 class OverloadError(AcpError):

@@ -18,6 +18,7 @@ import trio
 
 from . import __version__
 from .admission import Limits
+from .admission.pool import CapacityManager, PoolLimits
 from .backends import Backend, EchoBackend
 from .backends.registry import build_backends
 from .bridge import SessionBridge
@@ -79,9 +80,12 @@ class Server:
         backend: Backend | Mapping[str, Backend] | None = None,
         *,
         default_backend: str | None = None,
+        capacity: CapacityManager | None = None,
     ) -> None:
         self.limits = limits or Limits()
-        self.bridge = SessionBridge(backend or EchoBackend(), self.limits, default_backend=default_backend)
+        self.bridge = SessionBridge(
+            backend or EchoBackend(), self.limits, default_backend=default_backend, capacity=capacity
+        )
         self.dispatcher = Dispatcher(REQUESTS, NOTIFICATIONS)
         self.connections: set[ConnectionShell] = set()
         self._running = 0
@@ -148,7 +152,15 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
     """
     configs = dict(config.backends) or {"echo": BackendConfig(kind="echo", delay_ms=config.echo_delay_ms)}
     backends = build_backends(configs)
-    server = Server(config.limits, backends, default_backend=config.default_backend if config.backends else "echo")
+    capacity = CapacityManager(
+        {name: PoolLimits(max_active=c.max_active, max_waiting=c.max_waiting) for name, c in configs.items()}
+    )
+    server = Server(
+        config.limits,
+        backends,
+        default_backend=config.default_backend if config.backends else "echo",
+        capacity=capacity,
+    )
     async with trio.open_nursery() as nursery:
         for backend in backends.values():
             run = getattr(backend, "run", None)

@@ -151,7 +151,7 @@ class LineWatcher(logging.Handler):
 async def test_acp_agent_multiplexes_two_clients_on_one_child() -> None:
     """Two sessions of two clients share one child: each turn gets its own echo, meta passes both ways."""
     with trio.fail_after(TIMEOUT_S):
-        async with running("--close-session") as backend:
+        async with running() as backend:
             await backend.ensure_started()
             offered = backend.agent_capabilities["_meta"]["clientCapabilities"]
             assert offered["fs"] == {"readTextFile": True, "writeTextFile": True}
@@ -237,29 +237,32 @@ async def test_acp_agent_permission_goes_to_the_prompting_client() -> None:
 
 
 async def test_acp_agent_fs_request_relayed_only_when_advertised() -> None:
-    """fs/read_text_file: refused to the child at once for a client without fs, else relayed (errors too)."""
+    """fs/read_text_file: refused to the child at once for a client without fs, else relayed (errors too).
+
+    A request of a method we do not relay (``_fake/ping``) is refused with -32601 every time.
+    """
     path = "/work/notes.txt"
     with trio.fail_after(TIMEOUT_S):
-        async with running("--read-file", path) as backend:
+        async with running("--ext-request", "--read-file", path) as backend:
             await open_session(backend, "s1")
 
             no_fs = FakeClient(respond=answer({"content": "never"}))
             turn = make_turn("s1", "go", no_fs)
             assert await backend.prompt(turn) == "end_turn"
-            assert recorder(turn).text == "read-error:-32601 go"
+            assert recorder(turn).text == "ext-error:-32601 read-error:-32601 go"
             assert no_fs.requests == []
 
             with_fs = FakeClient(fs=True, respond=answer({"content": "hello"}))
             turn = make_turn("s1", "again", with_fs)
             assert await backend.prompt(turn) == "end_turn"
-            assert recorder(turn).text == "file:hello again"
+            assert recorder(turn).text == "ext-error:-32601 file:hello again"
             assert with_fs.requests == [("fs/read_text_file", {"sessionId": "s1", "path": path})]
 
             not_found = ClientRequestError({"code": -32002, "message": "no such file"})
             refusing = FakeClient(fs=True, respond=fail_with(not_found))
             turn = make_turn("s1", "third", refusing)
             assert await backend.prompt(turn) == "end_turn"
-            assert recorder(turn).text == "read-error:-32002 third"
+            assert recorder(turn).text == "ext-error:-32601 read-error:-32002 third"
 
 
 async def test_acp_agent_open_requests_answered_when_client_leaves_or_prompt_ends() -> None:

@@ -46,6 +46,8 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
         max_message_bytes: the longest line accepted from a peer.
         max_outbound_bytes: bytes queued to one connection before it is evicted (0: twice the above).
         max_inflight_requests: unanswered requests of one connection that run at once.
+        idempotency_ttl_s: how long an admitted ``(sessionId, idempotencyKey)`` is remembered.
+        max_idempotency_keys: the most keys remembered at once (the oldest expire first).
     """
 
     max_pending_prompts_per_session: int = 5
@@ -55,6 +57,8 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     max_message_bytes: int = 50 * 1024 * 1024
     max_outbound_bytes: int = 0
     max_inflight_requests: int = 256
+    idempotency_ttl_s: float = 600.0
+    max_idempotency_keys: int = 100_000
 
     def __post_init__(self) -> None:
         check_non_negative_int("max_pending_prompts_per_session", self.max_pending_prompts_per_session)
@@ -62,7 +66,8 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
         check_positive_int("max_message_bytes", self.max_message_bytes)
         check_non_negative_int("max_outbound_bytes", self.max_outbound_bytes, zero="0 means twice max_message_bytes")
         check_positive_int("max_inflight_requests", self.max_inflight_requests)
-        for name in ("client_idle_timeout_s", "session_idle_timeout_s"):
+        check_positive_int("max_idempotency_keys", self.max_idempotency_keys)
+        for name in ("client_idle_timeout_s", "session_idle_timeout_s", "idempotency_ttl_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")

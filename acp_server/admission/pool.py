@@ -83,7 +83,7 @@ class PoolLimits(msgspec.Struct, frozen=True, kw_only=True):
         return self.max_active + self.max_waiting
 
 
-class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
+class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """A snapshot of one pool, like ``trio.CapacityLimiter.statistics()``.
 
     Attributes:

@@ -44,8 +44,7 @@ RELAYED_METHODS: Final[Mapping[str, tuple[str, Callable[[ClientCapabilities], bo
     "terminal/release": ("terminal", _terminal),
     "terminal/wait_for_exit": ("terminal", _terminal),
     "terminal/kill": ("terminal", _terminal),
-    # Not in our ClientCapabilities type: no client can have advertised it (yet).
-    "elicitation/create": ("elicitation", lambda caps: bool(getattr(caps, "elicitation", None))),
+    "elicitation/create": ("elicitation", lambda caps: caps.elicitation is not None),
 }
 
 

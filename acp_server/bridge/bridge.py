@@ -10,6 +10,8 @@ crash comes first. The bridge touches no socket: connections are :class:`Peer` o
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import logging
 import time
 import uuid
@@ -20,12 +22,14 @@ import msgspec
 import trio
 
 from ..admission.limits import Limits
+from ..admission.pool import CapacityManager
 from ..backends.base import Backend, ClientChannel, SessionSetup, Turn
 from ..errors import (
     RETRY_AFTER_MS,
     AcpError,
     BackendUnavailableError,
     BranchWhilePromptActiveError,
+    IdempotencyKeyConflictError,
     InternalError,
     InvalidClientIdError,
     InvalidParamsError,
@@ -89,12 +93,18 @@ class SessionBridge:
         *,
         max_pending_prompts_per_session: Any = None,
         default_backend: str | None = None,
+        capacity: CapacityManager | None = None,
     ) -> None:
         limits = limits or Limits()
         if max_pending_prompts_per_session is not None:
             limits = msgspec.structs.replace(limits, max_pending_prompts_per_session=max_pending_prompts_per_session)
             limits.__post_init__()
         self.limits = limits
+        self.capacity = capacity or CapacityManager()
+        #: (session id, idempotency key) -> (prompt fingerprint, ticket, admitted at), oldest first
+        self._idempotency: collections.OrderedDict[tuple[str, str], tuple[bytes, PromptTicket, float]] = (
+            collections.OrderedDict()
+        )
         if isinstance(backend, Mapping):
             self.backends: dict[str, Backend] = dict(backend)
             self.default_backend = default_backend or next(iter(self.backends))
@@ -334,7 +344,11 @@ class SessionBridge:
 
     # --- prompts -----------------------------------------------------------------------------------
 
-    def admit_prompt(
+    def admit_prompt(self, session_id: str, prompt: list[ContentBlock], **kwargs: Any) -> PromptTicket:
+        """:meth:`admit` returning only the ticket."""
+        return self.admit(session_id, prompt, **kwargs)[0]
+
+    def admit(
         self,
         session_id: str,
         prompt: list[ContentBlock],
@@ -345,23 +359,50 @@ class SessionBridge:
         cancelled: bool = False,
         channel: ClientChannel | None = None,
         meta: dict[str, Any] | None = None,
-    ) -> PromptTicket:
+        idempotency_key: str | None = None,
+    ) -> tuple[PromptTicket, bool]:
         """Admit a prompt or refuse it, synchronously and all or nothing.
 
+        Returns:
+            The prompt's ticket, and whether it is an earlier attempt's (an idempotent duplicate).
+
+        A prompt whose ``(session, idempotency_key)`` was admitted within the TTL takes no slot and
+        does not run again: the earlier attempt's ticket is returned (wait on it with
+        :meth:`duplicate_outcome`), so every attempt gets the same outcome.
+
         Raises:
-            SessionNotFoundError, InvalidClientIdError, RequestCancelledError, PromptQueueFullError:
+            SessionNotFoundError, InvalidClientIdError, RequestCancelledError,
+            IdempotencyKeyConflictError, PromptQueueFullError, CapacityExceededError:
                 in this order of checks; a refusal changes nothing.
         """
         session = self.get(session_id)
         client = self.resolve_client(session, peer, client_id)
         if cancelled:
             raise RequestCancelledError()
+        fingerprint = b""
+        if idempotency_key is not None:
+            fingerprint = hashlib.blake2b(_encoder.encode(prompt), digest_size=16).digest()
+            seen = self._idempotent(session_id, idempotency_key)
+            if seen is not None:
+                if seen[0] != fingerprint:
+                    raise IdempotencyKeyConflictError(session_id=session_id, idempotency_key=idempotency_key)
+                if peer is not None:
+                    self.attach(session, peer)
+                return seen[1], True
         limit = self.limits.max_pending_prompts_per_session
         if limit and session.pending_count >= limit:
             self._refused += 1
             raise PromptQueueFullError(
                 session_id=session_id, limit=limit, pending_count=session.pending_count, retry_after_ms=RETRY_AFTER_MS
             )
+        pool = self.capacity.pool(session.backend.name)
+        lease = None
+        if pool is not None:
+            try:
+                lease = pool.try_lease(session_id)
+            except AcpError:
+                self._refused += 1
+                raise
         effective = self.limits.prompt_deadline_ms
         if deadline_ms is not None and (not effective or deadline_ms < effective):
             effective = deadline_ms
@@ -371,12 +412,38 @@ class SessionBridge:
         )
         ticket.channel = channel
         ticket.meta = meta
+        ticket.lease = lease
+        if idempotency_key is not None:
+            self._remember(session_id, idempotency_key, fingerprint, ticket)
         session.pending_count += 1
         self._admitted += 1
         if peer is not None:
             self.attach(session, peer)
         self._enqueue(session, ticket)
-        return ticket
+        return ticket, False
+
+    def _idempotent(self, session_id: str, key: str) -> tuple[bytes, PromptTicket, float] | None:
+        table = self._idempotency
+        cut = trio.current_time() - self.limits.idempotency_ttl_s
+        while table:
+            oldest = next(iter(table.values()))
+            if oldest[2] > cut:
+                break
+            table.popitem(last=False)
+        return table.get((session_id, key))
+
+    def _remember(self, session_id: str, key: str, fingerprint: bytes, ticket: PromptTicket) -> None:
+        table = self._idempotency
+        table[(session_id, key)] = (fingerprint, ticket, ticket.admitted_at)
+        while len(table) > self.limits.max_idempotency_keys:
+            table.popitem(last=False)
+
+    @staticmethod
+    async def duplicate_outcome(ticket: PromptTicket) -> PromptResult:
+        """The outcome of an earlier attempt with the same idempotency key (this waiter owns nothing:
+        cancelling it does not cancel the prompt)."""
+        await ticket.done.wait()
+        return ticket.outcome()
 
     async def prompt_outcome(self, ticket: PromptTicket) -> PromptResult:
         """Wait for the prompt's outcome, enforcing its deadline from admission.
@@ -442,6 +509,8 @@ class SessionBridge:
         self._settled += 1
         if ticket.call_scope is not None:
             ticket.call_scope.cancel()
+        elif ticket.lease is not None:
+            ticket.lease.release()  # never reached the backend; a running call releases it as it ends
         ticket.done.set()
         return True
 
@@ -534,7 +603,11 @@ class SessionBridge:
                 await trio.lowlevel.checkpoint()
                 if ticket.settled:  # settled between start_soon and now
                     scope.cancel()
-                stop_reason = await session.backend.prompt(turn)
+                if ticket.lease is not None:
+                    async with ticket.lease.permit():  # at most max_active calls; FIFO
+                        stop_reason = await session.backend.prompt(turn)
+                else:
+                    stop_reason = await session.backend.prompt(turn)
                 self._settle(ticket, PromptResult(stop_reason=stop_reason, meta={"promptId": ticket.prompt_id}), None)
             if scope.cancelled_caught and not ticket.settled:
                 if self._closing:
@@ -550,6 +623,8 @@ class SessionBridge:
             log.exception("backend %s failed on %s of session %s", session.backend.name, ticket.prompt_id, session.session_id)
             self._settle(ticket, None, InternalError())
         finally:
+            if ticket.lease is not None:
+                ticket.lease.release()
             call_done.set()
             if session.abandoned is call_done:
                 session.abandoned = None

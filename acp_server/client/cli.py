@@ -149,6 +149,8 @@ async def _prompt(args: argparse.Namespace) -> int:
             code = EXIT_INTERRUPTED
             with interrupt.scope:
                 code = await _prompt_once(args, interrupt)
+            if interrupt.scope.cancelled_caught:
+                _say("interrupted")
             nursery.cancel_scope.cancel()
     return EXIT_INTERRUPTED if interrupt.count else code
 
@@ -183,11 +185,10 @@ async def _prompt_once(args: argparse.Namespace, interrupt: _Interrupt) -> int:
     except ClientError as exc:
         failure = exc
     except OSError as exc:
-        text.end()
         _say(f"error connection_failed: cannot connect to {args.connect}: {exc.strerror or exc}")
         return EXIT_ERROR
     finally:
-        text.end()
+        text.end()  # before any stderr line, so the text's last line is whole
     if failure is not None or result is None:
         _error(failure or ClientError("no outcome"))
         return EXIT_ERROR

@@ -166,6 +166,10 @@ class Client:
             params["_meta"] = dict(meta)
         return await self.connection.call("authenticate", params)
 
+    async def logout(self) -> Any:
+        """``logout``."""
+        return await self.connection.call("logout")
+
     async def capabilities(self) -> dict[str, Any]:
         """``_acp_server/capabilities``: ``{"limits": {...}}``."""
         result = await self.connection.call("_acp_server/capabilities")

@@ -298,7 +298,10 @@ class RpcConnection:
             if call is None:
                 log.debug("dropping an answer to %r, which is no call of ours", event.id)
                 return
-            call.result, call.error = event.result, event.error
+            if event.malformed is not None:
+                call.undecodable = event.malformed
+            else:
+                call.result, call.error = event.result, event.error
             call._finish()
         elif isinstance(event, Notification):
             self._notification(event)

@@ -6,8 +6,9 @@ from typing import Any
 
 import msgspec
 
+from ..backends import EchoBackend
 from ..types.acp import SessionIdParams
-from ..types.ext import CapabilitiesResult
+from ..types.ext import BackendCapability, CapabilitiesResult
 from .context import ConnContext
 from .meta import meta_client_id
 
@@ -15,11 +16,26 @@ __all__ = ["capabilities", "detach", "fork", "heartbeat", "stats"]
 
 
 def capabilities(ctx: ConnContext, params: None) -> CapabilitiesResult:
-    return CapabilitiesResult(limits=ctx.server.limits_capability())
+    bridge = ctx.bridge
+    backends = {}
+    for name, backend in bridge.backends.items():
+        pool = bridge.capacity.pool(name)
+        backends[name] = BackendCapability(
+            kind=getattr(backend, "kind", "echo" if isinstance(backend, EchoBackend) else "acp"),
+            max_active=pool.limits.max_active if pool else None,
+            max_waiting=pool.limits.max_waiting if pool else None,
+        )
+    return CapabilitiesResult(
+        limits=ctx.server.limits_capability(), backends=backends, default_backend=bridge.default_backend
+    )
 
 
 def stats(ctx: ConnContext, params: None) -> dict[str, Any]:
-    return {"bridge": msgspec.to_builtins(ctx.bridge.statistics())}
+    bridge = ctx.bridge
+    return {
+        "bridge": msgspec.to_builtins(bridge.statistics()),
+        "pools": {name: msgspec.to_builtins(s) for name, s in bridge.capacity.statistics().items()},
+    }
 
 
 def heartbeat(ctx: ConnContext, params: SessionIdParams) -> dict[str, Any]:

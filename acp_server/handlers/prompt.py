@@ -7,14 +7,15 @@ from typing import Any
 
 from ..types.acp import PromptParams, PromptResult
 from .context import ConnContext
-from .meta import meta_client_id, meta_deadline_ms, passthrough_meta
+from .meta import meta_client_id, meta_deadline_ms, meta_str, passthrough_meta
 
 __all__ = ["prompt"]
 
 
 def prompt(ctx: ConnContext, params: PromptParams) -> Coroutine[Any, Any, PromptResult]:
     bridge = ctx.bridge
-    ticket = bridge.admit_prompt(
+    key = meta_str(params.meta, "idempotencyKey")
+    ticket, duplicate = bridge.admit(
         params.session_id,
         params.prompt,
         peer=ctx.peer,
@@ -23,5 +24,8 @@ def prompt(ctx: ConnContext, params: PromptParams) -> Coroutine[Any, Any, Prompt
         cancelled=ctx.cancelled,
         channel=ctx.channel(),
         meta=passthrough_meta(params.meta),
+        idempotency_key=key,
     )
+    if duplicate:
+        return bridge.duplicate_outcome(ticket)
     return bridge.prompt_outcome(ticket)

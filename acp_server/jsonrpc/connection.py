@@ -74,15 +74,22 @@ class Notification:
 
 
 class Response:
-    """The peer's answer to one of our requests; ``method`` is the method we called."""
+    """The peer's answer to one of our requests; ``method`` is the method we called.
 
-    __slots__ = ("error", "id", "method", "result")
+    ``malformed`` is set (with ``error`` filled in for callers that only look there) when the answer
+    carried our id but was not a valid JSON-RPC 2.0 response.
+    """
 
-    def __init__(self, id: Id, method: str, result: Any, error: dict[str, Any] | None) -> None:
+    __slots__ = ("error", "id", "malformed", "method", "result")
+
+    def __init__(
+        self, id: Id, method: str, result: Any, error: dict[str, Any] | None, malformed: str | None = None
+    ) -> None:
         self.id = id
         self.method = method
         self.result = result
         self.error = error
+        self.malformed = malformed
 
     def __repr__(self) -> str:
         return f"Response(id={self.id!r}, method={self.method!r}, error={self.error is not None})"
@@ -238,6 +245,10 @@ class Connection:
         except msgspec.DecodeError as exc:
             return self._reply(None, ParseError(detail=_error_detail(exc)))
         id = env.id
+        if env.method is UNSET and id is not UNSET and id is not None and id in self._pending and env.jsonrpc != "2.0":
+            # A malformed answer to one of our own requests still settles it, as an error.
+            why = '"jsonrpc" must be "2.0"'
+            return Response(id, self._pending.pop(id), None, {"code": -32600, "message": f"malformed response: {why}"}, why)
         if env.jsonrpc != "2.0":
             return self._reply(
                 None if id is UNSET else id, InvalidRequestError(detail='"jsonrpc" must be "2.0"')

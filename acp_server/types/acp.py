@@ -105,6 +105,8 @@ class FileSystemCapability(Wire, kw_only=True):
 class ClientCapabilities(Wire, kw_only=True):
     fs: FileSystemCapability = msgspec.field(default_factory=FileSystemCapability)
     terminal: bool = False
+    #: ElicitationCapabilities (``form``/``url``) when the client takes ``elicitation/create``
+    elicitation: dict[str, Any] | None = None
     meta: Meta = meta_field()
 
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = [
+    "IdempotencyKeyConflictData",
     "AgentErrorData",
     "AuthRequiredData",
     "BackendUnavailableData",
@@ -105,6 +106,11 @@ class PromptDeadlineExceededData(ErrorData, tag="prompt_deadline_exceeded"):
 
 class BranchWhilePromptActiveData(ErrorData, tag="branch_while_prompt_active"):
     session_id: str
+
+
+class IdempotencyKeyConflictData(ErrorData, tag="idempotency_key_conflict"):
+    session_id: str
+    idempotency_key: str
 
 
 class BackendUnavailableData(ErrorData, tag="backend_unavailable"):

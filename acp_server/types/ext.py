@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["CapabilitiesResult", "LimitsCapability"]
+__all__ = ["BackendCapability", "CapabilitiesResult", "LimitsCapability"]
 
 
 class LimitsCapability(msgspec.Struct, rename="camel", kw_only=True):
@@ -20,5 +20,15 @@ class LimitsCapability(msgspec.Struct, rename="camel", kw_only=True):
     session_idle_timeout_s: float
 
 
+class BackendCapability(msgspec.Struct, rename="camel", kw_only=True):
+    """One backend as advertised: its kind and its capacity pool's bounds (``null``: unlimited)."""
+
+    kind: str
+    max_active: int | None
+    max_waiting: int | None
+
+
 class CapabilitiesResult(msgspec.Struct, rename="camel", kw_only=True):
     limits: LimitsCapability
+    backends: dict[str, BackendCapability]
+    default_backend: str

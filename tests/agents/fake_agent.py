@@ -12,6 +12,7 @@ Flags select the other behaviours:
 --ask-permission     asks ``session/request_permission`` first and sends ``permission:<optionId> ``
                      (or ``permission:cancelled `` and stops with ``cancelled``)
 --read-file PATH     asks ``fs/read_text_file`` first and sends ``file:<content> `` or ``read-error:<code> ``
+--ext-request        sends the request ``_fake/ping`` first and sends ``ext-error:<code> `` (or ``ext:ok ``)
 --crash-on-prompt    a prompt whose text starts with ``crash`` sends ``crashing `` then ``os._exit(3)``
 --ignore-cancel      never answers a cancelled ``hold`` prompt
 --stderr-bytes N     writes N bytes to stderr at start and during each prompt (one line of them over 4 KiB)
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="fake_agent", description=__doc__.split("\n")[0])
     parser.add_argument("--ask-permission", action="store_true")
     parser.add_argument("--read-file", metavar="PATH")
+    parser.add_argument("--ext-request", action="store_true")
     parser.add_argument("--crash-on-prompt", action="store_true")
     parser.add_argument("--ignore-cancel", action="store_true")
     parser.add_argument("--stderr-bytes", type=int, default=0, metavar="N")
@@ -73,7 +75,7 @@ def write_stderr(n: int) -> None:
 
 
 class FakeAgent:
-    """The agent side, on the SDK's ``acp.Agent`` interface."""
+    """The agent side of the SDK's ``acp.Agent`` interface (structurally: absent methods stay absent)."""
 
     def __init__(self, opts: argparse.Namespace) -> None:
         self.opts = opts
@@ -193,6 +195,13 @@ class FakeAgent:
         if self.opts.crash_on_prompt and text.startswith("crash"):
             await self._say(session_id, "crashing ")
             os._exit(3)
+        if self.opts.ext_request:
+            try:
+                await self.client.ext_method("fake/ping", {"sessionId": session_id})
+            except acp.RequestError as exc:
+                await self._say(session_id, f"ext-error:{exc.code} ")
+            else:
+                await self._say(session_id, "ext:ok ")
         if self.opts.ask_permission:
             answer = await self.client.request_permission(
                 session_id=session_id,
@@ -229,7 +238,7 @@ class FakeAgent:
 async def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
     write_stderr(opts.stderr_bytes)
-    await acp.run_agent(FakeAgent(opts), use_unstable_protocol=True)  # type: ignore[arg-type]
+    await acp.run_agent(FakeAgent(opts), use_unstable_protocol=True)
 
 
 if __name__ == "__main__":
