@@ -7,12 +7,18 @@ parallel would interleave, and ends with ``end_turn``. A text can instead be tol
 released, to hold while ignoring cancellation (a shielded wait), to take a fixed time, to raise an
 :class:`~acp_server.errors.AcpError`, or to crash with a plain exception. Every call is recorded, with
 the order and (trio clock) time of its start and its end.
+
+Also here: ways to drive a bridge or a server in tests (:func:`running_bridge`, :func:`serving`, both
+under a real-time :func:`hang_guard`), to send requests in a known order and await their answers
+later (:func:`send_request`, :func:`send_prompt`), and to reach the server's end of a connection
+(:func:`connect_shell`).
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -29,7 +35,7 @@ from acp_server.server import Server
 from acp_server.transports import ConnectionShell
 from acp_server.types.acp import AgentMessageChunk, ContentBlock, StopReason, TextContent
 
-from .helpers import RawClient, connect
+from .helpers import RawClient, connect, running_server
 
 __all__ = [
     "Behaviour",
@@ -37,13 +43,16 @@ __all__ = [
     "FakeBackend",
     "FakePeer",
     "ForkCall",
+    "HANG_GUARD_S",
     "Pending",
     "connect_shell",
+    "hang_guard",
     "prompt_text",
     "responses_by_id",
     "running_bridge",
     "send_prompt",
     "send_request",
+    "serving",
     "text_blocks",
 ]
 
@@ -147,9 +156,11 @@ class FakeBackend(BaseBackend):
             self._gate(text).set()
 
     def release_all(self) -> None:
+        """Release every held prompt (scripted so far) and every held fork."""
         for text, (behaviour, _) in self._script.items():
             if behaviour in (Behaviour.HOLD, Behaviour.IGNORE_CANCEL):
                 self._gate(text).set()
+        self.release_forks()
 
     def hold_forks(self) -> None:
         """``fork`` blocks until :meth:`release_forks`."""
@@ -292,6 +303,10 @@ class FakePeer:
         if not self.closed:  # like ConnectionShell.send: a closed connection drops what it is sent
             self.sent.append(data)
 
+    async def send_reliably(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        self.send(data)
+
     def messages(self) -> list[dict[str, Any]]:
         """What the peer was sent, decoded."""
         return [json.loads(line) for data in self.sent for line in data.splitlines() if line.strip()]
@@ -303,14 +318,62 @@ class FakePeer:
 # --- driving a bridge or a server in tests ---------------------------------------------------------
 
 
+#: Real seconds a test may run before it is failed instead of left hanging.
+HANG_GUARD_S = 30.0
+
+
+@asynccontextmanager
+async def hang_guard(seconds: float = HANG_GUARD_S) -> AsyncIterator[None]:
+    """Fail with ``trio.TooSlowError`` after ``seconds`` of real time, whatever clock the run uses.
+
+    A regression that leaves a response unanswered would otherwise hang the suite (a mock clock that
+    does not move never fires ``fail_after``).
+    """
+    stop = threading.Event()
+    fired = False
+    async with trio.open_nursery() as nursery:
+        with trio.CancelScope() as body:
+
+            async def watchdog() -> None:
+                nonlocal fired
+                if not await trio.to_thread.run_sync(stop.wait, seconds, abandon_on_cancel=True):
+                    fired = True
+                    body.cancel()
+
+            nursery.start_soon(watchdog)
+            try:
+                yield
+            finally:
+                stop.set()
+                nursery.cancel_scope.cancel()
+    if fired:
+        raise trio.TooSlowError(f"the test did not finish within {seconds} s")
+
+
 @asynccontextmanager
 async def running_bridge(backend: FakeBackend, limits: Limits | None = None) -> AsyncIterator[SessionBridge]:
     """A :class:`SessionBridge` over ``backend`` with its tasks running; cancelled on exit."""
     bridge = SessionBridge(backend, limits)
-    async with trio.open_nursery() as nursery:
+    async with hang_guard(), trio.open_nursery() as nursery:
         await nursery.start(bridge.run)
-        yield bridge
+        try:
+            yield bridge
+        finally:
+            backend.release_all()  # calls that ignore cancellation must end for the nursery to close
         nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def serving(
+    limits: Limits | None = None, backend: FakeBackend | None = None
+) -> AsyncIterator[tuple[Server, trio.Nursery]]:
+    """:func:`tests.helpers.running_server` over a fake backend, with a hang guard."""
+    backend = backend or FakeBackend()
+    async with hang_guard(), running_server(limits, backend) as (server, nursery):
+        try:
+            yield server, nursery
+        finally:
+            backend.release_all()
 
 
 async def connect_shell(server: Server, nursery: trio.Nursery, *, initialize: bool = True) -> tuple[RawClient, ConnectionShell]:

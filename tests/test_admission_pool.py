@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import json
 import random
 import weakref
-from functools import partial
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import msgspec
 import pytest
@@ -22,6 +23,19 @@ from acp_server.errors import REGISTRY, RETRY_AFTER_MS, CapacityExceededError, O
 from .helpers import SCHEMAS, assert_error_valid, scaled
 
 wait_all_tasks_blocked = trio.testing.wait_all_tasks_blocked
+AsyncTest = TypeVar("AsyncTest", bound=Callable[..., Awaitable[None]])
+
+
+def deadlock_fails(test: AsyncTest) -> AsyncTest:
+    """Bound an async test in virtual time: under the autojump clock a deadlocked pool (tasks parked
+    forever) jumps straight to the limit and fails at once instead of hanging the run."""
+
+    @functools.wraps(test)
+    async def bounded(*args: Any, **kwargs: Any) -> None:
+        with trio.fail_after(1_000_000):
+            await test(*args, **kwargs)
+
+    return bounded  # type: ignore[return-value]
 
 
 def make_pool(max_active: int = 1, max_waiting: int | None = None, backend_id: str = "b") -> CapacityPool:
@@ -77,7 +91,8 @@ def test_unlimited_backend_has_no_pool() -> None:
         CapacityManager({"x": {"max_active": 1}})  # type: ignore[dict-item]
 
 
-async def test_managers_and_backends_are_independent() -> None:
+@deadlock_fails
+async def test_managers_and_backends_are_independent(autojump_clock: trio.testing.MockClock) -> None:
     """Two managers (two servers) with the same backend id, and two backends of one manager, never share capacity."""
     limits = {"a": PoolLimits(max_active=1, max_waiting=0), "b": PoolLimits(max_active=1, max_waiting=0)}
     first, second = CapacityManager(limits), CapacityManager(limits)
@@ -223,6 +238,7 @@ def test_public_exports() -> None:
 # --- permits ----------------------------------------------------------------------------------------
 
 
+@deadlock_fails
 async def test_fifo_handoff_order(autojump_clock: trio.testing.MockClock) -> None:
     """Waiters get the permit in arrival order, each handed over inside the previous release."""
     pool = make_pool(max_active=1)
@@ -243,6 +259,7 @@ async def test_fifo_handoff_order(autojump_clock: trio.testing.MockClock) -> Non
     assert counters(pool) == (0, 0, 0)
 
 
+@deadlock_fails
 async def test_no_barging_at_the_moment_of_release(autojump_clock: trio.testing.MockClock) -> None:
     """A caller arriving in the same tick as a release cannot grab the permit while others wait."""
     pool = make_pool(max_active=2)
@@ -263,6 +280,7 @@ async def test_no_barging_at_the_moment_of_release(autojump_clock: trio.testing.
     assert pool.statistics().active == 0
 
 
+@deadlock_fails
 async def test_cancelled_waiter_is_removed_and_never_runs(autojump_clock: trio.testing.MockClock) -> None:
     """A waiter cancelled in the queue leaves it at once, never calls the backend, and the permit skips it."""
     pool = make_pool(max_active=1)
@@ -288,7 +306,8 @@ async def test_cancelled_waiter_is_removed_and_never_runs(autojump_clock: trio.t
     assert counters(pool) == (0, 0, 0)
 
 
-async def test_cancelled_waiter_is_not_retained() -> None:
+@deadlock_fails
+async def test_cancelled_waiter_is_not_retained(autojump_clock: trio.testing.MockClock) -> None:
     """After a cancelled wait the pool keeps no reference to the waiter's task or lease."""
     pool = make_pool(max_active=1)
     holder = pool.try_lease("h")
@@ -328,6 +347,7 @@ async def racing_call(lease: Lease, scope: trio.CancelScope, log: list[str], see
             raise AssertionError("the racer's cancel was lost")
 
 
+@deadlock_fails
 async def test_grant_cancel_race_loses_no_permit(autojump_clock: trio.testing.MockClock) -> None:
     """The oldest waiter is cancelled in the same tick its permit is handed over, in both orders, many times.
 
@@ -351,7 +371,7 @@ async def test_grant_cancel_race_loses_no_permit(autojump_clock: trio.testing.Mo
             nursery.start_soon(racing_call, racer, racer_scope, log, seen_cancel)
             await wait_all_tasks_blocked()
             for name in behind:
-                nursery.start_soon(partial(call, pool.try_lease(name), log, name, hold=rng.random()))
+                nursery.start_soon(functools.partial(call, pool.try_lease(name), log, name, hold=rng.random()))
                 await wait_all_tasks_blocked()
             assert counters(pool) == (1, 1 + len(behind), 2 + len(behind))
 
@@ -374,6 +394,7 @@ async def test_grant_cancel_race_loses_no_permit(autojump_clock: trio.testing.Mo
     assert pool.statistics().admitted_total == admitted
 
 
+@deadlock_fails
 async def test_exception_releases_the_permit(autojump_clock: trio.testing.MockClock) -> None:
     """A backend call that raises hands its permit to the next waiter; the lease stays held."""
     pool = make_pool(max_active=1)
@@ -394,6 +415,7 @@ async def test_exception_releases_the_permit(autojump_clock: trio.testing.MockCl
     assert counters(pool) == (0, 0, 0)
 
 
+@deadlock_fails
 async def test_one_lease_across_retries(autojump_clock: trio.testing.MockClock) -> None:
     """A retry loop takes a permit per attempt under one lease; each retry queues behind earlier waiters."""
     pool = make_pool(max_active=1, max_waiting=3)
@@ -431,7 +453,8 @@ async def test_one_lease_across_retries(autojump_clock: trio.testing.MockClock) 
     assert stats.admitted_total == 3 and stats.leased == 0 and stats.active == 0
 
 
-async def test_lease_misuse_is_refused() -> None:
+@deadlock_fails
+async def test_lease_misuse_is_refused(autojump_clock: trio.testing.MockClock) -> None:
     """Permits on a released lease, two permits on one lease, or a stray release_permit raise RuntimeError."""
     pool = make_pool(max_active=2)
     lease = pool.try_lease("s")
@@ -453,7 +476,8 @@ async def test_lease_misuse_is_refused() -> None:
         lease.acquire_permit_nowait()
 
 
-async def test_releasing_a_lease_releases_its_permit_or_its_wait() -> None:
+@deadlock_fails
+async def test_releasing_a_lease_releases_its_permit_or_its_wait(autojump_clock: trio.testing.MockClock) -> None:
     """Releasing a holding lease hands its permit on; releasing a waiting lease wakes its call with an error."""
     pool = make_pool(max_active=1)
     holder = pool.try_lease("h")
@@ -471,7 +495,7 @@ async def test_releasing_a_lease_releases_its_permit_or_its_wait() -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(doomed_call)
         await wait_all_tasks_blocked()
-        nursery.start_soon(partial(call, pool.try_lease("next"), log, "next", hold=0))
+        nursery.start_soon(functools.partial(call, pool.try_lease("next"), log, "next", hold=0))
         await wait_all_tasks_blocked()
         doomed.release()
         assert counters(pool) == (1, 1, 2)
@@ -486,6 +510,7 @@ async def test_releasing_a_lease_releases_its_permit_or_its_wait() -> None:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
+@deadlock_fails
 async def test_random_prompts_never_exceed_the_bounds(autojump_clock: trio.testing.MockClock, seed: int) -> None:
     """1,000 random prompts over 50 sessions (per-session FIFO runners, retries, failures, deadlines):
     never more than max_active backend calls at once, never more than max_active + max_waiting leases,

@@ -32,9 +32,10 @@ from .fakes import (
     responses_by_id,
     running_bridge,
     send_prompt,
+    serving,
     text_blocks,
 )
-from .helpers import RawClient, RpcError, assert_error_valid, connect, running_server
+from .helpers import RawClient, RpcError, assert_error_valid, connect
 
 # --- the pending-prompt limit ----------------------------------------------------------------------
 
@@ -44,7 +45,7 @@ async def test_sixth_prompt_refused_then_admitted_after_one_finishes() -> None:
     schema-valid data; once one prompt finishes, a new one is admitted."""
     backend = FakeBackend()
     backend.hold("p0", "p1", "p2", "p3", "p4", "p5")
-    async with running_server(Limits(), backend) as (server, nursery):
+    async with serving(Limits(), backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, _ = await client.new_session()
         pending = [await send_prompt(client, nursery, sid, f"p{i}") for i in range(5)]
@@ -84,7 +85,7 @@ async def test_limit_zero_admits_100_concurrent_prompts_and_advertises_null() ->
     admitted, and both capabilities and initialize advertise ``null``."""
     backend = FakeBackend()
     backend.hold("held")
-    async with running_server(Limits(max_pending_prompts_per_session=0), backend) as (server, nursery):
+    async with serving(Limits(max_pending_prompts_per_session=0), backend) as (server, nursery):
         client = await connect(server, nursery, initialize=False)
         init = await client.initialize()
         assert init["agentCapabilities"]["_meta"]["limits"]["maxPendingPromptsPerSession"] is None
@@ -108,7 +109,7 @@ async def test_limit_zero_admits_100_concurrent_prompts_and_advertises_null() ->
 
 async def test_default_limit_is_advertised_as_five() -> None:
     """The default limit is 5 in both places it is advertised."""
-    async with running_server() as (server, nursery):
+    async with serving() as (server, nursery):
         client = await connect(server, nursery, initialize=False)
         init = await client.initialize()
         assert init["agentCapabilities"]["_meta"]["limits"]["maxPendingPromptsPerSession"] == 5
@@ -216,7 +217,7 @@ async def test_cancelled_before_start_over_the_wire(target: str, meta: dict[str,
     backend = FakeBackend()
     backend.hold("blocker")
     limits = Limits(max_inflight_requests=1)
-    async with running_server(limits, backend) as (server, nursery):
+    async with serving(limits, backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, _ = await client.new_session()
         blocker = await send_prompt(client, nursery, sid, "blocker")
@@ -240,7 +241,7 @@ async def test_refused_prompt_leaves_no_trace() -> None:
     nothing to the session's history."""
     backend = FakeBackend()
     backend.hold("running")
-    async with running_server(Limits(max_pending_prompts_per_session=1), backend) as (server, nursery):
+    async with serving(Limits(max_pending_prompts_per_session=1), backend) as (server, nursery):
         owner = await connect(server, nursery)
         sid, owner_id = await owner.new_session()
         watcher = await connect(server, nursery)
@@ -276,7 +277,7 @@ async def test_fifo_is_strict_and_failures_stay_their_own() -> None:
     backend.fail("p1", InvalidParamsError(path="prompt[0]", detail="scripted refusal"))
     backend.crash("p3")
     texts = ["p0", "p1", "p2 has a few words", "p3", "p4", "p5"]
-    async with running_server(Limits(max_pending_prompts_per_session=0), backend) as (server, nursery):
+    async with serving(Limits(max_pending_prompts_per_session=0), backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, _ = await client.new_session()
         pending = [await send_prompt(client, nursery, sid, t) for t in texts]
@@ -305,7 +306,7 @@ async def test_sessions_run_in_parallel() -> None:
     """Prompts of different sessions do not wait for each other."""
     backend = FakeBackend()
     backend.hold("a", "b")
-    async with running_server(Limits(), backend) as (server, nursery):
+    async with serving(Limits(), backend) as (server, nursery):
         client = await connect(server, nursery)
         sid_a, _ = await client.new_session()
         sid_b, _ = await client.new_session()
@@ -444,7 +445,7 @@ async def test_slot_released_exactly_once(outcome: str, mock_clock: trio.testing
     """Whatever ends a prompt, its pending slot is released once: the count returns to 0, every
     admitted prompt is settled once, and the session again takes exactly ``limit`` prompts."""
     backend = FakeBackend()
-    async with running_server(Limits(max_pending_prompts_per_session=LIMIT), backend) as (server, nursery):
+    async with serving(Limits(max_pending_prompts_per_session=LIMIT), backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, _ = await client.new_session()
         case = _Case(server, nursery, client, sid, backend, mock_clock)
@@ -478,7 +479,7 @@ async def test_lost_sender_prompt_runs_on_for_other_connections() -> None:
     on, the other connection gets its updates, and its slot is released once when it ends."""
     backend = FakeBackend()
     backend.hold("shared work")
-    async with running_server(Limits(), backend) as (server, nursery):
+    async with serving(Limits(), backend) as (server, nursery):
         sender = await connect(server, nursery)
         sid, _ = await sender.new_session()
         watcher = await connect(server, nursery)
@@ -502,6 +503,37 @@ async def test_lost_sender_prompt_runs_on_for_other_connections() -> None:
         )
 
 
+async def test_prompt_running_on_without_its_caller_still_expires(autojump_clock: trio.testing.MockClock) -> None:
+    """A queued prompt whose sender left, and which runs on for another attached connection, still
+    has its deadline enforced from admission: it does not hold its slot past the deadline."""
+    backend = FakeBackend()
+    backend.hold("first")
+    async with serving(Limits(max_pending_prompts_per_session=2), backend) as (server, nursery):
+        sender = await connect(server, nursery)
+        sid, _ = await sender.new_session()
+        watcher = await connect(server, nursery)
+        assert (await watcher.prompt(sid, "attach"))["stopReason"] == "end_turn"
+        t0 = trio.current_time()
+        await send_prompt(sender, nursery, sid, "first")
+        await send_prompt(sender, nursery, sid, "second", deadlineMs=1000)
+        await backend.started("first")
+        await sender.stream.aclose()
+        await wait_all_tasks_blocked()
+        session = server.bridge.sessions[sid]
+        assert session.pending_count == 2, "both run on for the watcher"
+
+        await trio.sleep(1.5)
+        assert session.pending_count == 1, "the second prompt's deadline passed while it was queued"
+        ticket = next(t for t in session.fifo if getattr(t, "prompt", None) and t.prompt[0].text == "second")
+        assert ticket.error is not None and ticket.error.kind == "prompt_deadline_exceeded"
+        assert ticket.error.payload.elapsed_ms == pytest.approx(1000, abs=20)
+        assert trio.current_time() - t0 < 1.6
+        backend.release("first")
+        await wait_all_tasks_blocked()
+        assert session.pending_count == 0
+        assert backend.texts_started() == ["attach", "first"]
+
+
 # --- session/cancel and session/close --------------------------------------------------------------
 
 
@@ -510,7 +542,7 @@ async def test_session_cancel_ends_running_and_queued_prompts_of_every_sender() 
     ``stopReason: "cancelled"`` (not errors), whichever connection sent them; other sessions go on."""
     backend = FakeBackend()
     backend.hold("a1", "b1", "a2", "other")
-    async with running_server(Limits(), backend) as (server, nursery):
+    async with serving(Limits(), backend) as (server, nursery):
         a = await connect(server, nursery)
         b = await connect(server, nursery)
         sid, _ = await a.new_session()
@@ -542,7 +574,7 @@ async def test_session_close_cancels_prompts_and_forgets_the_session() -> None:
     the session get ``session_not_found``."""
     backend = FakeBackend()
     backend.hold("running", "queued")
-    async with running_server(Limits(), backend) as (server, nursery):
+    async with serving(Limits(), backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, client_id = await client.new_session()
         running = await send_prompt(client, nursery, sid, "running")
@@ -579,7 +611,7 @@ async def test_deadline_counts_from_admission(autojump_clock: trio.testing.MockC
     backend = FakeBackend()
     backend.delay("first", 4.0)
     backend.hold("second")
-    async with running_server(Limits(prompt_deadline_ms=5000), backend) as (server, nursery):
+    async with serving(Limits(prompt_deadline_ms=5000), backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, _ = await client.new_session()
         t0 = trio.current_time()
@@ -611,7 +643,7 @@ async def test_meta_deadline_shortens_but_never_extends(
     """``_meta.deadlineMs`` may shorten ``--prompt-deadline-ms`` but never extend it."""
     backend = FakeBackend()
     backend.hold("x")
-    async with running_server(Limits(prompt_deadline_ms=server_ms), backend) as (server, nursery):
+    async with serving(Limits(prompt_deadline_ms=server_ms), backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, _ = await client.new_session()
         t0 = trio.current_time()
@@ -626,7 +658,7 @@ async def test_meta_deadline_shortens_but_never_extends(
 async def test_invalid_meta_deadline_is_invalid_params(bad: Any) -> None:
     """A ``_meta.deadlineMs`` that is not a positive integer is refused before admission."""
     backend = FakeBackend()
-    async with running_server(Limits(), backend) as (server, nursery):
+    async with serving(Limits(), backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, _ = await client.new_session()
         with pytest.raises(RpcError) as info:
@@ -647,7 +679,7 @@ async def test_deadline_frees_the_slot_of_a_backend_ignoring_cancel(
     backend = FakeBackend()
     backend.ignore_cancel("stuck")
     limits = Limits(prompt_deadline_ms=5000, max_pending_prompts_per_session=1)
-    async with running_server(limits, backend) as (server, nursery):
+    async with serving(limits, backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, _ = await client.new_session()
         t0 = trio.current_time()

@@ -22,9 +22,10 @@ from .fakes import (
     running_bridge,
     send_prompt,
     send_request,
+    serving,
     text_blocks,
 )
-from .helpers import RawClient, RpcError, connect, running_server
+from .helpers import RawClient, RpcError, connect
 
 FORGED = "client_00000000-0000-0000-0000-000000000000"
 
@@ -41,7 +42,7 @@ async def test_invalid_client_id_is_synchronous_and_nothing_runs() -> None:
     after its queue), and nothing runs: no turn, no slot, no cancel, no fork, no detach."""
     backend = FakeBackend()
     backend.hold("busy")
-    async with running_server(Limits(), backend) as (server, nursery):
+    async with serving(Limits(), backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, client_id = await client.new_session()
         busy = await send_prompt(client, nursery, sid, "busy")
@@ -86,7 +87,7 @@ async def test_invalid_client_id_raised_by_admission_itself() -> None:
 
 async def test_forged_heartbeat_moves_no_timestamp(mock_clock: trio.testing.MockClock) -> None:
     """A heartbeat with a forged client id is refused and refreshes nothing; a real one does."""
-    async with running_server(Limits(), FakeBackend()) as (server, nursery):
+    async with serving(Limits(), FakeBackend()) as (server, nursery):
         client = await connect(server, nursery)
         sid, client_id = await client.new_session()
         session = server.bridge.sessions[sid]
@@ -108,7 +109,7 @@ async def test_detach_of_one_client_leaves_the_other_working() -> None:
     """Two clients on one session over two connections: when A detaches, B keeps prompting and
     receiving updates, A receives nothing more and its id is gone."""
     backend = FakeBackend()
-    async with running_server(Limits(), backend) as (server, nursery):
+    async with serving(Limits(), backend) as (server, nursery):
         a = await connect(server, nursery)
         sid, id_a = await a.new_session()
         b, shell_b = await connect_shell(server, nursery)
@@ -138,7 +139,7 @@ async def test_reconnecting_client_keeps_its_id() -> None:
     """A client whose connection closed keeps its id: a new connection passing ``_meta.clientId``
     prompts as that client and receives the session's updates."""
     backend = FakeBackend()
-    async with running_server(Limits(), backend) as (server, nursery):
+    async with serving(Limits(), backend) as (server, nursery):
         first = await connect(server, nursery)
         sid, client_id = await first.new_session()
         await first.stream.aclose()
@@ -180,7 +181,7 @@ async def test_registration_is_refcounted() -> None:
 async def test_unknown_requested_id_gets_a_fresh_one() -> None:
     """An id the session does not know, asked for at session/new or at registration, is silently
     replaced by a fresh one."""
-    async with running_server(Limits(), FakeBackend()) as (server, nursery):
+    async with serving(Limits(), FakeBackend()) as (server, nursery):
         client = await connect(server, nursery)
         sid, client_id = await client.new_session(clientId=FORGED)
         assert client_id != FORGED and client_id.startswith("client_")
@@ -194,7 +195,7 @@ async def test_idle_client_id_expires(autojump_clock: trio.testing.MockClock) ->
     """A client id unused for ``client_idle_timeout_s`` expires and is then refused with
     ``invalid_client_id``; requests and heartbeats keep it alive until then."""
     limits = Limits(client_idle_timeout_s=10, session_idle_timeout_s=1000)
-    async with running_server(limits, FakeBackend()) as (server, nursery):
+    async with serving(limits, FakeBackend()) as (server, nursery):
         client = await connect(server, nursery)
         sid, client_id = await client.new_session()
         hb = {"sessionId": sid, "_meta": {"clientId": client_id}}
@@ -268,7 +269,7 @@ async def test_updates_fan_out_with_event_ids_and_originators() -> None:
     the connections other than its sender; every update carries a per-session, strictly increasing
     ``_meta.eventId`` and ``_meta.originatorClientId`` when the sender is a known client."""
     backend = FakeBackend()
-    async with running_server(Limits(), backend) as (server, nursery):
+    async with serving(Limits(), backend) as (server, nursery):
         a = await connect(server, nursery)
         sid, id_a = await a.new_session()
         b, shell_b = await connect_shell(server, nursery)
@@ -331,7 +332,7 @@ def _originators_by_text(updates: list[dict[str, Any]]) -> dict[str, set[Any]]:
 
 async def test_event_ids_are_per_session() -> None:
     """Each session numbers its own events from 1."""
-    async with running_server(Limits(), FakeBackend()) as (server, nursery):
+    async with serving(Limits(), FakeBackend()) as (server, nursery):
         client = await connect(server, nursery)
         s1, _ = await client.new_session()
         s2, _ = await client.new_session()
@@ -356,7 +357,7 @@ async def test_slow_fork_holds_the_fifo_head_without_a_slot() -> None:
     taking the slot: a prompt sent meanwhile is admitted and runs after the fork."""
     backend = FakeBackend()
     backend.hold_forks()
-    async with running_server(Limits(max_pending_prompts_per_session=1), backend) as (server, nursery):
+    async with serving(Limits(max_pending_prompts_per_session=1), backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, _ = await client.new_session()
         fork = await send_request(client, nursery, "_acp_server/fork", {"sessionId": sid})
@@ -378,7 +379,7 @@ async def test_fork_waits_for_the_running_prompt() -> None:
     """A fork queues behind a running prompt (FIFO), and a later prompt queues behind the fork."""
     backend = FakeBackend()
     backend.hold("first")
-    async with running_server(Limits(max_pending_prompts_per_session=2), backend) as (server, nursery):
+    async with serving(Limits(max_pending_prompts_per_session=2), backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, _ = await client.new_session()
         first = await send_prompt(client, nursery, sid, "first")
@@ -401,7 +402,7 @@ async def test_fork_copies_history_and_registers_the_caller() -> None:
     """The branch starts with the source's history and event numbering; the caller is registered on
     it with a fresh client id, under which it can prompt there."""
     backend = FakeBackend()
-    async with running_server(Limits(), backend) as (server, nursery):
+    async with serving(Limits(), backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, client_id = await client.new_session()
         await client.prompt(sid, "hello world")
@@ -432,7 +433,7 @@ async def test_fork_while_backend_finishes_abandoned_prompt(how: str, autojump_c
     expired (the backend ignoring cancellation) fails with ``branch_while_prompt_active``."""
     backend = FakeBackend()
     backend.ignore_cancel("stuck")
-    async with running_server(Limits(), backend) as (server, nursery):
+    async with serving(Limits(), backend) as (server, nursery):
         client = await connect(server, nursery)
         sid, _ = await client.new_session()
         if how == "cancelled":
@@ -467,7 +468,7 @@ async def test_slow_consumer_is_evicted_without_delaying_others(mock_clock: trio
     response without waiting (the clock never moves)."""
     backend = FakeBackend()
     limit = 4096
-    async with running_server(Limits(max_outbound_bytes=limit), backend) as (server, nursery):
+    async with serving(Limits(max_outbound_bytes=limit), backend) as (server, nursery):
         slow, slow_shell = await _lockstep_client(server, nursery)
         sid, _ = await slow.new_session()
         fast = await connect(server, nursery)

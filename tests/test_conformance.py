@@ -569,6 +569,7 @@ async def test_conformance_cancel_of_waiting_request_wins() -> None:
         await trio.testing.wait_all_tasks_blocked()
         assert server.bridge.statistics().admitted_total == 1
         await client.notify("$/cancel_request", {"requestId": "w"})
+        await trio.testing.wait_all_tasks_blocked()  # the server has read the cancel
         backend.release("first")
         with trio.fail_after(10):
             check_error(await waiting.wait(), -32800, "request_cancelled", id="w")

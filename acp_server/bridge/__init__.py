@@ -1,6 +1,6 @@
 """The session bridge: sessions, per-session prompt FIFOs, client ids, update fan-out."""
 
-from .bridge import BridgeStatistics, SessionBridge
+from .bridge import BridgeStatistics, PromptWaiter, SessionBridge
 from .session import ClientReg, ForkTicket, Peer, PromptTicket, Session
 
-__all__ = ["BridgeStatistics", "ClientReg", "ForkTicket", "Peer", "PromptTicket", "Session", "SessionBridge"]
+__all__ = ["BridgeStatistics", "PromptWaiter", "ClientReg", "ForkTicket", "Peer", "PromptTicket", "Session", "SessionBridge"]

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import heapq
 import logging
+import math
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -38,10 +40,11 @@ from ..errors import (
     RequestCancelledError,
     SessionNotFoundError,
 )
+from ..jsonrpc.dispatch import Deferred
 from ..types.acp import ContentBlock, PromptResult, SessionNotification, UserMessageChunk
 from .session import ClientReg, ForkTicket, Peer, PromptTicket, Session
 
-__all__ = ["BridgeStatistics", "SessionBridge"]
+__all__ = ["BridgeStatistics", "PromptWaiter", "SessionBridge"]
 
 log = logging.getLogger("acp_server.bridge")
 
@@ -57,6 +60,45 @@ class _UpdateMsg(msgspec.Struct):
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+class PromptWaiter(Deferred):
+    """A request waiting on a prompt's outcome, answered by callback when the prompt settles."""
+
+    __slots__ = ("_done", "bridge", "owner", "ticket")
+
+    def __init__(self, bridge: SessionBridge, ticket: PromptTicket, owner: bool) -> None:
+        self.bridge = bridge
+        self.ticket = ticket
+        self.owner = owner
+        self._done: Callable[[Any, AcpError | None], None] | None = None
+
+    def subscribe(self, done: Callable[[Any, AcpError | None], None]) -> None:
+        ticket = self.ticket
+        if ticket.settled:
+            done(ticket.result, ticket.error)
+            return
+        self._done = done
+        ticket.waiters.append(self)
+
+    def notify(self, result: Any, error: AcpError | None) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done(result, error)
+
+    def cancel(self, *, connection_lost: bool) -> None:
+        ticket = self.ticket
+        if ticket.settled or self._done is None:
+            return
+        if self.owner:
+            self.bridge._caller_gone(ticket)  # settles (and so notifies us), unless the prompt runs on
+            if ticket.settled:
+                return
+        ticket.waiters.remove(self)
+        if connection_lost:
+            self._done = None
+        else:
+            self.notify(None, RequestCancelledError())
 
 
 class BridgeStatistics(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -119,6 +161,9 @@ class SessionBridge:
                 b.on_exit = self._backend_exited
         self.sessions: dict[str, Session] = {}
         self._nursery: trio.Nursery | None = None
+        #: (deadline, seq, ticket): prompts with a deadline, soonest first (settled ones drop out lazily)
+        self._deadlines: list[tuple[float, int, PromptTicket]] = []
+        self._deadline_changed = trio.Event()
         self._prompt_seq = 0
         self._admitted = 0
         self._refused = 0
@@ -132,6 +177,7 @@ class SessionBridge:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._reaper)
+            nursery.start_soon(self._expire_deadlines)
             task_status.started()
             try:
                 await trio.sleep_forever()
@@ -413,6 +459,10 @@ class SessionBridge:
         ticket.channel = channel
         ticket.meta = meta
         ticket.lease = lease
+        if effective:
+            heapq.heappush(self._deadlines, (ticket.deadline, self._prompt_seq, ticket))
+            if self._deadlines[0][2] is ticket:
+                self._deadline_changed.set()
         if idempotency_key is not None:
             self._remember(session_id, idempotency_key, fingerprint, ticket)
         session.pending_count += 1
@@ -438,6 +488,14 @@ class SessionBridge:
         while len(table) > self.limits.max_idempotency_keys:
             table.popitem(last=False)
 
+    def waiter(self, ticket: PromptTicket, *, owner: bool = True) -> PromptWaiter:
+        """A :class:`~acp_server.jsonrpc.Deferred` for a request waiting on ``ticket`` (no task needed).
+
+        ``owner``: the request that admitted the prompt (its cancel cancels the prompt); an idempotent
+        duplicate is not, and its cancel only ends its own wait.
+        """
+        return PromptWaiter(self, ticket, owner)
+
     @staticmethod
     async def duplicate_outcome(ticket: PromptTicket) -> PromptResult:
         """The outcome of an earlier attempt with the same idempotency key (this waiter owns nothing:
@@ -453,10 +511,7 @@ class SessionBridge:
         session: then it runs on and its outcome goes to history.
         """
         try:
-            with trio.move_on_at(ticket.deadline):
-                await ticket.done.wait()
-            if not ticket.settled:
-                self._expire(ticket)
+            await ticket.done.wait()  # the deadline is enforced by the bridge's timer
         except trio.Cancelled:
             self._caller_gone(ticket)
             raise
@@ -486,6 +541,19 @@ class SessionBridge:
             return
         self._settle(ticket, None, RequestCancelledError())
 
+    async def _expire_deadlines(self) -> None:
+        """The one timer of the bridge: expires prompts at their deadline, queued or running."""
+        heap = self._deadlines
+        while True:
+            now = trio.current_time()
+            while heap and (heap[0][0] <= now or heap[0][2].settled):
+                ticket = heapq.heappop(heap)[2]
+                if not ticket.settled:
+                    self._expire(ticket)
+            self._deadline_changed = trio.Event()
+            with trio.move_on_at(heap[0][0] if heap else math.inf):
+                await self._deadline_changed.wait()
+
     def _expire(self, ticket: PromptTicket) -> None:
         elapsed = int((trio.current_time() - ticket.admitted_at) * 1000)
         self._settle(
@@ -508,10 +576,17 @@ class SessionBridge:
         session.last_activity = trio.current_time()
         self._settled += 1
         if ticket.call_scope is not None:
+            # The call runs on until the backend returns (at once, for one that honours cancellation).
             ticket.call_scope.cancel()
+            if session.abandoned is None:
+                session.abandoned = trio.Event()
         elif ticket.lease is not None:
             ticket.lease.release()  # never reached the backend; a running call releases it as it ends
         ticket.done.set()
+        self._fail_head_forks(session)
+        waiters, ticket.waiters = ticket.waiters, []
+        for waiter in waiters:  # last: a callback may start the connection's next request
+            waiter.notify(result, error)
         return True
 
     # --- forks -------------------------------------------------------------------------------------
@@ -521,6 +596,7 @@ class SessionBridge:
         client = self.resolve_client(session, peer, client_id)
         ticket = ForkTicket(peer, client)
         self._enqueue(session, ticket)
+        self._fail_head_forks(session)
         return ticket
 
     async def fork_outcome(self, ticket: ForkTicket) -> tuple[Session, str]:
@@ -548,6 +624,13 @@ class SessionBridge:
             self._nursery.start_soon(self._run_session, session)
 
     async def _run_session(self, session: Session) -> None:
+        """Run the session's FIFO to empty: one turn at a time, in arrival order.
+
+        The backend call runs here, in the runner's own task. A prompt that settles while its call is
+        still running (cancelled, expired) leaves that call *abandoned*: the FIFO's next prompt waits
+        for it (the agent is still busy), while a fork that reaches the head then fails at once
+        (:meth:`_fail_head_forks`).
+        """
         fifo = session.fifo
         try:
             while fifo:
@@ -559,33 +642,15 @@ class SessionBridge:
                     await self._run_fork(session, item)
                     fifo.popleft()
                     continue
-                if session.abandoned is not None:
-                    # The backend is still finishing a prompt whose caller already has its answer.
-                    abandoned = session.abandoned
-                    with trio.move_on_at(item.deadline):
-                        await abandoned.wait()
-                    if not abandoned.is_set():
-                        self._expire(item)
-                    continue
-                # A $/cancel_request read in the same chunk as its prompt is processed by the
-                # request's own task, scheduled in this same batch: let it run before the turn starts.
-                await trio.lowlevel.checkpoint()
-                if item.settled:
-                    continue
-                call_done = trio.Event()
-                item.running = True
-                self._emit_user_prompt(item)
-                assert self._nursery is not None
-                self._nursery.start_soon(self._call_backend, item, call_done)
-                await item.done.wait()
+                await self._call_backend(item)
                 fifo.popleft()
-                if not call_done.is_set():
-                    session.abandoned = call_done
         finally:
             session.runner_active = False
 
-    async def _call_backend(self, ticket: PromptTicket, call_done: trio.Event) -> None:
+    async def _call_backend(self, ticket: PromptTicket) -> None:
         session = ticket.session
+        ticket.running = True
+        self._emit_user_prompt(ticket)
         turn = Turn(
             session.session_id,
             ticket.prompt_id,
@@ -594,61 +659,70 @@ class SessionBridge:
             ticket.channel,
             ticket.meta,
         )
+        result: PromptResult | None = _CANCELLED
+        error: AcpError | None = None
         try:
-            with trio.CancelScope(deadline=ticket.deadline) as scope:
+            with trio.CancelScope() as scope:
                 ticket.call_scope = scope
-                # Yield once before the backend starts: a $/cancel_request read in the same chunk as its
-                # prompt settles the ticket in the caller's task one scheduling step after admission,
-                # which is before this step, so a prompt cancelled before its handler ran never starts.
-                await trio.lowlevel.checkpoint()
-                if ticket.settled:  # settled between start_soon and now
-                    scope.cancel()
-                if ticket.lease is not None:
-                    async with ticket.lease.permit():  # at most max_active calls; FIFO
+                try:
+                    if ticket.lease is not None:
+                        async with ticket.lease.permit():  # at most max_active calls; FIFO
+                            stop_reason = await session.backend.prompt(turn)
+                    else:
                         stop_reason = await session.backend.prompt(turn)
-                else:
-                    stop_reason = await session.backend.prompt(turn)
-                self._settle(ticket, PromptResult(stop_reason=stop_reason, meta={"promptId": ticket.prompt_id}), None)
-            if scope.cancelled_caught and not ticket.settled:
-                if self._closing:
-                    self._settle(ticket, _CANCELLED, None)
-                else:
-                    self._expire(ticket)
+                finally:
+                    ticket.call_scope = None  # the call is over: settling now abandons nothing
+                result = PromptResult(stop_reason=stop_reason, meta={"promptId": ticket.prompt_id})
         except AcpError as exc:
-            self._settle(ticket, None, exc)
+            result, error = None, exc
         except trio.Cancelled:
             self._settle(ticket, _CANCELLED, None)
             raise
         except Exception:
             log.exception("backend %s failed on %s of session %s", session.backend.name, ticket.prompt_id, session.session_id)
-            self._settle(ticket, None, InternalError())
+            result, error = None, InternalError()
         finally:
             if ticket.lease is not None:
                 ticket.lease.release()
-            call_done.set()
-            if session.abandoned is call_done:
+            abandoned = session.abandoned
+            if abandoned is not None:
                 session.abandoned = None
+                abandoned.set()
+        self._settle(ticket, result, error)  # no-op when it settled first (cancel, deadline, crash)
+
+    def _fail_head_forks(self, session: Session) -> None:
+        """While an abandoned call runs, forks at the head of the FIFO fail with branch_while_prompt_active."""
+        if session.abandoned is None:
+            return
+        for item in session.fifo:
+            if item.settled:
+                continue
+            if not isinstance(item, ForkTicket):
+                return
+            item.error = BranchWhilePromptActiveError(session_id=session.session_id)
+            item.settled = True
+            item.done.set()
 
     async def _run_fork(self, session: Session, item: ForkTicket) -> None:
-        if session.abandoned is not None and not session.abandoned.is_set():
-            item.error = BranchWhilePromptActiveError(session_id=session.session_id)
+        new = Session(
+            self, f"sess_{uuid.uuid4().hex}", session.cwd, list(session.mcp_servers),
+            session.backend, trio.current_time(), _now_ms(),
+        )
+        try:
+            await session.backend.fork(session.session_id, new.session_id)
+        except AcpError as exc:
+            item.error = exc
+        except Exception:
+            log.exception("backend fork of %s failed", session.session_id)
+            item.error = InternalError()
         else:
-            new = Session(self, f"sess_{uuid.uuid4().hex}", session.cwd, list(session.mcp_servers),
-                          session.backend, trio.current_time(), _now_ms())
-            try:
-                await session.backend.fork(session.session_id, new.session_id)
-            except AcpError as exc:
-                item.error = exc
-            except Exception:
-                log.exception("backend fork of %s failed", session.session_id)
-                item.error = InternalError()
-            else:
-                new.history = list(session.history)
-                new.next_event_id = session.next_event_id
-                new.mode_id = session.mode_id
-                new.title = session.title
-                self.sessions[new.session_id] = new
-                item.new_session = new
+            new.history = list(session.history)
+            new.next_event_id = session.next_event_id
+            new.mode_id = session.mode_id
+            new.modes = session.modes
+            new.title = session.title
+            self.sessions[new.session_id] = new
+            item.new_session = new
         item.settled = True
         item.done.set()
 

@@ -76,6 +76,7 @@ class PromptTicket:
         "result",
         "running",
         "sender",
+        "waiters",
         "session",
         "settled",
     )
@@ -104,6 +105,8 @@ class PromptTicket:
         self.error: AcpError | None = None
         self.done = trio.Event()
         self.call_scope: trio.CancelScope | None = None
+        #: callbacks ``(result, error)`` of the requests waiting on this prompt (see PromptWaiter)
+        self.waiters: list[Any] = []
         #: the sender, for the agent's own requests (permission, fs, terminal)
         self.channel: Any = None
         #: the request's ``_meta`` without our own keys, passed to the agent

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
-from typing import Any
-
-from ..types.acp import PromptParams, PromptResult
+from ..bridge import PromptWaiter
+from ..types.acp import PromptParams
 from .context import ConnContext
 from .meta import meta_client_id, meta_deadline_ms, meta_str, passthrough_meta
 
 __all__ = ["prompt"]
 
 
-def prompt(ctx: ConnContext, params: PromptParams) -> Coroutine[Any, Any, PromptResult]:
+def prompt(ctx: ConnContext, params: PromptParams) -> PromptWaiter:
     bridge = ctx.bridge
     key = meta_str(params.meta, "idempotencyKey")
     ticket, duplicate = bridge.admit(
@@ -26,6 +24,4 @@ def prompt(ctx: ConnContext, params: PromptParams) -> Coroutine[Any, Any, Prompt
         meta=passthrough_meta(params.meta),
         idempotency_key=key,
     )
-    if duplicate:
-        return bridge.duplicate_outcome(ticket)
-    return bridge.prompt_outcome(ticket)
+    return bridge.waiter(ticket, owner=not duplicate)

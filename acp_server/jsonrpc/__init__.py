@@ -13,7 +13,7 @@ from .connection import (
     encode_error,
     encode_result,
 )
-from .dispatch import Dispatcher, HandlerContext, Method, invalid_params_from
+from .dispatch import Deferred, Dispatcher, HandlerContext, Method, invalid_params_from
 from .framing import TOO_LARGE, LineBuffer
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "TOO_LARGE",
     "Batch",
     "Connection",
+    "Deferred",
     "Dispatcher",
     "ErrorReply",
     "Event",

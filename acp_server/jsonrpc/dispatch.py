@@ -29,7 +29,7 @@ from ..errors import (
 )
 from .connection import Id, Notification, Request, encode_error, encode_result
 
-__all__ = ["Dispatcher", "HandlerContext", "Method", "invalid_params_from"]
+__all__ = ["Deferred", "Dispatcher", "HandlerContext", "Method", "invalid_params_from"]
 
 log = logging.getLogger("acp_server.dispatch")
 
@@ -40,6 +40,24 @@ class HandlerContext:
     """What every handler may read about the connection it serves; the server subclasses it."""
 
     initialized: bool = False
+
+
+class Deferred:
+    """A result that arrives later by callback, with no task of its own (a prompt waiting its turn).
+
+    The cheapest way to answer a request that waits: the shell subscribes once and the owner of the
+    work calls back, synchronously, with ``(result, None)`` or ``(None, error)`` exactly once.
+    """
+
+    __slots__ = ()
+
+    def subscribe(self, done: Callable[[Any, AcpError | None], None]) -> None:
+        """Call ``done`` once with the outcome (at once if it is already known)."""
+        raise NotImplementedError
+
+    def cancel(self, *, connection_lost: bool) -> None:
+        """The request was cancelled (``$/cancel_request``), or its connection is gone."""
+        raise NotImplementedError
 
 
 class Method(NamedTuple):
@@ -104,8 +122,9 @@ class Dispatcher:
         except msgspec.ValidationError as exc:
             raise invalid_params_from(exc) from None
 
-    def call(self, ctx: HandlerContext, req: Request) -> bytes | Coroutine[Any, Any, Any]:
-        """Run a request's synchronous part: the response bytes, or a coroutine for :meth:`finish`."""
+    def call(self, ctx: HandlerContext, req: Request) -> bytes | Coroutine[Any, Any, Any] | Deferred:
+        """Run a request's synchronous part: the response bytes, a coroutine for :meth:`finish`, or a
+        :class:`Deferred` whose outcome :meth:`shape` turns into the response."""
         method = self.requests.get(req.method)
         try:
             if method is None:
@@ -118,9 +137,14 @@ class Dispatcher:
         except Exception:
             log.exception("handler of %s (request id %r) failed", req.method, req.id)
             return encode_error(req.id, InternalError())
-        if type(out) is CoroutineType:
+        if type(out) is CoroutineType or isinstance(out, Deferred):
             return out
         return encode_result(req.id, out)
+
+    @staticmethod
+    def shape(req_id: Id, result: Any, error: AcpError | None) -> bytes:
+        """The response to a :class:`Deferred`'s outcome."""
+        return encode_error(req_id, error) if error is not None else encode_result(req_id, result)
 
     async def finish(self, req_id: Id, method: str, pending: Awaitable[Any]) -> bytes:
         """Await a handler's coroutine and shape its response (cancellation propagates to the caller)."""

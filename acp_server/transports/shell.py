@@ -28,6 +28,7 @@ from ..jsonrpc import (
     NEED_DATA,
     Batch,
     Connection,
+    Deferred,
     Dispatcher,
     ErrorReply,
     HandlerContext,
@@ -52,11 +53,12 @@ _READ_SIZE = 65536
 class _Slot:
     """One request of the peer's, from arrival to answer."""
 
-    __slots__ = ("cancelled", "scope")
+    __slots__ = ("cancelled", "deferred", "scope")
 
     def __init__(self) -> None:
         self.cancelled = False
         self.scope: trio.CancelScope | None = None
+        self.deferred: Deferred | None = None
 
 
 class _BatchReplies:
@@ -234,6 +236,9 @@ class ConnectionShell:
                         log.info("%s: read failed: %s", self.name, exc)
                     finally:
                         self._mark_closed()
+                        for slot in list(self._slots.values()):
+                            if slot.deferred is not None:
+                                slot.deferred.cancel(connection_lost=True)
                         handlers.cancel_scope.cancel()
                 with trio.move_on_after(_FLUSH_TIMEOUT_S):
                     await self._drained.wait()
@@ -329,6 +334,8 @@ class ConnectionShell:
         slot.cancelled = True
         if slot.scope is not None:
             slot.scope.cancel()
+        elif slot.deferred is not None:
+            slot.deferred.cancel(connection_lost=False)
 
     def _start(self, req: Request, reply: Callable[[bytes], None]) -> None:
         slot = self._slots[req.id]
@@ -348,8 +355,24 @@ class ConnectionShell:
             reply(out)
             return
         self._inflight += 1
+        if isinstance(out, Deferred):
+            slot.deferred = out
+            out.subscribe(lambda result, error: self._deferred_done(req, reply, result, error))
+            return
         assert self._handlers is not None
         self._handlers.start_soon(self._finish, req, out, slot, reply)
+
+    def _deferred_done(self, req: Request, reply: Callable[[bytes], None], result: Any, error: Any) -> None:
+        self._inflight -= 1
+        self._slots.pop(req.id, None)
+        if not self._closed:
+            reply(self.dispatcher.shape(req.id, result, error))
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        while self._waiting and self._inflight < self.max_inflight:
+            self._start(self._waiting.popleft(), self.reply)
+        self._room.set()
 
     async def _finish(
         self, req: Request, pending: Coroutine[Any, Any, Any], slot: _Slot, reply: Callable[[bytes], None]
@@ -366,9 +389,7 @@ class ConnectionShell:
         finally:
             self._inflight -= 1
             self._slots.pop(req.id, None)
-            while self._waiting and self._inflight < self.max_inflight:
-                self._start(self._waiting.popleft(), self.reply)
-            self._room.set()
+            self._start_waiting()
         if data is not None and not self._closed:
             await self._wait_for_room()
             reply(data)
