@@ -12,6 +12,7 @@ import logging
 import math
 import shlex
 import socket
+import sqlite3
 import sys
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
@@ -24,6 +25,8 @@ from .admission import Limits
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config
 from .server import ListenAddress, ServerConfig, serve
+from .store import StoreVersionError, default_state_dir
+from .transports.relay import relay_stdio
 
 __all__ = ["build_parser", "main", "parse_listen"]
 
@@ -184,6 +187,22 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="FILE",
         help="a TOML file with default_backend and [backends.NAME] tables (the command line overrides it)",
     )
+    s.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="where durable sessions live (one SQLite database; one server per directory; default "
+        "$XDG_STATE_HOME/acp-server, else ~/.local/state/acp-server; with --stdio: none unless given)",
+    )
+    s.add_argument(
+        "--ephemeral", action="store_true", help="keep sessions in memory only: nothing is written to disk"
+    )
+    s.add_argument(
+        "--max-sessions",
+        type=_int_arg("--max-sessions", minimum=0, meaning="a non-negative integer (0 disables the limit)"),
+        default=Limits().max_sessions,
+        metavar="N",
+        help="live (in-memory) sessions at once; more get session_limit_exceeded (default 1000)",
+    )
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="stderr log level (default warning)")
     s.add_argument(
         "agent_command",
@@ -192,6 +211,12 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="after --: one ACP agent command, served as the backend named 'agent' (and the default)",
     )
     client_cli.add_commands(sub)  # prompt, sessions: after serve, which --help lists first
+    c = sub.add_parser(
+        "connect",
+        help="relay stdio to a running acp-server (for editors that spawn their agent)",
+        description="Relay stdin/stdout to a running acp-server, byte for byte, until it closes the connection.",
+    )
+    c.add_argument("url", metavar="URL", help="tcp://HOST:PORT or unix:/path of a running acp-server")
     return parser, s
 
 
@@ -261,6 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in client_cli.COMMANDS:
         return client_cli.run(args)
+    if args.command == "connect":
+        return _connect(args.url)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         stream=sys.stderr,
@@ -281,7 +308,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_outbound_bytes=args.max_outbound_bytes,
         max_inflight_requests=args.max_inflight_requests,
         idempotency_ttl_s=args.idempotency_ttl_s,
+        max_sessions=args.max_sessions,
     )
+    if args.ephemeral and args.state_dir is not None:
+        serve_parser.error("--ephemeral and --state-dir exclude each other: choose memory only or a directory")
+    state_dir: str | None = args.state_dir
+    if state_dir is None and not args.ephemeral and not args.stdio:
+        state_dir = str(default_state_dir())  # stdio alone is one editor window's own process: ephemeral
     backends, default_backend = backends_from(args, serve_parser)
     config = ServerConfig(
         stdio=args.stdio,
@@ -290,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         limits=limits,
         backends=backends,
         default_backend=default_backend,
+        state_dir=state_dir,
     )
     try:
         trio.run(serve, config)
@@ -305,7 +339,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _os_error(exc: BaseException) -> OSError | None:
-    """The ``OSError`` behind a runtime failure, out of trio's nursery exception groups (else ``None``)."""
+    """The ``OSError`` behind a runtime failure, out of trio's nursery exception groups (else ``None``).
+
+    A state directory that cannot be used (a newer schema, not a database) counts as one.
+    """
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
+    if isinstance(exc, StoreVersionError | sqlite3.DatabaseError):
+        return OSError(str(exc))
     return exc if isinstance(exc, OSError) else None
+
+
+def _connect(url: str) -> int:
+    try:
+        trio.run(relay_stdio, url)
+    except KeyboardInterrupt:
+        return 0
+    except (OSError, ValueError) as exc:
+        failure = _os_error(exc) or exc
+        print(f"acp-server connect: cannot relay to {url}: {failure}", file=sys.stderr)
+        return 1
+    return 0

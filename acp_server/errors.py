@@ -21,8 +21,11 @@ schemas agree. Blame is split as in h11: the peer's fault, overload, and our own
     │   └── IdempotencyKeyConflictError     -32008 idempotency_key_conflict
     ├── OverloadError                       refused for capacity; retryable
     │   ├── PromptQueueFullError            -32001 prompt_queue_full
-    │   └── CapacityExceededError           -32005 capacity_exceeded
+    │   ├── CapacityExceededError           -32005 capacity_exceeded
+    │   ├── AdmissionDeferredError          -32010 admission_deferred (tenant at its seat cap)
+    │   └── CapacityUnavailableError        -32011 capacity_unavailable (admission policy refused)
     ├── PromptDeadlineExceededError         -32004 prompt_deadline_exceeded
+    ├── SessionLimitExceededError           -32009 session_limit_exceeded (--max-sessions live sessions)
     ├── BackendError                        the agent behind a session failed or refused
     │   ├── BackendUnavailableError         -32007 backend_unavailable
     │   ├── AuthRequiredError               -32000 auth_required
@@ -47,8 +50,10 @@ __all__ = [
     "BackendUnavailableError",
     "RETRY_AFTER_MS",
     "AcpError",
+    "AdmissionDeferredError",
     "BranchWhilePromptActiveError",
     "CapacityExceededError",
+    "CapacityUnavailableError",
     "IdempotencyKeyConflictError",
     "InternalError",
     "InvalidClientIdError",
@@ -63,6 +68,7 @@ __all__ = [
     "PromptQueueFullError",
     "RemoteProtocolError",
     "RequestCancelledError",
+    "SessionLimitExceededError",
     "SessionNotFoundError",
     "SessionStateError",
 ]
@@ -206,11 +212,32 @@ class CapacityExceededError(OverloadError):
     data_type = data.CapacityExceededData
 
 
+class AdmissionDeferredError(OverloadError):
+    code = -32010
+    kind = "admission_deferred"
+    template = 'Tenant "{tenant_id}" already runs its limit of prompts at once ({reason}); retry after {retry_after_ms} ms'
+    data_type = data.AdmissionDeferredData
+
+
+class CapacityUnavailableError(OverloadError):
+    code = -32011
+    kind = "capacity_unavailable"
+    template = "No capacity for this prompt ({reason}); retry after {retry_after_ms} ms (request {request_id})"
+    data_type = data.CapacityUnavailableData
+
+
 class PromptDeadlineExceededError(AcpError):
     code = -32004
     kind = "prompt_deadline_exceeded"
     template = 'Prompt deadline of {deadline_ms} ms exceeded for session "{session_id}" after {elapsed_ms} ms'
     data_type = data.PromptDeadlineExceededData
+
+
+class SessionLimitExceededError(AcpError):
+    code = -32009
+    kind = "session_limit_exceeded"
+    template = "The server holds its limit of {limit} live sessions; close one (session/close) or raise --max-sessions"
+    data_type = data.SessionLimitExceededData
 
 
 class BackendError(AcpError):

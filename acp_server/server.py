@@ -26,6 +26,7 @@ from .config import BackendConfig
 from .errors import AcpError
 from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
 from .jsonrpc import Dispatcher
+from .store import SessionStore
 from .transports import ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
 from .types.ext import LimitsCapability
 
@@ -62,6 +63,8 @@ class ServerConfig:
     #: name -> backend configuration (default: the echo agent alone)
     backends: Mapping[str, BackendConfig] = field(default_factory=dict)
     default_backend: str = "echo"
+    #: the durable store's directory (``None``: ephemeral, everything in memory)
+    state_dir: str | None = None
 
 
 class Server:
@@ -70,6 +73,7 @@ class Server:
     Args:
         limits: every bound of this instance.
         backend: the agent behind the bridge (default: the echo agent).
+        store: the durable store, already opened (default: none, every session in memory only).
     """
 
     version = __version__
@@ -81,10 +85,19 @@ class Server:
         *,
         default_backend: str | None = None,
         capacity: CapacityManager | None = None,
+        store: SessionStore | None = None,
     ) -> None:
         self.limits = limits or Limits()
+        stored, prompt_seq = store.open() if store is not None else ({}, 0)
+        self.store = store
         self.bridge = SessionBridge(
-            backend or EchoBackend(), self.limits, default_backend=default_backend, capacity=capacity
+            backend or EchoBackend(),
+            self.limits,
+            default_backend=default_backend,
+            capacity=capacity,
+            store=store,
+            stored=stored,
+            prompt_seq=prompt_seq,
         )
         self.dispatcher = Dispatcher(REQUESTS, NOTIFICATIONS)
         self.connections: set[ConnectionShell] = set()
@@ -155,12 +168,24 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
     capacity = CapacityManager(
         {name: PoolLimits(max_active=c.max_active, max_waiting=c.max_waiting) for name, c in configs.items()}
     )
+    store = SessionStore(config.state_dir) if config.state_dir is not None else None
     server = Server(
         config.limits,
         backends,
         default_backend=config.default_backend if config.backends else "echo",
         capacity=capacity,
+        store=store,
     )
+    try:
+        await _serve(server, config, backends, task_status)
+    finally:
+        if store is not None:
+            store.close()  # what is still queued is written (a clean shutdown loses nothing)
+
+
+async def _serve(
+    server: Server, config: ServerConfig, backends: Mapping[str, Backend], task_status: trio.TaskStatus[Server]
+) -> None:
     async with trio.open_nursery() as nursery:
         for backend in backends.values():
             run = getattr(backend, "run", None)

@@ -201,3 +201,29 @@ async def connect(server: Server, nursery: trio.Nursery, *, initialize: bool = T
     if initialize:
         await client.initialize()
     return client
+
+
+def rows_of(directory: pathlib.Path, query: str, *args: Any) -> list[tuple[Any, ...]]:
+    """Rows of a query on the session store in ``directory``, read by a connection of our own."""
+    import sqlite3
+
+    from acp_server.store import DB_NAME
+
+    db = sqlite3.connect(directory / DB_NAME)
+    try:
+        return db.execute(query, args).fetchall()
+    finally:
+        db.close()
+
+
+def stored_events(directory: pathlib.Path, session_id: str | None = None) -> list[tuple[str, int, str | None, Any]]:
+    """Every transcript entry in the store in ``directory`` (of one session, or of all), in order:
+    (session id, eventId, method or None for a session/update, decoded body)."""
+    import msgspec
+
+    query = "SELECT session_id, body FROM chunks" + (" WHERE session_id = ?" if session_id else "") + " ORDER BY seq"
+    return [
+        (sid, event_id, method, body)
+        for sid, chunk in rows_of(directory, query, *([session_id] if session_id else []))
+        for event_id, method, body in msgspec.json.decode(chunk)
+    ]

@@ -6,6 +6,7 @@ on trio. Usage::
     python tests/sdk_driver.py stdio [--echo-delay-ms N]   # spawns `python -m acp_server serve --stdio`
     python tests/sdk_driver.py tcp://127.0.0.1:PORT        # connects to a running server
     python tests/sdk_driver.py unix:/path/to.sock
+    python tests/sdk_driver.py connect:tcp://127.0.0.1:PORT  # spawns `python -m acp_server connect URL`
 
 The scenario: ``initialize`` -> ``session/new`` -> one prompt -> three concurrent prompts on the session
 -> a prompt cancelled with ``session/cancel`` while it runs -> one more prompt -> ``_acp_server/stats``.
@@ -174,10 +175,12 @@ async def connect(
     target: str, client: RecordingClient, recorder: Recorder, delay_ms: int
 ) -> AsyncIterator[Any]:
     """A ``ClientSideConnection`` to the server: spawned over stdio, or over a TCP/Unix socket."""
-    if target == "stdio":
+    if target == "stdio" or target.startswith("connect:"):
         # The SDK trims the child's environment and pipes stderr without reading it: pass ours and
         # let the server's stderr go to ours (the test reads it), so it can never fill a pipe.
         args = ["-m", "acp_server", "serve", "--stdio", "--echo-delay-ms", str(delay_ms)]
+        if target.startswith("connect:"):
+            args = ["-m", "acp_server", "connect", target[len("connect:") :]]
         async with acp.spawn_agent_process(
             cast(acp.Client, client),
             sys.executable,

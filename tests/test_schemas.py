@@ -47,6 +47,9 @@ EXPECTED_CODES = {
     "branch_while_prompt_active": -32006,
     "backend_unavailable": -32007,
     "idempotency_key_conflict": -32008,
+    "session_limit_exceeded": -32009,
+    "admission_deferred": -32010,
+    "capacity_unavailable": -32011,
     "agent_error": -32012,
 }
 

@@ -48,6 +48,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
         max_inflight_requests: unanswered requests of one connection that run at once.
         idempotency_ttl_s: how long an admitted ``(sessionId, idempotencyKey)`` is remembered.
         max_idempotency_keys: the most keys remembered at once (the oldest expire first).
+        max_sessions: live (in-memory) sessions at once; more get ``session_limit_exceeded`` (0: unlimited).
     """
 
     max_pending_prompts_per_session: int = 5
@@ -59,6 +60,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     max_inflight_requests: int = 256
     idempotency_ttl_s: float = 600.0
     max_idempotency_keys: int = 100_000
+    max_sessions: int = 1000
 
     def __post_init__(self) -> None:
         check_non_negative_int("max_pending_prompts_per_session", self.max_pending_prompts_per_session)
@@ -67,6 +69,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
         check_non_negative_int("max_outbound_bytes", self.max_outbound_bytes, zero="0 means twice max_message_bytes")
         check_positive_int("max_inflight_requests", self.max_inflight_requests)
         check_positive_int("max_idempotency_keys", self.max_idempotency_keys)
+        check_non_negative_int("max_sessions", self.max_sessions)
         for name in ("client_idle_timeout_s", "session_idle_timeout_s", "idempotency_ttl_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:

@@ -443,6 +443,32 @@ class AcpAgentBackend(BaseBackend):
             modes=result.get("modes"), config_options=result.get("configOptions"), meta=result.get("_meta")
         )
 
+    def session_state(self, session_id: str) -> dict[str, Any] | None:
+        """What the durable store keeps to re-open the session in a later process: the agent's own id."""
+        session = self._sessions.get(session_id)
+        if session is None or session.child_sid is None:
+            return None
+        return {"agentSessionId": session.child_sid}
+
+    def restore_session(
+        self,
+        session_id: str,
+        cwd: str,
+        mcp_servers: list[dict[str, Any]],
+        emit: Callable[[Any], None],
+        state: dict[str, Any] | None,
+    ) -> None:
+        """Know a stored session again, synchronously; its first use re-opens it in the agent
+        (``session/load`` of its old agent session id when the agent supports it, else ``session/new``;
+        the agent's own replay is not forwarded)."""
+        if session_id in self._sessions:
+            return
+        session = _Session(session_id, cwd, list(mcp_servers), emit)
+        agent_sid = (state or {}).get("agentSessionId")
+        if isinstance(agent_sid, str):
+            session.child_sid = agent_sid  # child None: _attach re-opens it
+        self._sessions[session_id] = session
+
     async def prompt(self, turn: Turn) -> StopReason:
         session = self._session(turn.session_id)
         child, child_sid = await self._attach(session)
@@ -499,6 +525,15 @@ class AcpAgentBackend(BaseBackend):
         session = self._session(session_id)
         child, child_sid = await self._attach(session)
         await self._call(child, session_id, "session/set_mode", {"sessionId": child_sid, "modeId": mode_id})
+
+    async def set_config_option(self, session_id: str, config_id: str, value: Any) -> dict[str, Any]:
+        session = self._session(session_id)
+        child, child_sid = await self._attach(session)
+        params: dict[str, Any] = {"sessionId": child_sid, "configId": config_id, "value": value}
+        if isinstance(value, bool):
+            params["type"] = "boolean"
+        result = await self._call(child, session_id, "session/set_config_option", params)
+        return result if isinstance(result, dict) else {}
 
     async def close_session(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)

@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import trio
 
+from ..errors import InvalidParamsError
 from ..types.acp import ClientCapabilities, ContentBlock, StopReason
 
 __all__ = [
@@ -133,6 +134,11 @@ class Backend(Protocol):
         """Change the session's mode (``session/set_mode``)."""
         ...
 
+    async def set_config_option(self, session_id: str, config_id: str, value: Any) -> dict[str, Any]:
+        """Set one of the session's config options (``session/set_config_option``); returns the
+        agent's result (``configOptions``)."""
+        ...
+
     async def close_session(self, session_id: str) -> None:
         """The session ended; release the agent's side of it."""
         ...
@@ -164,6 +170,10 @@ class BaseBackend:
 
     async def set_mode(self, session_id: str, mode_id: str) -> None:
         await trio.lowlevel.checkpoint()
+
+    async def set_config_option(self, session_id: str, config_id: str, value: Any) -> dict[str, Any]:
+        await trio.lowlevel.checkpoint()
+        raise InvalidParamsError(path="configId", detail=f"unknown config option {config_id!r}; this agent has none")
 
     async def close_session(self, session_id: str) -> None:
         await trio.lowlevel.checkpoint()

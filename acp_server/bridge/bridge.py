@@ -18,6 +18,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -38,9 +39,11 @@ from ..errors import (
     PromptDeadlineExceededError,
     PromptQueueFullError,
     RequestCancelledError,
+    SessionLimitExceededError,
     SessionNotFoundError,
 )
 from ..jsonrpc.dispatch import Deferred
+from ..store import TURN_STATE, SessionStore, StoredEvent, StoredSession
 from ..types.acp import ContentBlock, PromptResult, SessionNotification, UserMessageChunk
 from .session import ClientReg, ForkTicket, Peer, PromptTicket, Session
 
@@ -62,6 +65,19 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _fan_out(segment: list[tuple[tuple[Peer, ...], Peer | None, bytes]]) -> None:
+    for peers, exclude, data in segment:
+        for peer in peers:
+            if peer is not exclude and not peer.closed:
+                peer.send(data)
+
+
+class _ExtMsg(msgspec.Struct):
+    jsonrpc: str
+    method: str
+    params: dict[str, Any]
+
+
 class PromptWaiter(Deferred):
     """A request waiting on a prompt's outcome, answered by callback when the prompt settles."""
 
@@ -75,7 +91,7 @@ class PromptWaiter(Deferred):
 
     def subscribe(self, done: Callable[[Any, AcpError | None], None]) -> None:
         ticket = self.ticket
-        if ticket.settled:
+        if ticket.settled and ticket.done.is_set():
             done(ticket.result, ticket.error)
             return
         self._done = done
@@ -123,6 +139,8 @@ class SessionBridge:
         limits: the bounds; ``max_pending_prompts_per_session`` etc.
         max_pending_prompts_per_session: shortcut overriding ``limits``' field (validated the same way).
         default_backend: the name of the backend a session gets when it names none (with a table).
+        store: the durable store (``None``: ephemeral, everything in memory); ``stored``: its session
+            index as :meth:`SessionStore.open` returned it, and ``prompt_seq`` the highest prompt number.
 
     Raises:
         TypeError, ValueError: a limit is not of its accepted form (the message names it).
@@ -136,6 +154,9 @@ class SessionBridge:
         max_pending_prompts_per_session: Any = None,
         default_backend: str | None = None,
         capacity: CapacityManager | None = None,
+        store: SessionStore | None = None,
+        stored: dict[str, StoredSession] | None = None,
+        prompt_seq: int = 0,
     ) -> None:
         limits = limits or Limits()
         if max_pending_prompts_per_session is not None:
@@ -164,7 +185,13 @@ class SessionBridge:
         #: (deadline, seq, ticket): prompts with a deadline, soonest first (settled ones drop out lazily)
         self._deadlines: list[tuple[float, int, PromptTicket]] = []
         self._deadline_changed = trio.Event()
-        self._prompt_seq = 0
+        self._prompt_seq = prompt_seq
+        self.store = store
+        #: every stored session's metadata, live or not (with a store): admission restores synchronously
+        self.stored: dict[str, StoredSession] = dict(stored or {})
+        #: with a store: the updates of this write round waiting for its commit (see :meth:`emit`)
+        self._fanout: list[tuple[tuple[Peer, ...], Peer | None, bytes]] | None = None
+        self._fanout_generation = 0
         self._admitted = 0
         self._refused = 0
         self._settled = 0
@@ -176,6 +203,8 @@ class SessionBridge:
         """Host the bridge's tasks (turn runners, backend calls, the idle reaper) until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            if self.store is not None and not self.store.running:
+                await nursery.start(self.store.run)
             nursery.start_soon(self._reaper)
             nursery.start_soon(self._expire_deadlines)
             task_status.started()
@@ -215,11 +244,13 @@ class SessionBridge:
 
         The backend is not told (see :meth:`open_session`, which is what ``session/new`` uses).
         """
+        self._check_session_limit()
         session_id = f"sess_{uuid.uuid4().hex}"
         session = Session(
             self, session_id, cwd, mcp_servers, backend or self.backend, trio.current_time(), _now_ms()
         )
         self.sessions[session_id] = session
+        self._store_session(session)
         return session, self.register(session, peer, client_id)
 
     async def open_session(
@@ -233,20 +264,113 @@ class SessionBridge:
     ) -> tuple[Session, str, SessionSetup]:
         """Create a session on its backend (the agent's side first), then register the caller."""
         backend = backend or self.backend
+        self._check_session_limit()
         session_id = f"sess_{uuid.uuid4().hex}"
         session = Session(self, session_id, cwd, mcp_servers, backend, trio.current_time(), _now_ms())
         setup = await backend.open_session(session_id, cwd, mcp_servers, lambda u: self.emit(session, u, None))
         session.modes = setup.modes
         if setup.modes and isinstance(setup.modes.get("currentModeId"), str):
             session.mode_id = setup.modes["currentModeId"]
+        try:
+            self._check_session_limit()  # again: others may have been created during the await
+        except AcpError:
+            if self._nursery is not None:
+                self._nursery.start_soon(self._close_on_backend, session)
+            raise
         self.sessions[session_id] = session
+        self._store_session(session)
         return session, self.register(session, peer, client_id), setup
 
     def get(self, session_id: str) -> Session:
+        """The live session ``session_id``; a stored one that is not live is restored (no replay)."""
         session = self.sessions.get(session_id)
         if session is None:
-            raise SessionNotFoundError(session_id=session_id)
+            meta = self.stored.get(session_id) if self.store is not None else None
+            if meta is None:
+                raise SessionNotFoundError(session_id=session_id)
+            session = self._restore(meta)
         return session
+
+    # --- the durable store -------------------------------------------------------------------------
+
+    def _check_session_limit(self) -> None:
+        limit = self.limits.max_sessions
+        if limit and len(self.sessions) >= limit:
+            raise SessionLimitExceededError(limit=limit)
+
+    def _store_session(self, session: Session) -> None:
+        store = self.store
+        if store is None:
+            return
+        state = getattr(session.backend, "session_state", None)
+        meta = StoredSession(
+            session.session_id, session.cwd, session.backend.name, session.created_ms, session.updated_ms,
+            list(session.mcp_servers), session.title, session.next_event_id,
+            state(session.session_id) if state is not None else None,
+        )
+        self.stored[session.session_id] = meta
+        store.save_session(meta)
+
+    def _restore(self, meta: StoredSession) -> Session:
+        """Make a stored session live, synchronously: metadata from the index, transcript left on disk."""
+        self._check_session_limit()
+        backend = self.backends.get(meta.backend)
+        if backend is None:
+            log.warning("session %s was on backend %r, which is gone: using %s", meta.session_id, meta.backend, self.backend.name)
+            backend = self.backend
+        session = Session(self, meta.session_id, meta.cwd, list(meta.mcp_servers), backend, trio.current_time(), meta.created_ms)
+        session.updated_ms = meta.updated_ms
+        session.title = meta.title
+        session.next_event_id = meta.next_event_id
+        session.stored_upto = meta.next_event_id - 1
+        restore = getattr(backend, "restore_session", None)
+        if restore is not None:
+            restore(session.session_id, session.cwd, session.mcp_servers,
+                    lambda u: self.emit(session, u, None), meta.backend_state)
+        self.sessions[session.session_id] = session
+        log.info("restored session %s from the store", session.session_id)
+        return session
+
+    async def _load_transcript(self, session: Session) -> None:
+        """Put the on-disk part of a restored session's transcript in front of its ``history``."""
+        upto = session.stored_upto
+        if not upto or self.store is None:
+            return
+        events = await self.store.read_events(session.session_id, 0, upto)
+        if session.stored_upto == upto:  # not merged by a concurrent load meanwhile
+            session.history[:0] = [(e.event_id, e if e.method is not None else e.body) for e in events]
+            session.stored_upto = 0
+
+    def _unload(self, session: Session) -> None:
+        meta = self.stored.get(session.session_id)
+        if meta is not None:
+            meta.next_event_id = session.next_event_id
+            meta.updated_ms = session.updated_ms
+            meta.title = session.title
+
+    def close_or_delete(self, session_id: str, peer: Peer | None, client_id: str | None, *, delete: bool) -> None:
+        """``session/close`` / ``session/delete``: a stored session that is not live is not restored for it
+        (it has no client ids: one given is invalid)."""
+        session = self.sessions.get(session_id)
+        if session is None and self.store is not None and session_id in self.stored:
+            if client_id is not None:
+                raise InvalidClientIdError(session_id=session_id, client_id=client_id)
+            if delete:
+                del self.stored[session_id]
+                self.store.delete_session(session_id)
+            return
+        session = self.get(session_id)
+        self.resolve_client(session, peer, client_id)
+        if delete:
+            self.delete_session(session)
+        else:
+            self.close_session(session)
+
+    def delete_session(self, session: Session) -> None:
+        """``session/delete``: close it, then forget it and its transcript."""
+        self.close_session(session)
+        if self.store is not None and self.stored.pop(session.session_id, None) is not None:
+            self.store.delete_session(session.session_id)
 
     def register(self, session: Session, peer: Peer | None, requested: str | None = None) -> str:
         """Register a client on ``session``: re-use ``requested`` if it is registered there, else mint one.
@@ -329,6 +453,8 @@ class SessionBridge:
     def close_session(self, session: Session) -> None:
         """End the session for every client: its running and queued prompts are cancelled."""
         self._cancel_session_prompts(session)
+        if self.store is not None:
+            self._unload(session)  # history kept: listed, and loadable again
         if self.sessions.pop(session.session_id, None) is not None and self._nursery is not None:
             self._nursery.start_soon(self._close_on_backend, session)
         for peer in list(session.attached):
@@ -365,6 +491,9 @@ class SessionBridge:
         for the connection's writer instead of overflowing; updates that arrive meanwhile are sent in
         order before the connection is attached to the live stream (no gap, no duplicate).
         """
+        if session.stored_upto:
+            # Always, even for a tail after it: the merge shifts ``history``, so nobody may be iterating it.
+            await self._load_transcript(session)
         history = session.history
         index = 0
         while index < len(history) and history[index][0] <= after_event_id:
@@ -372,6 +501,11 @@ class SessionBridge:
         while True:
             end = len(history)
             for event_id, update in history[index:end]:
+                if isinstance(update, StoredEvent):
+                    params = msgspec.json.decode(update.body)
+                    params.update(sessionId=session.session_id, _meta={"eventId": event_id})
+                    await peer.send_reliably(_encoder.encode(_ExtMsg("2.0", update.method or TURN_STATE, params)) + b"\n")
+                    continue
                 data = _encoder.encode(
                     _UpdateMsg(
                         "2.0",
@@ -385,8 +519,12 @@ class SessionBridge:
                 break
         self.attach(session, peer)
 
-    def list_sessions(self, cwd: str | None = None) -> list[Session]:
-        return [s for s in self.sessions.values() if cwd is None or s.cwd == cwd]
+    def list_sessions(self, cwd: str | None = None) -> list[Session | StoredSession]:
+        """Live sessions, and with a store every stored one too (in creation order)."""
+        if self.store is None:
+            return [s for s in self.sessions.values() if cwd is None or s.cwd == cwd]
+        live = self.sessions
+        return [live.get(m.session_id) or m for m in self.stored.values() if cwd is None or m.cwd == cwd]
 
     # --- prompts -----------------------------------------------------------------------------------
 
@@ -459,6 +597,9 @@ class SessionBridge:
         ticket.channel = channel
         ticket.meta = meta
         ticket.lease = lease
+        ticket.seq = self._prompt_seq
+        if self.store is not None:
+            ticket.store_op = self.store.admit(ticket.seq, ticket.prompt_id, session_id)
         if effective:
             heapq.heappush(self._deadlines, (ticket.deadline, self._prompt_seq, ticket))
             if self._deadlines[0][2] is ticket:
@@ -582,12 +723,28 @@ class SessionBridge:
                 session.abandoned = trio.Event()
         elif ticket.lease is not None:
             ticket.lease.release()  # never reached the backend; a running call releases it as it ends
+        if self.store is not None:
+            # The answer waits for the terminal record's commit; the slot is free already.
+            outcome = result.stop_reason if result is not None else error.kind if error is not None else "internal"
+            session.updated_ms = _now_ms()
+            self._fanout = None  # later updates go out after this answer
+            self.store.settle(ticket.seq, outcome, lambda: self._answer(ticket))
+            self._fail_head_forks(session)
+            return True
         ticket.done.set()
         self._fail_head_forks(session)
         waiters, ticket.waiters = ticket.waiters, []
         for waiter in waiters:  # last: a callback may start the connection's next request
             waiter.notify(result, error)
         return True
+
+    @staticmethod
+    def _answer(ticket: PromptTicket) -> None:
+        """Wake whoever waits on a settled prompt (with a store: once its outcome is committed)."""
+        ticket.done.set()
+        waiters, ticket.waiters = ticket.waiters, []
+        for waiter in waiters:
+            waiter.notify(ticket.result, ticket.error)
 
     # --- forks -------------------------------------------------------------------------------------
 
@@ -642,6 +799,10 @@ class SessionBridge:
                     await self._run_fork(session, item)
                     fifo.popleft()
                     continue
+                store = self.store
+                if store is not None and store.committed < item.store_op:
+                    await store.wait_committed(item.store_op)  # its admission record first
+                    continue  # re-check: it may have settled meanwhile
                 await self._call_backend(item)
                 fifo.popleft()
         finally:
@@ -704,6 +865,14 @@ class SessionBridge:
             item.done.set()
 
     async def _run_fork(self, session: Session, item: ForkTicket) -> None:
+        try:
+            self._check_session_limit()
+        except AcpError as exc:
+            item.error = exc
+            item.settled = True
+            item.done.set()
+            return
+        await self._load_transcript(session)
         new = Session(
             self, f"sess_{uuid.uuid4().hex}", session.cwd, list(session.mcp_servers),
             session.backend, trio.current_time(), _now_ms(),
@@ -722,6 +891,13 @@ class SessionBridge:
             new.modes = session.modes
             new.title = session.title
             self.sessions[new.session_id] = new
+            if self.store is not None:
+                self._store_session(new)
+                for event_id, update in new.history:
+                    if isinstance(update, StoredEvent):
+                        self.store.add_event(new.session_id, event_id, update.body, update.method)
+                    else:
+                        self.store.add_event(new.session_id, event_id, update)
             item.new_session = new
         item.settled = True
         item.done.set()
@@ -741,6 +917,9 @@ class SessionBridge:
         event_id = session.next_event_id
         session.next_event_id = event_id + 1
         session.history.append((event_id, update))
+        store = self.store
+        if store is not None:
+            store.add_event(session.session_id, event_id, update)
         meta: dict[str, Any] = {"eventId": event_id}
         if originator is not None:
             meta["originatorClientId"] = originator
@@ -749,6 +928,16 @@ class SessionBridge:
         data = _encoder.encode(
             _UpdateMsg("2.0", "session/update", SessionNotification(session_id=session.session_id, update=update, meta=meta))
         ) + b"\n"
+        if store is not None:
+            # Sent once committed, in order with the answers: durable before visible, and a round's
+            # updates and answers leave a connection in one write instead of two.
+            segment = self._fanout
+            if segment is None or self._fanout_generation != store.generation:
+                segment = self._fanout = []
+                self._fanout_generation = store.generation
+                store.after_commit(partial(_fan_out, segment))
+            segment.append((tuple(session.attached), exclude, data))
+            return
         for peer in tuple(session.attached):
             if peer is not exclude:
                 peer.send(data)

@@ -76,6 +76,8 @@ class PromptTicket:
         "result",
         "running",
         "sender",
+        "seq",
+        "store_op",
         "waiters",
         "session",
         "settled",
@@ -113,6 +115,9 @@ class PromptTicket:
         self.meta: dict[str, Any] | None = None
         #: the backend pool lease, held from admission to settlement (issue C)
         self.lease: Any = None
+        #: the prompt's number (its id is ``prompt_<seq>``) and its admission record's op in the store
+        self.seq = 0
+        self.store_op = 0
 
     def outcome(self) -> PromptResult:
         """The settled result, or raise the settled error."""
@@ -157,6 +162,7 @@ class Session:
         "pending_count",
         "runner_active",
         "session_id",
+        "stored_upto",
         "title",
         "updated_ms",
     )
@@ -193,6 +199,9 @@ class Session:
         #: (eventId, update) in order; fork copies it, issue E persists it
         self.history: list[tuple[int, Any]] = []
         self.next_event_id = 1
+        #: a session restored from the store: events up to this id are on disk only, not yet in
+        #: ``history`` (loaded lazily, for replay and fork); 0 once loaded
+        self.stored_upto = 0
 
     @property
     def running_ticket(self) -> PromptTicket | None:

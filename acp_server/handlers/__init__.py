@@ -13,7 +13,7 @@ from ..types.acp import (
     SessionIdParams,
     SetSessionModeParams,
 )
-from . import ext, lifecycle, prompt, session
+from . import config_option, ext, lifecycle, prompt, session
 from .context import ConnContext
 
 __all__ = ["NOTIFICATIONS", "REQUESTS", "ConnContext"]
@@ -27,7 +27,9 @@ REQUESTS: dict[str, Method] = {
     "session/load": Method(LoadSessionParams, session.load),
     "session/resume": Method(LoadSessionParams, session.resume),
     "session/close": Method(CloseSessionParams, session.close),
+    "session/delete": Method(CloseSessionParams, session.delete),
     "session/set_mode": Method(SetSessionModeParams, session.set_mode),
+    "session/set_config_option": Method(config_option.SetConfigOptionParams, config_option.set_config_option),
     "session/prompt": Method(PromptParams, prompt.prompt, sees_cancel=True),
     "_acp_server/capabilities": Method(None, ext.capabilities),
     "_acp_server/stats": Method(None, ext.stats),

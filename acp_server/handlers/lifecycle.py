@@ -32,7 +32,7 @@ def initialize(ctx: ConnContext, params: InitializeParams) -> InitializeResult:
             load_session=True,
             # The echo agent takes every content block (it describes what is not text).
             prompt_capabilities=PromptCapabilities(image=True, audio=True, embedded_context=True),
-            session_capabilities=SessionCapabilities(list={}, close={}, resume={}),
+            session_capabilities=SessionCapabilities(list={}, close={}, resume={}, delete={}),
             meta={"limits": server.limits_capability()},
         ),
         agent_info=Implementation(name="acp-server", version=server.version),

@@ -1,4 +1,5 @@
-"""``session/new``, ``session/list``, ``session/close``, ``session/set_mode`` and ``session/cancel``."""
+"""``session/new``, ``session/load``, ``session/resume``, ``session/list``, ``session/close``,
+``session/delete``, ``session/set_mode`` and ``session/cancel``."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from ..types.acp import (
 from .context import ConnContext
 from .meta import meta_client_id, meta_str
 
-__all__ = ["cancel", "close", "list_sessions", "new", "set_mode", "MODES"]
+__all__ = ["cancel", "close", "delete", "list_sessions", "new", "set_mode", "MODES"]
 
 #: The modes the echo agent offers.
 MODES = [SessionMode(id="default", name="Echo", description="Echo every prompt back word by word")]
@@ -125,10 +126,14 @@ def list_sessions(ctx: ConnContext, params: ListSessionsParams) -> ListSessionsR
 
 
 def close(ctx: ConnContext, params: CloseSessionParams) -> dict[str, Any]:
-    bridge = ctx.bridge
-    session = bridge.get(params.session_id)
-    bridge.resolve_client(session, ctx.peer, meta_client_id(params.meta))
-    bridge.close_session(session)
+    """End the session for every client; with a store it is only unloaded (listed, loadable)."""
+    ctx.bridge.close_or_delete(params.session_id, ctx.peer, meta_client_id(params.meta), delete=False)
+    return {}
+
+
+def delete(ctx: ConnContext, params: CloseSessionParams) -> dict[str, Any]:
+    """Close the session and remove it and its transcript from the store."""
+    ctx.bridge.close_or_delete(params.session_id, ctx.peer, meta_client_id(params.meta), delete=True)
     return {}
 
 

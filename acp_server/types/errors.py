@@ -12,12 +12,14 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = [
+    "AdmissionDeferredData",
     "IdempotencyKeyConflictData",
     "AgentErrorData",
     "AuthRequiredData",
     "BackendUnavailableData",
     "BranchWhilePromptActiveData",
     "CapacityExceededData",
+    "CapacityUnavailableData",
     "ErrorData",
     "InternalData",
     "InvalidClientIdData",
@@ -30,6 +32,7 @@ __all__ = [
     "PromptDeadlineExceededData",
     "PromptQueueFullData",
     "RequestCancelledData",
+    "SessionLimitExceededData",
     "SessionNotFoundData",
 ]
 
@@ -89,6 +92,22 @@ class CapacityExceededData(ErrorData, tag="capacity_exceeded"):
     retry_after_ms: int
 
 
+class AdmissionDeferredData(ErrorData, tag="admission_deferred"):
+    # The tenant holds its cap of running prompts; nothing was queued or counted.
+    reason: Literal["tenant_limit"]
+    tenant_id: str
+    retry_after_ms: int
+    safe_to_retry: bool
+
+
+class CapacityUnavailableData(ErrorData, tag="capacity_unavailable"):
+    # The admission policy refused the prompt; request_id is also in the server's log line.
+    reason: Literal["queue_full", "deadline_unreachable", "wait_too_long"]
+    retry_after_ms: int
+    request_id: str
+    safe_to_retry: bool
+
+
 class SessionNotFoundData(ErrorData, tag="session_not_found"):
     session_id: str
 
@@ -129,3 +148,7 @@ class AgentErrorData(ErrorData, tag="agent_error"):
     agent_code: int
     agent_message: str
     agent_data: Any = None
+
+
+class SessionLimitExceededData(ErrorData, tag="session_limit_exceeded"):
+    limit: int

@@ -165,6 +165,14 @@ class FakeAgent:
         await self.client.session_update(session_id, update_current_mode(mode_id))
         return schema.SetSessionModeResponse()
 
+    async def set_config_option(
+        self, config_id: str, session_id: str, value: str | bool, **kwargs: Any
+    ) -> schema.SetSessionConfigOptionResponse:
+        if config_id != "verbose" or not isinstance(value, bool):
+            raise acp.RequestError.invalid_params({"configId": config_id})
+        option = schema.SessionConfigOptionBoolean(id="verbose", name="Verbose", current_value=value, type="boolean")
+        return schema.SetSessionConfigOptionResponse(config_options=[option])
+
     async def close_session(self, session_id: str, **kwargs: Any) -> schema.CloseSessionResponse:
         self.sessions.pop(session_id, None)
         print(f"fake-agent closed {session_id}", file=sys.stderr, flush=True)

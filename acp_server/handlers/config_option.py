@@ -1,0 +1,30 @@
+"""``session/set_config_option``: forwarded to the session's backend."""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine
+from typing import Any
+
+from ..backends import Backend
+from ..types.base import Meta, Wire, meta_field
+from .context import ConnContext
+from .meta import meta_client_id
+
+__all__ = ["SetConfigOptionParams", "set_config_option"]
+
+
+class SetConfigOptionParams(Wire, kw_only=True):
+    session_id: str
+    config_id: str
+    value: str | bool
+    meta: Meta = meta_field()
+
+
+def set_config_option(ctx: ConnContext, params: SetConfigOptionParams) -> Coroutine[Any, Any, dict[str, Any]]:
+    bridge = ctx.bridge
+    session = bridge.get(params.session_id)
+    bridge.resolve_client(session, ctx.peer, meta_client_id(params.meta))
+    backend: Backend = session.backend
+    return backend.set_config_option(session.session_id, params.config_id, params.value)
+
+

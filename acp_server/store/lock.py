@@ -1,0 +1,63 @@
+"""One server per state directory: an exclusive ``flock`` on ``DIR/lock``, holding the owner's pid."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+
+__all__ = ["StateDirLocked", "StateLock"]
+
+
+class StateDirLocked(OSError):
+    """Another process owns the state directory; the message names its pid and the ways out."""
+
+    def __init__(self, directory: pathlib.Path, owner_pid: int | None) -> None:
+        owner = f"pid {owner_pid}" if owner_pid is not None else "another process"
+        super().__init__(
+            f"state directory {directory} is in use by {owner}; use another --state-dir, run with --ephemeral, "
+            "or share that server with `acp-server connect URL`"
+        )
+        self.directory = directory
+        self.owner_pid = owner_pid
+
+
+class StateLock:
+    """An exclusive, non-blocking ``flock`` on ``DIR/lock``; released when the process dies, even by kill -9."""
+
+    def __init__(self, directory: pathlib.Path) -> None:
+        self.directory = directory
+        self.path = directory / "lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock and write our pid in the file.
+
+        Raises:
+            StateDirLocked: another process holds it.
+        """
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _read_pid(fd)
+            os.close(fd)
+            raise StateDirLocked(self.directory, owner) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode().strip()
+        return int(text) if text else None
+    except (OSError, ValueError):
+        return None
