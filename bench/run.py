@@ -20,8 +20,10 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -217,11 +219,8 @@ def scenario_pipelined(report: Report, sizes: Sizes) -> None:
     timing = ["--duration", str(sizes.duration), "--warmup", str(sizes.warmup)]
     raw: dict[str, Any] = {"runs": []}
     runs = raw["runs"]
-    variants: list[tuple[str, list[str]]] = [("defaults", [])]
-    if "--ephemeral" in server_flags():
-        variants.append(("--ephemeral", ["--ephemeral"]))
-    else:
-        report.skipped.append("Scenario 2: the --ephemeral variant (the server has no --ephemeral flag yet).")
+    state_dir = tempfile.mkdtemp(prefix="acp-bench-state-")
+    variants: list[tuple[str, list[str]]] = [("defaults", ["--ephemeral"]), ("store on", ["--state-dir", state_dir])]
     for label, flags in variants:
         with TcpServer(flags) as server:
             progress(f"2: pipelined over TCP ({label}): {server.command}")
@@ -263,11 +262,12 @@ def scenario_pipelined(report: Report, sizes: Sizes) -> None:
             )
             check_busy(report, f"Scenario 2, {what}", run)
     report.scenarios["pipelined"] = raw
+    shutil.rmtree(state_dir, ignore_errors=True)
     report.notes.append(
         "Scenario 2: one TCP connection, one-word prompts (1 update each), the median of "
         f"{sizes.reps} run(s) of {sizes.duration} s; 100 x 5 in flight is over --max-inflight-requests "
-        "(256), so part of it waits in the connection's queue. The server runs its defaults: there is no "
-        "session store yet (a later issue), so nothing is persisted."
+        "(256), so part of it waits in the connection's queue. Rows without a suffix run --ephemeral "
+        "(store off, policy limits off); rows marked (store on) run the SQLite store in a temporary --state-dir."
     )
 
 

@@ -68,11 +68,15 @@ class TcpServer:
     ``listening on`` line. Leaving the block sends SIGTERM, then SIGKILL if it does not exit.
 
     Args:
-        extra: more ``serve`` flags.
+        extra: more ``serve`` flags. Unless they name ``--state-dir`` the server runs ``--ephemeral``
+            (the throughput baseline); with ``--state-dir`` the store is on, in a directory of the bench's.
     """
 
     def __init__(self, extra: list[str] | None = None) -> None:
-        self.argv = [*acp_server_argv(), "serve", "--listen", "tcp://127.0.0.1:0", *(extra or [])]
+        extra = list(extra or [])
+        if "--state-dir" not in extra and "--ephemeral" not in extra:
+            extra.insert(0, "--ephemeral")
+        self.argv = [*acp_server_argv(), "serve", "--listen", "tcp://127.0.0.1:0", *extra]
         self.port = 0
         self._log = tempfile.NamedTemporaryFile(prefix="acp-bench-server-", suffix=".log", delete=False)
         self._proc: subprocess.Popen[bytes] | None = None
