@@ -233,7 +233,12 @@ class FakeBackend(BaseBackend):
             call.ended.set()
 
     async def open_session(
-        self, session_id: str, cwd: str, mcp_servers: list[dict[str, Any]], emit: Callable[[Any], None]
+        self,
+        session_id: str,
+        cwd: str,
+        mcp_servers: list[dict[str, Any]],
+        emit: Callable[[Any], None],
+        meta: dict[str, Any] | None = None,
     ) -> SessionSetup:
         self.lifecycle.append(("open_session", session_id))
         await trio.lowlevel.checkpoint()

@@ -376,8 +376,12 @@ class AcpAgentBackend(BaseBackend):
 
         return bind
 
-    async def _new_child_session(self, session: _Session, child: AgentProcess) -> dict[str, Any]:
-        params = {"cwd": session.cwd, "mcpServers": session.mcp_servers}
+    async def _new_child_session(
+        self, session: _Session, child: AgentProcess, meta: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {"cwd": session.cwd, "mcpServers": session.mcp_servers}
+        if meta:
+            params["_meta"] = meta
         try:
             result = await self._call(
                 child, session.id, "session/new", params, self._bind_on_result(session, child)
@@ -433,11 +437,16 @@ class AcpAgentBackend(BaseBackend):
     # --- the Backend protocol ----------------------------------------------------------------------
 
     async def open_session(
-        self, session_id: str, cwd: str, mcp_servers: list[dict[str, Any]], emit: Callable[[Any], None]
+        self,
+        session_id: str,
+        cwd: str,
+        mcp_servers: list[dict[str, Any]],
+        emit: Callable[[Any], None],
+        meta: dict[str, Any] | None = None,
     ) -> SessionSetup:
         session = _Session(session_id, cwd, list(mcp_servers), emit)
         child = await self._ensure_child(session_id)
-        result = await self._new_child_session(session, child)
+        result = await self._new_child_session(session, child, meta)
         self._sessions[session_id] = session
         return SessionSetup(
             modes=result.get("modes"), config_options=result.get("configOptions"), meta=result.get("_meta")

@@ -117,9 +117,15 @@ class Backend(Protocol):
     name: str
 
     async def open_session(
-        self, session_id: str, cwd: str, mcp_servers: list[dict[str, Any]], emit: Callable[[Any], None]
+        self,
+        session_id: str,
+        cwd: str,
+        mcp_servers: list[dict[str, Any]],
+        emit: Callable[[Any], None],
+        meta: dict[str, Any] | None = None,
     ) -> SessionSetup:
-        """Create the agent's side of a new session; ``emit`` streams updates outside any turn."""
+        """Create the agent's side of a new session; ``emit`` streams updates outside any turn, and
+        ``meta`` is the request's ``_meta`` without our own keys (passed on to an agent)."""
         ...
 
     async def prompt(self, turn: Turn) -> StopReason:
@@ -157,7 +163,12 @@ class BaseBackend:
     name: str = "backend"
 
     async def open_session(
-        self, session_id: str, cwd: str, mcp_servers: list[dict[str, Any]], emit: Callable[[Any], None]
+        self,
+        session_id: str,
+        cwd: str,
+        mcp_servers: list[dict[str, Any]],
+        emit: Callable[[Any], None],
+        meta: dict[str, Any] | None = None,
     ) -> SessionSetup:
         await trio.lowlevel.checkpoint()
         return SessionSetup()

@@ -261,13 +261,14 @@ class SessionBridge:
         client_id: str | None = None,
         *,
         backend: Backend | None = None,
+        meta: dict[str, Any] | None = None,
     ) -> tuple[Session, str, SessionSetup]:
         """Create a session on its backend (the agent's side first), then register the caller."""
         backend = backend or self.backend
         self._check_session_limit()
         session_id = f"sess_{uuid.uuid4().hex}"
         session = Session(self, session_id, cwd, mcp_servers, backend, trio.current_time(), _now_ms())
-        setup = await backend.open_session(session_id, cwd, mcp_servers, lambda u: self.emit(session, u, None))
+        setup = await backend.open_session(session_id, cwd, mcp_servers, lambda u: self.emit(session, u, None), meta)
         session.modes = setup.modes
         if setup.modes and isinstance(setup.modes.get("currentModeId"), str):
             session.mode_id = setup.modes["currentModeId"]

@@ -26,7 +26,7 @@ from ..types.acp import (
     SetSessionModeParams,
 )
 from .context import ConnContext
-from .meta import meta_client_id, meta_str
+from .meta import meta_client_id, meta_str, passthrough_meta
 
 __all__ = ["cancel", "close", "delete", "list_sessions", "new", "set_mode", "MODES"]
 
@@ -47,7 +47,12 @@ def new(ctx: ConnContext, params: NewSessionParams) -> Coroutine[Any, Any, dict[
 
 async def _open(ctx: ConnContext, params: NewSessionParams, backend: Backend) -> dict[str, Any]:
     session, client_id, setup = await ctx.bridge.open_session(
-        params.cwd, params.mcp_servers, ctx.peer, meta_client_id(params.meta), backend=backend
+        params.cwd,
+        params.mcp_servers,
+        ctx.peer,
+        meta_client_id(params.meta),
+        backend=backend,
+        meta=passthrough_meta(params.meta),
     )
     result: dict[str, Any] = {"sessionId": session.session_id}
     result["modes"] = setup.modes if setup.modes is not None else msgspec.to_builtins(_modes(session.mode_id))

@@ -147,7 +147,12 @@ class FakeAgent:
             ],
         )
         return schema.NewSessionResponse(
-            session_id=session_id, modes=modes, field_meta={"fake": {"pid": os.getpid(), "cwd": cwd}}
+            session_id=session_id,
+            modes=modes,
+            field_meta={
+                "fake": {"pid": os.getpid(), "cwd": cwd},
+                "requestMeta": {k: v for k, v in kwargs.items() if k not in schema.NewSessionRequest.model_fields},
+            },
         )
 
     async def load_session(

@@ -1,4 +1,4 @@
-"""session/set_config_option reaches the session's agent; the echo agent has no options to set."""
+"""Session calls that reach the agent: session/set_config_option, and session/new with its `_meta`."""
 
 from __future__ import annotations
 
@@ -42,3 +42,17 @@ async def test_echo_has_no_config_options() -> None:
             assert exc.kind == "session_not_found"
         else:
             raise AssertionError("an unknown session was accepted")
+
+
+async def test_session_new_meta_passes_through_without_our_keys() -> None:
+    """Other ``_meta`` on session/new reaches the agent; ours (clientId, backend, ...) does not, and the
+    agent's result ``_meta`` comes back beside our clientId."""
+    async with agent_server() as (server, nursery):
+        client = await connect_agent(server, nursery)
+        result = await client.call(
+            "session/new",
+            {"cwd": "/tmp", "mcpServers": [], "_meta": {"trace": "t-1", "clientId": "client_x", "backend": "agent"}},
+        )
+        assert result["_meta"]["requestMeta"] == {"trace": "t-1"}
+        assert result["_meta"]["clientId"].startswith("client_") and result["_meta"]["clientId"] != "client_x"
+        assert result["_meta"]["fake"]["cwd"] == "/tmp"
