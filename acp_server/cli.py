@@ -37,12 +37,12 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 def _int_arg(flag: str, *, minimum: int, meaning: str) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if math.isnan(value) or not value.is_integer() or value < minimum or not text.strip().lstrip("+-").isdigit():
+            value = int(text) if text.strip().lstrip("+-").isdigit() else None
+        except ValueError:  # "+-5"
+            value = None
+        if value is None or value < minimum:
             raise argparse.ArgumentTypeError(f"{flag} must be {meaning}; got {text!r}")
-        return int(text)
+        return value
 
     parse.__name__ = flag
     return parse

@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from .types.base import validation_location
+
 __all__ = ["BackendConfig", "ConfigError", "FileConfig", "load_config", "parse_config"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -51,15 +53,10 @@ class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 def _path_of(exc: msgspec.ValidationError, prefix: str) -> tuple[str, str]:
-    text = str(exc)
-    m = re.match(r"^(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", text, re.S)
-    detail = m.group("detail") if m else text
-    path = (m.group("path") or "") if m else ""
-    unknown = re.match(r"^Object contains unknown field `(?P<f>[^`]+)`$", detail)
-    if unknown:
-        path = f"{path}.{unknown.group('f')}"
+    path, detail = validation_location(exc)
+    if detail.startswith("Object contains unknown field"):
         detail = "unknown key"
-    return prefix + path, detail
+    return ".".join(p for p in (prefix, path) if p), detail
 
 
 def check_backend(name: str, cfg: BackendConfig) -> BackendConfig:
@@ -98,7 +95,7 @@ def parse_config(text: str, source: str = "config") -> FileConfig:
         top = msgspec.convert(raw, FileConfig)
     except msgspec.ValidationError as exc:
         path, detail = _path_of(exc, "")
-        raise ConfigError(f"{source}: {path.lstrip('.') or 'top level'}: {detail}") from None
+        raise ConfigError(f"{source}: {path or 'top level'}: {detail}") from None
     if not isinstance(backends_raw, dict):
         raise ConfigError(f"{source}: backends: must be a table of [backends.NAME] tables")
     backends: dict[str, BackendConfig] = {}

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -553,7 +553,7 @@ class SessionBridge:
 
         A prompt whose ``(session, idempotency_key)`` was admitted within the TTL takes no slot and
         does not run again: the earlier attempt's ticket is returned (wait on it with
-        :meth:`duplicate_outcome`), so every attempt gets the same outcome.
+        :meth:`waiter` with ``owner=False``), so every attempt gets the same outcome.
 
         Raises:
             SessionNotFoundError, InvalidClientIdError, RequestCancelledError,
@@ -637,13 +637,6 @@ class SessionBridge:
         duplicate is not, and its cancel only ends its own wait.
         """
         return PromptWaiter(self, ticket, owner)
-
-    @staticmethod
-    async def duplicate_outcome(ticket: PromptTicket) -> PromptResult:
-        """The outcome of an earlier attempt with the same idempotency key (this waiter owns nothing:
-        cancelling it does not cancel the prompt)."""
-        await ticket.done.wait()
-        return ticket.outcome()
 
     async def prompt_outcome(self, ticket: PromptTicket) -> PromptResult:
         """Wait for the prompt's outcome, enforcing its deadline from admission.
@@ -987,8 +980,5 @@ class SessionBridge:
             refused_total=self._refused,
             settled_total=self._settled,
         )
-
-    def history_of(self, session: Session) -> Iterable[tuple[int, Any]]:
-        return iter(session.history)
 
 

@@ -11,6 +11,7 @@ from ..types.acp import (
     NewSessionParams,
     PromptParams,
     SessionIdParams,
+    SetConfigOptionParams,
     SetSessionModeParams,
 )
 from . import config_option, ext, lifecycle, prompt, session
@@ -29,7 +30,7 @@ REQUESTS: dict[str, Method] = {
     "session/close": Method(CloseSessionParams, session.close),
     "session/delete": Method(CloseSessionParams, session.delete),
     "session/set_mode": Method(SetSessionModeParams, session.set_mode),
-    "session/set_config_option": Method(config_option.SetConfigOptionParams, config_option.set_config_option),
+    "session/set_config_option": Method(SetConfigOptionParams, config_option.set_config_option),
     "session/prompt": Method(PromptParams, prompt.prompt, sees_cancel=True),
     "_acp_server/capabilities": Method(None, ext.capabilities),
     "_acp_server/stats": Method(None, ext.stats),

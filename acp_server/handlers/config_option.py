@@ -6,18 +6,11 @@ from collections.abc import Coroutine
 from typing import Any
 
 from ..backends import Backend
-from ..types.base import Meta, Wire, meta_field
+from ..types.acp import SetConfigOptionParams
 from .context import ConnContext
 from .meta import meta_client_id
 
-__all__ = ["SetConfigOptionParams", "set_config_option"]
-
-
-class SetConfigOptionParams(Wire, kw_only=True):
-    session_id: str
-    config_id: str
-    value: str | bool
-    meta: Meta = meta_field()
+__all__ = ["set_config_option"]
 
 
 def set_config_option(ctx: ConnContext, params: SetConfigOptionParams) -> Coroutine[Any, Any, dict[str, Any]]:

@@ -13,7 +13,6 @@ into each method's params Struct. This module imports no event loop.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from types import CoroutineType
 from typing import Any, NamedTuple
@@ -27,6 +26,7 @@ from ..errors import (
     MethodNotFoundError,
     NotInitializedError,
 )
+from ..types.base import validation_location
 from .connection import Id, Notification, Request, encode_error, encode_result
 
 __all__ = ["Deferred", "Dispatcher", "HandlerContext", "Method", "invalid_params_from"]
@@ -77,19 +77,9 @@ class Method(NamedTuple):
     sees_cancel: bool = False
 
 
-_AT = re.compile(r"^(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
-
-
 def invalid_params_from(exc: msgspec.ValidationError) -> InvalidParamsError:
     """Turn msgspec's message into ``invalid_params`` with the dotted path of the offending field."""
-    m = _AT.match(str(exc))
-    detail = m.group("detail") if m else str(exc)
-    path = (m.group("path") or "") if m else ""
-    path = path[1:] if path.startswith(".") else path
-    missing = _MISSING.match(detail)
-    if missing:
-        path = f"{path}.{missing.group('field')}" if path else missing.group("field")
+    path, detail = validation_location(exc)
     return InvalidParamsError(path=path or "params", detail=detail)
 
 

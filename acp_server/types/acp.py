@@ -44,6 +44,7 @@ __all__ = [
     "SessionModeState",
     "SessionNotification",
     "SessionUpdate",
+    "SetConfigOptionParams",
     "SetSessionModeParams",
     "TextContent",
     "UserMessageChunk",
@@ -212,6 +213,13 @@ class LoadSessionParams(Wire, kw_only=True):
 class SetSessionModeParams(Wire, kw_only=True):
     session_id: str
     mode_id: str
+    meta: Meta = meta_field()
+
+
+class SetConfigOptionParams(Wire, kw_only=True):
+    session_id: str
+    config_id: str
+    value: str | bool
     meta: Meta = meta_field()
 
 
