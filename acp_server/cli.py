@@ -22,16 +22,27 @@ import trio
 
 from . import __version__
 from .admission import Limits
+from .admission.policy import PolicyLimits
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config
 from .server import ListenAddress, ServerConfig, serve
 from .store import StoreVersionError, default_state_dir
 from .transports.relay import relay_stdio
 
-__all__ = ["build_parser", "main", "parse_listen"]
+__all__ = ["build_parser", "main", "parse_listen", "policy_from"]
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:4170"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: ``PolicyLimits`` field -> the ``serve`` flag that sets it (the ``[admission]`` key is the field name).
+POLICY_FLAGS = {
+    "max_running_prompts": "--max-running-prompts",
+    "max_queued_prompts": "--max-queued-prompts",
+    "tenant_max_running": "--tenant-max-running",
+    "interactive_max_wait_ms": "--interactive-max-wait-ms",
+    "aging_s": "--aging-s",
+    "mode": "--admission-mode",
+}
+_POLICY_DEFAULTS = PolicyLimits()
 
 
 def _int_arg(flag: str, *, minimum: int, meaning: str) -> Callable[[str], int]:
@@ -61,15 +72,31 @@ def _seconds_arg(flag: str) -> Callable[[str], float]:
     return parse
 
 
-def parse_listen(text: str) -> ListenAddress:
-    """``tcp://HOST:PORT`` (port 0: any free port) or ``unix:/path`` (also ``unix:///path``)."""
+def _non_negative_seconds_arg(flag: str, zero: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if math.isnan(value) or math.isinf(value) or value < 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be a non-negative number of seconds ({zero}); got {text!r}")
+        return value
+
+    return parse
+
+
+def parse_listen(text: str, flag: str = "--listen") -> ListenAddress:
+    """``tcp://HOST:PORT`` (port 0: any free port) or ``unix:/path`` (also ``unix:///path``).
+
+    ``flag`` names the flag (or config key) in the error message.
+    """
     accepted = "tcp://HOST:PORT (PORT 0-65535, 0 = any free port) or unix:/absolute/path"
     if text.startswith("unix:"):
         path = text[len("unix:") :]
         if path.startswith("//"):
             path = path[2:]
         if not path.startswith("/"):
-            raise argparse.ArgumentTypeError(f"--listen {text!r}: a Unix socket needs an absolute path; accepted: {accepted}")
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: a Unix socket needs an absolute path; accepted: {accepted}")
         return ListenAddress("unix", path=path)
     if text.startswith("tcp://"):
         parts = urlsplit(text)
@@ -79,9 +106,20 @@ def parse_listen(text: str) -> ListenAddress:
             port = None
         host = parts.hostname
         if not host or port is None or parts.path not in ("", "/"):
-            raise argparse.ArgumentTypeError(f"--listen {text!r} is not of the form {accepted}")
+            raise argparse.ArgumentTypeError(f"{flag} {text!r} is not of the form {accepted}")
         return ListenAddress("tcp", host=host, port=port)
-    raise argparse.ArgumentTypeError(f"--listen {text!r}: unknown scheme; accepted: {accepted}")
+    raise argparse.ArgumentTypeError(f"{flag} {text!r}: unknown scheme; accepted: {accepted}")
+
+
+def parse_metrics_listen(text: str, flag: str = "--metrics-listen") -> ListenAddress:
+    """``tcp://HOST:PORT`` only: metrics are served over HTTP."""
+    accepted = "tcp://HOST:PORT (PORT 0-65535, 0 = any free port)"
+    if not text.startswith("tcp://"):
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: metrics are served over HTTP; accepted: {accepted}")
+    try:
+        return parse_listen(text, flag)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{flag} {text!r} is not of the form {accepted}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,6 +241,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="N",
         help="live (in-memory) sessions at once; more get session_limit_exceeded (default 1000)",
     )
+    _add_policy_flags(s)
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="stderr log level (default warning)")
     s.add_argument(
         "agent_command",
@@ -220,6 +259,71 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     return parser, s
 
 
+def _add_policy_flags(s: argparse.ArgumentParser) -> None:
+    # Defaults are None ("not given") so that an [admission] table in --config stands unless overridden.
+    d = _POLICY_DEFAULTS
+    g = s.add_argument_group(
+        "admission policy and metrics",
+        "Global seats shared by priority class (critical > interactive > background > bulk, _meta.priority) "
+        "and tenant (initialize _meta.tenantId). Every limit is off by default. In --config, the [admission] "
+        "table takes max_running_prompts, max_queued_prompts, tenant_max_running, interactive_max_wait_ms, "
+        "aging_s, mode, min_deadline_left_ms, tenant_overrides and class_shares, the [metrics] table listen and "
+        "tenant_labels; "
+        "flags override the file.",
+    )
+    g.add_argument(
+        "--max-running-prompts",
+        type=_int_arg("--max-running-prompts", minimum=0, meaning="a non-negative integer (0 disables the limit)"),
+        metavar="N",
+        help="prompts running at once across the server; more wait or are refused (default 0: no limit)",
+    )
+    g.add_argument(
+        "--max-queued-prompts",
+        type=_int_arg("--max-queued-prompts", minimum=0, meaning="a non-negative integer (0 = no waiting room)"),
+        metavar="M",
+        help=f"prompts waiting for a seat once --max-running-prompts is set; 0 = no waiting room, "
+        f"a prompt without a free seat is refused (default {d.max_queued_prompts})",
+    )
+    g.add_argument(
+        "--tenant-max-running",
+        type=_int_arg("--tenant-max-running", minimum=0, meaning="a non-negative integer (0 disables the limit)"),
+        metavar="N",
+        help="seats one tenant holds at once; more are deferred with retryAfterMs (default 0: no cap)",
+    )
+    g.add_argument(
+        "--interactive-max-wait-ms",
+        type=_int_arg("--interactive-max-wait-ms", minimum=0, meaning="a non-negative integer (0 = any wait)"),
+        metavar="MS",
+        help=f"an interactive prompt whose estimated wait is longer is refused wait_too_long (0 = any wait; "
+        f"default {d.interactive_max_wait_ms})",
+    )
+    g.add_argument(
+        "--aging-s",
+        type=_non_negative_seconds_arg("--aging-s", "0 turns aging off"),
+        metavar="S",
+        help=f"background and bulk waiters move up one class every S seconds (0 = off; default {d.aging_s:g})",
+    )
+    g.add_argument(
+        "--admission-mode",
+        choices=("enforce", "observe"),
+        help="enforce the policy, or observe: admit everything and count (metrics, logs) what enforce would "
+        "have done (default enforce)",
+    )
+    g.add_argument(
+        "--metrics-listen",
+        type=parse_metrics_listen,
+        metavar="URL",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (tcp://HOST:PORT, loopback only; "
+        "port 0 = any free port; default: no metrics endpoint)",
+    )
+    g.add_argument(
+        "--metrics-tenant-labels",
+        action="store_true",
+        default=None,
+        help="add per-tenant series labelled with tenant ids (unbounded and possibly sensitive; default off)",
+    )
+
+
 def _agent_arg(text: str) -> tuple[str, list[str]]:
     name, sep, command = text.partition("=")
     if not sep or not name or not command.strip():
@@ -231,14 +335,64 @@ def _agent_arg(text: str) -> tuple[str, list[str]]:
     return name, argv
 
 
-def backends_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[dict[str, BackendConfig], str]:
-    """The backend table: the config file, then the command line over it."""
-    file_config = FileConfig()
-    if args.config:
+def _file_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FileConfig:
+    if not args.config:
+        return FileConfig()
+    try:
+        return load_config(args.config)
+    except ConfigError as exc:
+        parser.error(str(exc))
+
+
+def policy_from(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, file_config: FileConfig | None = None
+) -> PolicyLimits:
+    """The admission policy: the config file's ``[admission]`` table, then the command line over it."""
+    if file_config is None:
+        file_config = _file_config(args, parser)
+    values = file_config.admission.given()
+    flagged = {field: value for field in POLICY_FLAGS if (value := getattr(args, _dest(field))) is not None}
+    values.update(flagged)
+    try:
+        return PolicyLimits(**values)
+    except (TypeError, ValueError) as exc:
+        text = str(exc)  # starts with the field's name
+        for field in flagged:
+            if text.startswith(field):
+                parser.error(POLICY_FLAGS[field] + text[len(field) :])
+        parser.error(f"--config {args.config}: admission.{text}")
+
+
+def _dest(field: str) -> str:
+    return POLICY_FLAGS[field].removeprefix("--").replace("-", "_")
+
+
+def metrics_from(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, file_config: FileConfig | None = None
+) -> tuple[ListenAddress | None, bool]:
+    """Where metrics are served (``None``: nowhere) and whether tenant ids label series: file, then flags."""
+    if file_config is None:
+        file_config = _file_config(args, parser)
+    address: ListenAddress | None = args.metrics_listen
+    if address is None and file_config.metrics.listen is not None:
         try:
-            file_config = load_config(args.config)
-        except ConfigError as exc:
+            address = parse_metrics_listen(file_config.metrics.listen, f"--config {args.config}: metrics.listen")
+        except argparse.ArgumentTypeError as exc:
             parser.error(str(exc))
+    tenant_labels = bool(args.metrics_tenant_labels or file_config.metrics.tenant_labels)
+    if tenant_labels and address is None:
+        parser.error("--metrics-tenant-labels needs --metrics-listen (or [metrics] listen in --config)")
+    if address is not None:
+        _check_loopback(parser, address, "--metrics-listen")
+    return address, tenant_labels
+
+
+def backends_from(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, file_config: FileConfig | None = None
+) -> tuple[dict[str, BackendConfig], str]:
+    """The backend table: the config file, then the command line over it."""
+    if file_config is None:
+        file_config = _file_config(args, parser)
     backends: dict[str, BackendConfig] = {"echo": BackendConfig(kind="echo")}
     backends.update(file_config.backends)
     default = file_config.default_backend or "echo"
@@ -267,16 +421,16 @@ def backends_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return backends, default
 
 
-def _check_loopback(parser: argparse.ArgumentParser, addr: ListenAddress) -> None:
+def _check_loopback(parser: argparse.ArgumentParser, addr: ListenAddress, flag: str = "--listen") -> None:
     try:
         infos = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        parser.error(f"--listen {addr}: cannot resolve {addr.host!r}: {exc.strerror}")
+        parser.error(f"{flag} {addr}: cannot resolve {addr.host!r}: {exc.strerror}")
     for info in infos:
         ip = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
         if not ip.is_loopback:
             parser.error(
-                f"--listen {addr}: {ip} is not a loopback address; acp-server has no authentication yet, "
+                f"{flag} {addr}: {ip} is not a loopback address; acp-server has no authentication yet, "
                 "so it only listens on loopback (127.0.0.1, ::1, localhost) or Unix sockets"
             )
 
@@ -315,7 +469,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     state_dir: str | None = args.state_dir
     if state_dir is None and not args.ephemeral and not args.stdio:
         state_dir = str(default_state_dir())  # stdio alone is one editor window's own process: ephemeral
-    backends, default_backend = backends_from(args, serve_parser)
+    file_config = _file_config(args, serve_parser)
+    backends, default_backend = backends_from(args, serve_parser, file_config)
+    policy = policy_from(args, serve_parser, file_config)
+    metrics_listen, metrics_tenant_labels = metrics_from(args, serve_parser, file_config)
     config = ServerConfig(
         stdio=args.stdio,
         listen=listen,
@@ -324,6 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         backends=backends,
         default_backend=default_backend,
         state_dir=state_dir,
+        policy=policy,
+        metrics_listen=metrics_listen,
+        metrics_tenant_labels=metrics_tenant_labels,
     )
     try:
         trio.run(serve, config)

@@ -13,6 +13,20 @@
     kind = "echo"
     delay_ms = 0
 
+    [admission]                       # the admission policy; every limit off unless set
+    max_running_prompts = 20          # prompts running at once across the server (0: no limit)
+    max_queued_prompts = 200          # prompts waiting for a seat (0: no waiting room)
+    tenant_max_running = 8            # seats one tenant holds (0: no cap)
+    tenant_overrides = { tenantA = 4 }
+    class_shares = { critical = 10, interactive = 60, background = 25, bulk = 5 }
+    interactive_max_wait_ms = 2000
+    aging_s = 30                      # 0: no aging
+    mode = "enforce"                  # or "observe": admit everything, count what would happen
+
+    [metrics]
+    listen = "tcp://127.0.0.1:9464"   # GET /metrics (Prometheus)
+    tenant_labels = false
+
 An unknown key or a bad value is a :class:`ConfigError` naming the key (``backends.claude.max_active``).
 """
 
@@ -24,9 +38,18 @@ from typing import Any, Literal
 
 import msgspec
 
+from .admission.policy import PolicyLimits
 from .types.base import validation_location
 
-__all__ = ["BackendConfig", "ConfigError", "FileConfig", "load_config", "parse_config"]
+__all__ = [
+    "AdmissionConfig",
+    "BackendConfig",
+    "ConfigError",
+    "FileConfig",
+    "MetricsConfig",
+    "load_config",
+    "parse_config",
+]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -47,15 +70,49 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     delay_ms: int = 0
 
 
+class AdmissionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``[admission]`` table: fields of :class:`~acp_server.admission.policy.PolicyLimits`.
+
+    ``None`` is "not in the file" (the flag or the built-in default decides). ``class_shares`` replaces
+    the default shares as a whole: a class left out gets no share and only borrows idle seats.
+    """
+
+    max_running_prompts: int | None = None
+    max_queued_prompts: int | None = None
+    tenant_max_running: int | None = None
+    tenant_overrides: dict[str, int] | None = None
+    class_shares: dict[str, float] | None = None
+    interactive_max_wait_ms: int | None = None
+    aging_s: float | None = None
+    min_deadline_left_ms: int | None = None
+    mode: Literal["enforce", "observe"] | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The keys the file sets, by their ``PolicyLimits`` field name."""
+        return {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not None}
+
+
+class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``[metrics]`` table: the Prometheus endpoint."""
+
+    listen: str | None = None
+    tenant_labels: bool | None = None
+
+
 class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_backend: str | None = None
     backends: dict[str, BackendConfig] = msgspec.field(default_factory=dict)
+    admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
 
 
 def _path_of(exc: msgspec.ValidationError, prefix: str) -> tuple[str, str]:
     path, detail = validation_location(exc)
     if detail.startswith("Object contains unknown field"):
         detail = "unknown key"
+    detail = detail.replace(" | null", "")  # TOML has no null: an optional key is simply left out
+    if detail.startswith("Invalid enum value") and path == "admission.mode":
+        detail += ' (accepted: "enforce", "observe")'
     return ".".join(p for p in (prefix, path) if p), detail
 
 
@@ -96,6 +153,10 @@ def parse_config(text: str, source: str = "config") -> FileConfig:
     except msgspec.ValidationError as exc:
         path, detail = _path_of(exc, "")
         raise ConfigError(f"{source}: {path or 'top level'}: {detail}") from None
+    try:
+        PolicyLimits(**top.admission.given())
+    except (TypeError, ValueError) as exc:  # the message starts with the field's name
+        raise ConfigError(f"{source}: admission.{exc}") from None
     if not isinstance(backends_raw, dict):
         raise ConfigError(f"{source}: backends: must be a table of [backends.NAME] tables")
     backends: dict[str, BackendConfig] = {}

@@ -99,6 +99,19 @@ class AcpError(JsonRpcError):
     def __str__(self) -> str:
         return str(self.message)
 
+    def for_prompt(self, prompt_id: str) -> AcpError:
+        """This error naming the admitted prompt it ends in ``data.promptId`` (a copy; ``self`` when its
+        payload has no such field or names one already)."""
+        payload = self.payload
+        if getattr(payload, "prompt_id", "") is not None:
+            return self
+        cls = type(self)
+        named = cls.__new__(cls)  # not copy.copy: exceptions copy by re-calling __init__ with args
+        named.__dict__.update(self.__dict__)
+        named.args = self.args
+        named.payload = named.data = msgspec.structs.replace(payload, prompt_id=prompt_id)
+        return named
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON-RPC error object, ``{"code", "message", "data"}``."""
         return {"code": self.code, "message": self.message, "data": msgspec.to_builtins(self.payload)}

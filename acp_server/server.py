@@ -13,11 +13,14 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
+import msgspec
 import trio
 
 from . import __version__
 from .admission import Limits
+from .admission.policy import PolicyEngine, PolicyLimits
 from .admission.pool import CapacityManager, PoolLimits
 from .backends import Backend, EchoBackend
 from .backends.registry import build_backends
@@ -28,6 +31,7 @@ from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
 from .jsonrpc import Dispatcher
 from .store import SessionStore
 from .transports import ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
+from .transports.timing import LatencyHistogram
 from .types.ext import LimitsCapability
 
 __all__ = ["ListenAddress", "Server", "ServerConfig", "serve"]
@@ -65,6 +69,12 @@ class ServerConfig:
     default_backend: str = "echo"
     #: the durable store's directory (``None``: ephemeral, everything in memory)
     state_dir: str | None = None
+    #: the admission policy (every limit off by default)
+    policy: PolicyLimits = field(default_factory=PolicyLimits)
+    #: where ``GET /metrics`` is served (``None``: no metrics endpoint); ``tcp`` only
+    metrics_listen: ListenAddress | None = None
+    #: label tenant series with tenant ids (unbounded, possibly sensitive: off by default)
+    metrics_tenant_labels: bool = False
 
 
 class Server:
@@ -86,8 +96,10 @@ class Server:
         default_backend: str | None = None,
         capacity: CapacityManager | None = None,
         store: SessionStore | None = None,
+        policy: PolicyLimits | None = None,
     ) -> None:
         self.limits = limits or Limits()
+        self.policy = PolicyEngine(policy)
         stored, prompt_seq = store.open() if store is not None else ({}, 0)
         self.store = store
         self.bridge = SessionBridge(
@@ -98,11 +110,32 @@ class Server:
             store=store,
             stored=stored,
             prompt_seq=prompt_seq,
+            policy=self.policy,
         )
         self.dispatcher = Dispatcher(REQUESTS, NOTIFICATIONS)
         self.connections: set[ConnectionShell] = set()
         self._running = 0
         self._all_done = trio.Event()
+        #: connections closed for letting their outbound queue overflow
+        self.evictions = 0
+        #: server-side cost of each overload refusal: request read -> error written
+        self.refusal_latency = LatencyHistogram()
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """Every gauge and counter, as ``_acp_server/stats`` returns it and the metrics endpoint renders it.
+
+        Cheap (no I/O), taken in the event loop's thread; plain builtins with camelCase keys.
+        """
+        bridge = self.bridge
+        out_bridge: dict[str, Any] = msgspec.to_builtins(bridge.statistics())
+        out_bridge["selfHealResumesTotal"] = bridge.self_heal_resumes
+        return {
+            "bridge": out_bridge,
+            "pools": {name: msgspec.to_builtins(s) for name, s in bridge.capacity.statistics().items()},
+            "admission": msgspec.to_builtins(self.policy.statistics()),
+            "connections": {"open": len(self.connections), "evictionsTotal": self.evictions},
+            "refusals": self.refusal_latency.snapshot(),
+        }
 
     def limits_capability(self) -> LimitsCapability:
         """``limits`` as ``initialize`` and ``_acp_server/capabilities`` advertise them (null: disabled)."""
@@ -118,6 +151,8 @@ class Server:
         )
 
     def _closed(self, shell: ConnectionShell) -> None:
+        if shell.evicted:
+            self.evictions += 1
         self.connections.discard(shell)
         self.bridge.peer_closed(shell)
 
@@ -133,6 +168,7 @@ class Server:
             max_inflight_requests=lim.max_inflight_requests,
             on_close=self._closed,
             name=name,
+            refusal_latency=self.refusal_latency,
         )
         self.connections.add(shell)
         self._running += 1
@@ -175,6 +211,7 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         default_backend=config.default_backend if config.backends else "echo",
         capacity=capacity,
         store=store,
+        policy=config.policy,
     )
     try:
         await _serve(server, config, backends, task_status)
@@ -210,6 +247,14 @@ async def _serve(
                     raise OSError(exc.errno, f"cannot listen on {addr}: {exc.strerror or exc}") from exc
                 for listener in bound:
                     print(f"acp-server: listening on {listener_url(listener)}", file=sys.stderr, flush=True)
+            if config.metrics_listen is not None:
+                from .metrics import serve_metrics  # hypercorn and prometheus_client load only when asked
+
+                await listeners.start(
+                    partial(serve_metrics, tenant_labels=config.metrics_tenant_labels),
+                    server.stats_snapshot,
+                    config.metrics_listen,
+                )
 
             async def stdio_then_exit() -> None:
                 await server.handle_stream(stdio_stream(), "stdio")

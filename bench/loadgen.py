@@ -9,10 +9,15 @@ window (so the figures exclude process start-up and the handshake).
 Modes:
     rpc          a trivial method (``_acp_server/capabilities``), ``--window`` requests in flight
     echo         one-word echo prompts over ``--sessions`` sessions, ``--depth`` in flight per session;
-                 a depth over the pending limit makes the overload run (refused prompts are re-sent at
-                 once, as a client ignoring ``retryAfterMs`` would)
+                 a depth over the pending limit makes the overload run: refused prompts are re-sent at
+                 once (a client ignoring ``retryAfterMs``), or with ``--retry-after`` after the
+                 refusal's ``retryAfterMs`` (what acp-server's client SDK does)
     refusals     fill one session's pending limit (run the server with a long ``--echo-delay-ms``), then
                  time refusals one at a time (round trip) and pipelined (server CPU per refusal)
+
+``echo`` and ``refusals`` also report the server's own refusal timing (``refusals`` of
+``_acp_server/stats``: request read to error written, p50/p99), read at the end of the run; start a
+fresh server for each run whose figure you want alone.
     sessions     create ``--count`` idle sessions and report the server's RSS growth
     connections  open ``--count`` TCP connections at once, each initializes, opens a session and
                  prompts once (asyncio)
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import resource
 import socket
 import sys
@@ -39,14 +45,16 @@ from procfs import cpu_seconds, percentile, rss_bytes
 __all__ = ["Wire", "main", "pipeline", "raise_nofile_limit"]
 
 #: errorKinds that mean "refused for capacity" (retryable overload), not a failure.
-REFUSAL_KINDS = frozenset({"prompt_queue_full", "capacity_exceeded"})
+REFUSAL_KINDS = frozenset({"prompt_queue_full", "capacity_exceeded", "admission_deferred", "capacity_unavailable"})
 #: Our own calls (handshake, stats) use ids from here, far from the pipelined ones.
 _CALL_IDS_FROM = 1 << 40
 _NOTIFICATION_PREFIX = b'{"jsonrpc":"2.0","method"'
+_UPDATE_PREFIX = b'{"jsonrpc":"2.0","method":"session/update"'
 
 
 class _ErrorData(msgspec.Struct, rename="camel"):
     error_kind: str | None = None
+    retry_after_ms: int | None = None
 
 
 class _Error(msgspec.Struct):
@@ -79,6 +87,7 @@ class Wire:
     """One blocking TCP connection speaking newline-delimited JSON-RPC."""
 
     def __init__(self, port: int, host: str = "127.0.0.1", timeout: float = 60.0) -> None:
+        self._timeout = timeout
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._tail = b""
@@ -92,9 +101,21 @@ class Wire:
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
 
-    def read_lines(self) -> list[bytes]:
-        """The complete lines of the next read (blocking; raises if the server hangs up)."""
-        data = self.sock.recv(1 << 18)
+    def read_lines(self, timeout: float | None = None) -> list[bytes]:
+        """The complete lines of the next read (blocking; raises if the server hangs up).
+
+        Given ``timeout`` (seconds), returns ``[]`` when nothing arrives by then.
+        """
+        if timeout is None:
+            data = self.sock.recv(1 << 18)
+        else:
+            self.sock.settimeout(max(timeout, 1e-4))
+            try:
+                data = self.sock.recv(1 << 18)
+            except TimeoutError:
+                return []
+            finally:
+                self.sock.settimeout(self._timeout)
         if not data:
             raise LoadError("the server closed the connection")
         lines = (self._tail + data).split(b"\n")
@@ -152,7 +173,13 @@ class Run:
     ok: int = 0
     refused: int = 0
     errors: Counter[str] = field(default_factory=Counter)
+    #: session/update notifications, and any other (e.g. _acp_server/turn_state)
     notifications: int = 0
+    other_notifications: int = 0
+    #: refusals whose re-send waited for their retryAfterMs, and the re-sends made before the end
+    retry_waits: int = 0
+    retries_sent: int = 0
+    retry_after_ms: set[int] = field(default_factory=set)
     ok_latencies: list[float] = field(default_factory=list)
     refusal_latencies: list[float] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -169,6 +196,10 @@ class Run:
             "refused": self.refused,
             "errors": dict(self.errors),
             "notifications": self.notifications,
+            "other_notifications": self.other_notifications,
+            "retry_waits": self.retry_waits,
+            "retries_sent": self.retries_sent,
+            "retry_after_ms_seen": sorted(self.retry_after_ms),
             "elapsed_s": round(self.elapsed_s, 4),
             "ok_per_s": round(self.ok / self.elapsed_s, 1) if self.elapsed_s else None,
             "refused_per_s": round(self.refused / self.elapsed_s, 1) if self.elapsed_s else None,
@@ -183,6 +214,7 @@ class Run:
             else None,
             # Near 1.0, the load generator (not the server) may be what limits the rate.
             "client_cpu_share": round(self.client_cpu_s / self.elapsed_s, 3) if self.elapsed_s else None,
+            "client_cpu_s": round(self.client_cpu_s, 4),
             f"server_cpu_us_per_{per}": round(cpu_us, 2) if cpu_us is not None else None,
         }
 
@@ -201,14 +233,18 @@ def pipeline(
     server_pid: int | None = None,
     keep_results: bool = False,
     first_id: int = 1,
+    honour_retry_after: bool = False,
 ) -> Run:
     """Keep ``depth`` requests in flight per template until ``duration`` seconds or ``count`` sends.
 
     Every answer (result or refusal) frees its slot, and a batch of replacements is written after each
-    read. Sending stops at the end; the run ends when every request sent has its answer.
+    read. A refused slot is re-sent at once, or with ``honour_retry_after`` once the refusal's
+    ``retryAfterMs`` has passed. Sending stops at the end (slots still waiting to retry are dropped);
+    the run ends when every request sent has its answer.
     """
     run = Run()
     pending: dict[int, tuple[int, float]] = {}
+    waiting: list[tuple[float, int]] = []  # (when, template): refused slots waiting for retryAfterMs
     ready = [k for _ in range(depth) for k in range(len(templates))]
     next_id = first_id
     started = time.perf_counter()
@@ -218,6 +254,11 @@ def pipeline(
     own0 = time.process_time()
     ok_lat, ref_lat, results = run.ok_latencies, run.refusal_latencies, run.results
     while True:
+        if waiting:
+            now = time.perf_counter()
+            while waiting and waiting[0][0] <= now:
+                ready.append(heapq.heappop(waiting)[1])
+                run.retries_sent += 1
         if ready:
             now = time.perf_counter()
             if now < stop_at and budget > 0:
@@ -232,23 +273,33 @@ def pipeline(
                 wire.send(b"".join(parts))
             ready = []
         if not pending:
+            if waiting and time.perf_counter() < stop_at:
+                time.sleep(max(0.0, min(waiting[0][0], stop_at) - time.perf_counter()))
+                continue
             break
-        lines = wire.read_lines()
+        timeout = max(0.0, waiting[0][0] - time.perf_counter()) if waiting else None
+        lines = wire.read_lines(timeout)
         now = time.perf_counter()
         for line in lines:
             if line.startswith(_NOTIFICATION_PREFIX):
-                run.notifications += 1
+                if line.startswith(_UPDATE_PREFIX):
+                    run.notifications += 1
+                else:
+                    run.other_notifications += 1
                 continue
             msg = _decode_msg(line)
             if msg.id is None:
-                run.notifications += 1
+                if msg.method == "session/update":
+                    run.notifications += 1
+                else:
+                    run.other_notifications += 1
                 continue
             entry = pending.pop(msg.id, None)  # type: ignore[arg-type]
             if entry is None:
                 raise LoadError(f"an answer to id {msg.id!r}, which is not in flight")
             k, sent_at = entry
-            ready.append(k)
             if msg.error is None:
+                ready.append(k)
                 run.ok += 1
                 ok_lat.append(now - sent_at)
                 if keep_results:
@@ -256,7 +307,15 @@ def pipeline(
             elif error_kind(msg.error) in REFUSAL_KINDS:
                 run.refused += 1
                 ref_lat.append(now - sent_at)
+                after_ms = msg.error.data.retry_after_ms if msg.error.data is not None else None
+                if honour_retry_after and after_ms:
+                    run.retry_waits += 1
+                    run.retry_after_ms.add(after_ms)
+                    heapq.heappush(waiting, (now + after_ms / 1000, k))
+                else:
+                    ready.append(k)
             else:
+                ready.append(k)
                 run.errors[error_kind(msg.error)] += 1
     run.elapsed_s = time.perf_counter() - started
     run.client_cpu_s = time.process_time() - own0
@@ -308,8 +367,12 @@ def mode_echo(args: argparse.Namespace) -> dict[str, Any]:
     sessions = [wire.new_session() for _ in range(args.sessions)]
     _check_echo(wire, sessions[0], args.text)
     templates = [prompt_template(s, args.text) for s in sessions]
-    pipeline(wire, templates, depth, duration=args.warmup)
-    run = pipeline(wire, templates, depth, duration=args.duration, server_pid=args.server_pid)
+    polite = args.retry_after
+    pipeline(wire, templates, depth, duration=args.warmup, honour_retry_after=polite)
+    run = pipeline(
+        wire, templates, depth, duration=args.duration, server_pid=args.server_pid, honour_retry_after=polite
+    )
+    server_refusals = server_refusal_timing(wire)
     wire.close()
     if run.errors:
         raise LoadError(f"prompts failed: {dict(run.errors)}")
@@ -319,8 +382,22 @@ def mode_echo(args: argparse.Namespace) -> dict[str, Any]:
         "concurrent": args.sessions * depth,
         "pending_limit": limits.get("maxPendingPromptsPerSession"),
         "words_per_prompt": len(args.text.split()),
+        "retry_after": polite,
+        "server_refusals": server_refusals,
         **run.summary(),
     }
+
+
+def server_refusal_timing(wire: Wire) -> dict[str, Any] | None:
+    """The server's ``refusals`` figures (request read to error written), since it started.
+
+    ``None`` from a server whose ``_acp_server/stats`` has no such entry (an older one). A refusal is
+    recorded once the write carrying it returns, which may be just after the client read it: one round
+    trip first lets that happen before the figures are read.
+    """
+    wire.call("_acp_server/capabilities")
+    refusals: dict[str, Any] | None = wire.call("_acp_server/stats").get("refusals")
+    return refusals
 
 
 def mode_refusals(args: argparse.Namespace) -> dict[str, Any]:
@@ -358,6 +435,7 @@ def mode_refusals(args: argparse.Namespace) -> dict[str, Any]:
         if answer.error is None or error_kind(answer.error) not in REFUSAL_KINDS:
             raise LoadError(f"expected a refusal, got {answer!r}")
         next_id += 1
+    one_at_a_time = server_refusal_timing(wire)
     run = pipeline(
         wire, [template], args.window, duration=args.duration, server_pid=args.server_pid, first_id=next_id
     )
@@ -370,6 +448,8 @@ def mode_refusals(args: argparse.Namespace) -> dict[str, Any]:
         "rtt_p50_ms": _ms(percentile(rtts, 0.50)),
         "rtt_p99_ms": _ms(percentile(rtts, 0.99)),
         "rtt_max_ms": _ms(max(rtts)) if rtts else None,
+        # The server's own timing of the same refusals (the server is expected fresh: nothing before).
+        "server_one_at_a_time": one_at_a_time,
         "pipelined": run.summary(per="refused"),
     }
 
@@ -437,9 +517,10 @@ async def _one_connection(
             raise LoadError("the server closed the connection before answering the prompt")
         msg = _decode_msg(line)
         if msg.id is None:
-            update = msgspec.json.decode(line)["params"]["update"]
-            if update.get("sessionUpdate") == "agent_message_chunk":
-                echoed.append(update["content"]["text"])
+            if msg.method == "session/update":  # others (e.g. _acp_server/turn_state) are not the echo
+                update = msgspec.json.decode(line)["params"]["update"]
+                if update.get("sessionUpdate") == "agent_message_chunk":
+                    echoed.append(update["content"]["text"])
             continue
         if msg.error is not None:
             raise LoadError(f"prompt: {error_kind(msg.error)}")
@@ -521,6 +602,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="F",
         help="F times the server's pending limit in flight per session (overrides --depth)",
+    )
+    p.add_argument(
+        "--retry-after",
+        action="store_true",
+        help="re-send a refused prompt only after its retryAfterMs (default: at once, ignoring it)",
     )
     p = sub.add_parser("refusals", parents=[common, timed], help="refusals of a full session")
     p.add_argument("--count", type=int, default=2000, help="refusals timed one at a time")

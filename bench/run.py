@@ -4,7 +4,8 @@ Scenarios (``--only NAME``, repeatable; all by default):
 
 1. ``sdk``: the SDK client drives the SDK's echo agent and ``acp-server serve --stdio``, A/B.
 2. ``pipelined``: our load generator over TCP: a trivial method, then echo prompts over 100 sessions.
-3. ``overload``: 3x the prompts the pending limit admits, against 1x; the cost of a refusal.
+3. ``overload``: 3x the prompts the pending limit admits (clients honouring ``retryAfterMs``, and
+   clients re-sending at once), against 1x; the cost of a refusal, server-side and round trip.
 4. ``scale``: RSS per idle session at 10,000 sessions; 1,000 connections prompting at once.
 
 Prints a Markdown table (each figure with the command that reproduces it) and writes JSON to
@@ -274,86 +275,105 @@ def scenario_pipelined(report: Report, sizes: Sizes) -> None:
 # --- scenario 3 ----------------------------------------------------------------------------------
 
 
+#: The overload runs, alternated: (label, factor of the pending limit in flight, honour retryAfterMs).
+OVERLOAD_RUNS: tuple[tuple[str, int, bool], ...] = (
+    ("1x", 1, False),
+    ("3x polite", 3, True),
+    ("3x at once", 3, False),
+)
+
+
 def scenario_overload(report: Report, sizes: Sizes) -> None:
     timing = ["--duration", str(sizes.duration), "--warmup", str(sizes.warmup)]
     raw: dict[str, Any] = {"runs": []}
     runs = raw["runs"]
-    by_factor: dict[int, list[dict[str, Any]]] = {1: [], 3: []}
-    with TcpServer() as server:
-        progress(f"3: {sizes.overload_sessions} sessions at 1x and 3x the pending limit: {server.command}")
-        for _ in range(sizes.reps):
-            for factor in by_factor:  # alternating 1x / 3x
+    by_run: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in OVERLOAD_RUNS}
+    progress(
+        f"3: {sizes.overload_sessions} sessions at 1x and 3x the pending limit (3x: refused prompts re-sent "
+        f"after retryAfterMs, and at once), {sizes.reps} alternating round(s), a fresh server each run"
+    )
+    for _ in range(sizes.reps):
+        for label, factor, polite in OVERLOAD_RUNS:
+            # A fresh server per run: the refusal histogram of _acp_server/stats is this run's alone.
+            with TcpServer() as server:
                 args = ["--sessions", str(sizes.overload_sessions), "--per-limit", str(factor), *timing]
-                by_factor[factor].append(loadgen("echo", server, args, runs))
+                by_run[label].append(loadgen("echo", server, args + (["--retry-after"] if polite else []), runs))
     with TcpServer(["--echo-delay-ms", "600000"]) as held:
         progress(f"3: refusal cost on a full session: {held.command}")
         refusals = loadgen(
             "refusals", held, ["--count", str(sizes.refusal_round_trips), "--window", "256", *timing], runs
         )
-    one, three = median_run(by_factor[1], "ok_per_s"), median_run(by_factor[3], "ok_per_s")
+    one, polite, rude = (median_run(by_run[label], "ok_per_s") for label, _, _ in OVERLOAD_RUNS)
     check_busy(report, "Scenario 3, 1x", one)
-    raw.update({"1x": by_factor[1], "3x": by_factor[3], "refusals": refusals})
+    raw.update({"by_run": by_run, "refusals": refusals})
     report.scenarios["overload"] = raw
-    ratio = three["ok_per_s"] / one["ok_per_s"] if one["ok_per_s"] else None
     limit = one.get("pending_limit")
-    report.add(
-        "overload",
-        f"goodput at 1x ({sizes.overload_sessions} sessions x {limit} in flight)",
-        "1/s",
-        one["ok_per_s"],
-    )
-    report.add(
-        "overload",
-        f"goodput at 3x ({sizes.overload_sessions} x {3 * (limit or 0)}, refused re-sent at once)",
-        "1/s",
-        three["ok_per_s"],
-    )
-    report.add(
-        "overload", "goodput 3x / 1x", "", ratio, goal=">= 0.90", met=ratio is not None and ratio >= 0.9
-    )
-    # The same ratio per second of server CPU: what the refusals cost, whatever else the machine runs.
-    per_cpu = {
-        f: r["ok"] / r["server_cpu_s"] if r["server_cpu_s"] else None for f, r in ((1, one), (3, three))
-    }
-    cpu_ratio = per_cpu[3] / per_cpu[1] if per_cpu[1] and per_cpu[3] else None
-    report.add("overload", "goodput per server CPU-second, 3x / 1x", "", cpu_ratio)
-    report.add("overload", "refusals/s at 3x", "1/s", three["refused_per_s"])
-    refusal_us = refusals["pipelined"]["server_cpu_us_per_refused"]
-    if refusal_us and three["server_cpu_s"]:
-        share = three["refused"] * refusal_us / 1e6 / three["server_cpu_s"]
-        report.add("overload", "share of the server's CPU spent refusing at 3x (estimate)", "", share)
-    report.add(
-        "overload", "refusal round trip p50, one at a time (client-side)", "ms", refusals["rtt_p50_ms"]
-    )
-    p99 = refusals["rtt_p99_ms"]
-    report.add(
-        "overload",
-        "refusal round trip p99, one at a time (client-side)",
-        "ms",
-        p99,
-        goal="<= 1 ms",
-        met=p99 is not None and p99 <= 1.0,
-    )
-    report.add(
-        "overload", "refusal round trip p99 at 3x (client-side, with queueing)", "ms", three["refusal_p99_ms"]
-    )
-    pipelined = refusals["pipelined"]
-    report.add(
-        "overload",
-        "server CPU per refusal (pipelined refusals)",
-        "µs",
-        pipelined["server_cpu_us_per_refused"],
-    )
-    report.add("overload", "refusals/s, pipelined on one full session", "1/s", pipelined["refused_per_s"])
+    n = sizes.overload_sessions
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    report.add("overload", f"goodput at 1x ({n} sessions x {limit} in flight)", "1/s", one["ok_per_s"])
+    for what, run in (("refused re-sent after retryAfterMs (the SDK)", polite), ("refused re-sent at once", rude)):
+        report.add("overload", f"goodput at 3x ({n} x {3 * (limit or 0)}), {what}", "1/s", run["ok_per_s"])
+        r = ratio(run["ok_per_s"], one["ok_per_s"])
+        report.add("overload", f"goodput 3x / 1x, {what}", "", r, goal=">= 0.90", met=r is not None and r >= 0.9)
+    waits = polite["retry_waits"]
     report.notes.append(
-        "Scenario 3: the server does not report how long a refusal takes (request read to error "
-        "written), so refusal times are client-side round trips over loopback, an upper bound. Server-side "
-        "figures need the shell to stamp each request when its bytes are read (after receive_some) and "
-        "when the writer's send_all holding its answer returns, kept as a p50/p99 histogram per outcome "
-        "(admitted, refused) in _acp_server/stats. The 3x clients re-send a refused prompt at once, "
-        "ignoring retryAfterMs: the worst case, where refusals come back as fast as the server makes them. "
-        "Server CPU per refusal comes from a session held full (--echo-delay-ms 600000) and pipelined "
-        "prompts that are all refused."
+        f"Scenario 3, 3x after retryAfterMs: {waits} refusal(s) waited retryAfterMs "
+        f"({', '.join(map(str, polite['retry_after_ms_seen'])) or '-'} ms) before re-sending, "
+        f"{polite['retries_sent']} re-sent within the {sizes.duration:g} s run."
+    )
+
+    # Server-side refusal timing (request read to error written), next to the client's round trips.
+    alone = refusals.get("server_one_at_a_time") or {}
+    p99 = alone.get("p99Us")
+    report.add(
+        "overload", "refusal p50, one at a time, server-side (read to written)", "µs", alone.get("p50Us")
+    )
+    report.add(
+        "overload",
+        "refusal p99, one at a time, server-side (read to written)",
+        "µs",
+        p99,
+        goal="<= 1000 µs",
+        met=p99 is not None and p99 <= 1000,
+    )
+    report.add("overload", "refusal round trip p50, one at a time (client-side)", "ms", refusals["rtt_p50_ms"])
+    report.add("overload", "refusal round trip p99, one at a time (client-side)", "ms", refusals["rtt_p99_ms"])
+    loaded = rude.get("server_refusals") or {}
+    report.add(
+        "overload", "refusal p50 at 3x re-sent at once, server-side (with queueing)", "µs", loaded.get("p50Us")
+    )
+    report.add(
+        "overload", "refusal p99 at 3x re-sent at once, server-side (with queueing)", "µs", loaded.get("p99Us")
+    )
+    report.add("overload", "refusal round trip p99 at 3x re-sent at once (client-side)", "ms", rude["refusal_p99_ms"])
+
+    # Why re-sending at once costs goodput: where the two processes' CPU goes.
+    per_refusal = refusals["pipelined"]["server_cpu_us_per_refused"]
+    per_prompt = one["server_cpu_us_per_ok"]
+    report.add("overload", "server CPU per refusal (pipelined refusals)", "µs", per_refusal)
+    report.add("overload", "server CPU per admitted echo prompt (1x)", "µs", per_prompt)
+    per_ok = ratio(rude["refused"], rude["ok"])
+    report.add("overload", "refusals per admitted prompt at 3x re-sent at once", "", per_ok)
+    if per_refusal and rude["server_cpu_s"]:
+        share = rude["refused"] * per_refusal / 1e6 / rude["server_cpu_s"]
+        report.add("overload", "share of the server's CPU spent refusing at 3x re-sent at once (estimate)", "", share)
+    for label, run in (("1x", one), ("3x after retryAfterMs", polite), ("3x re-sent at once", rude)):
+        report.add("overload", f"server busy (CPU-s per s) at {label}", "", run["server_cpu_share"])
+        report.add("overload", f"load generator busy (CPU-s per s) at {label}", "", run["client_cpu_share"])
+    per_cpu = {k: ratio(r["ok"], r["server_cpu_s"]) for k, r in (("1x", one), ("rude", rude))}
+    report.add("overload", "goodput per server CPU-second, 3x re-sent at once / 1x", "", ratio(per_cpu["rude"], per_cpu["1x"]))
+    report.add("overload", "refusals/s, pipelined on one full session", "1/s", refusals["pipelined"]["refused_per_s"])
+    report.notes.append(
+        "Scenario 3: refusal times server-side are the server's own (_acp_server/stats \"refusals\": from the "
+        "moment the reader hands the request to dispatch to the return of the send_all that carries the "
+        "error), from a fresh server per run; client-side round trips add loopback and the load generator. "
+        "One at a time: a session held full (--echo-delay-ms 600000) refuses one prompt per round trip. "
+        "At 3x re-sent at once, refused prompts come straight back, as a client ignoring retryAfterMs would: "
+        "the worst case. Goodput is admitted prompts answered per second; busy is CPU-seconds per second of "
+        "each process (1.0 = one core)."
     )
 
 

@@ -4,8 +4,9 @@ fake :class:`~acp_server.bridge.Peer`.
 The backend is scripted by the prompt's text (the text of its first block): by default a turn
 echoes its words as ``agent_message_chunk`` updates, passing a few checkpoints so that turns run in
 parallel would interleave, and ends with ``end_turn``. A text can instead be told to hold until
-released, to hold while ignoring cancellation (a shielded wait), to take a fixed time, to raise an
-:class:`~acp_server.errors.AcpError`, or to crash with a plain exception. Every call is recorded, with
+released, to hold while ignoring cancellation (a shielded wait), to take a fixed time, to ask its
+sender for permission, to raise an :class:`~acp_server.errors.AcpError`, or to crash with a plain
+exception; ``latency_s`` makes every unscripted prompt slow. Every call is recorded, with
 the order and (trio clock) time of its start and its end.
 
 Also here: ways to drive a bridge or a server in tests (:func:`running_bridge`, :func:`serving`, both
@@ -64,6 +65,7 @@ class Behaviour(enum.Enum):
     DELAY = "delay"
     FAIL = "fail"
     CRASH = "crash"
+    ASK = "ask"
 
 
 def text_blocks(text: str) -> list[ContentBlock]:
@@ -93,6 +95,8 @@ class Call:
         self.ended_at: float | None = None
         self.outcome: str | None = None
         self.ended = trio.Event()
+        #: what the client answered to the permission requests of an ``ask_permission`` prompt
+        self.answers: list[Any] = []
 
 
 class ForkCall:
@@ -111,10 +115,13 @@ class FakeBackend(BaseBackend):
         fork_calls: every fork call.
         lifecycle: ``(method, session id)`` of every other call (open_session, cancel, set_mode,
             close_session), in order.
+        latency_s: trio seconds an unscripted (echo) prompt takes before it echoes, read when the call
+            starts (0, the default: it echoes at once). Changing it models a dependency slowing down.
     """
 
     def __init__(self, name: str = "fake") -> None:
         self.name = name
+        self.latency_s = 0.0
         self.calls: list[Call] = []
         self.order: list[tuple[str, str]] = []
         self.fork_calls: list[ForkCall] = []
@@ -149,6 +156,11 @@ class FakeBackend(BaseBackend):
     def crash(self, text: str, error: Exception | None = None) -> None:
         """The prompt raises an unexpected exception (a backend bug)."""
         self._script[text] = (Behaviour.CRASH, error or RuntimeError(f"backend crashed on {text!r}"))
+
+    def ask_permission(self, text: str, params: Any = None) -> None:
+        """The prompt sends ``session/request_permission`` to its sender, records the answer in
+        :attr:`Call.answers`, then ends with ``end_turn``."""
+        self._script[text] = (Behaviour.ASK, params)
 
     def release(self, *texts: str) -> None:
         """Let held prompts with these texts end with ``end_turn`` (now, or at once when they start)."""
@@ -202,6 +214,8 @@ class FakeBackend(BaseBackend):
         behaviour, arg = self._script.get(call.text, (Behaviour.ECHO, None))
         try:
             if behaviour is Behaviour.ECHO:
+                if self.latency_s:
+                    await trio.sleep(self.latency_s)
                 for word in split_words(call.text):
                     turn.emit(AgentMessageChunk(content=TextContent(text=word)))
                     await trio.lowlevel.checkpoint()
@@ -218,6 +232,10 @@ class FakeBackend(BaseBackend):
                 await trio.lowlevel.checkpoint()
                 call.outcome = "error"
                 raise arg
+            elif behaviour is Behaviour.ASK:
+                assert turn.client is not None, "an ask_permission prompt needs its sender's channel"
+                params = arg if arg is not None else {"sessionId": turn.session_id, "toolCall": {"toolCallId": "t1"}}
+                call.answers.append(await turn.client.request("session/request_permission", params))
             else:
                 await trio.lowlevel.checkpoint()
                 call.outcome = "crash"

@@ -11,12 +11,15 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import jsonschema
+import msgspec
 import trio
 import trio.testing
 
 from acp_server.admission import Limits
 from acp_server.backends import Backend
 from acp_server.server import Server
+from acp_server.store import TURN_STATE
+from acp_server.types.ext import TurnStateParams
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCHEMAS = ROOT / "schemas"
@@ -66,7 +69,8 @@ class RawClient:
     """A JSON-RPC client over a trio stream that records every message the server sends.
 
     Every error response it sees is validated against ``schemas/`` (so any test using it checks the
-    error contract for free). Notifications land in ``self.notifications``.
+    error contract for free). Notifications land in ``self.notifications``, except turn states, which
+    land in ``self.turn_states``.
     """
 
     def __init__(self, stream: trio.abc.Stream) -> None:
@@ -74,6 +78,8 @@ class RawClient:
         self.next_id = 1
         self.waiting: dict[Any, trio.MemorySendChannel[dict[str, Any]]] = {}
         self.notifications: list[dict[str, Any]] = []
+        #: ``_acp_server/turn_state`` params, in arrival order (not in ``notifications``)
+        self.turn_states: list[dict[str, Any]] = []
         self.messages: list[dict[str, Any]] = []
         self.errors: list[dict[str, Any]] = []
         self.notified = trio.Event()
@@ -108,6 +114,10 @@ class RawClient:
             if "method" in item:
                 if "id" in item:
                     self.requests_from_server.append(item)
+                elif item["method"] == TURN_STATE:
+                    # Checked against the wire type; kept apart so that update counts stay what they were.
+                    msgspec.convert(item["params"], TurnStateParams)
+                    self.turn_states.append(item["params"])
                 else:
                     self.notifications.append(item)
                     self.notified.set()

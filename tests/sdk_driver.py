@@ -54,6 +54,31 @@ CANCEL_TEXT = "cancel me while I run"
 AFTER_TEXT = "still alive after the cancel"
 
 
+
+TURN_STATE = "_acp_server/turn_state"
+TURN_STATES = {
+    "accepted", "queued", "waiting_for_dependency", "running", "paused_for_approval", "completed", "failed", "cancelled",
+}
+
+
+def _turn_state_problem(params: Any) -> str | None:
+    """What is wrong with ``_acp_server/turn_state`` params (written here from the README, not imported)."""
+    if not isinstance(params, dict):
+        return "params is not an object"
+    allowed = {"sessionId", "promptId", "state", "at", "reason", "positionHint", "_meta"}
+    if set(params) - allowed:
+        return f"unknown fields {sorted(set(params) - allowed)}"
+    if not isinstance(params.get("sessionId"), str) or not isinstance(params.get("promptId"), str):
+        return "sessionId and promptId must be strings"
+    if params.get("state") not in TURN_STATES:
+        return f"state {params.get('state')!r} is not a turn state"
+    if not isinstance(params.get("at"), int) or params["at"] < 1_600_000_000_000:
+        return "at must be epoch milliseconds"
+    meta = params.get("_meta")
+    if not isinstance(meta, dict) or not isinstance(meta.get("eventId"), int):
+        return "_meta.eventId missing"
+    return None
+
 class SdkErrors(logging.Handler):
     """Collects what the SDK logs at ERROR: unparsable lines, handlers failing on a bad payload."""
 
@@ -147,6 +172,15 @@ def validate_all(recorder: Recorder) -> tuple[dict[str, int], list[str]]:
                 failures.append(f"{what}: the echo agent sent a request to the client")
                 continue
             check(schema.AgentNotification, msg, what, exact=False)
+            if msg["method"] == TURN_STATE:
+                # Our extension notification (ACP lets agents send ``_``-prefixed ones): checked
+                # against our wire type, since the SDK has no model for it.
+                problem = _turn_state_problem(msg.get("params"))
+                if problem:
+                    failures.append(f"{what}: turn_state: {problem}")
+                else:
+                    counts["TurnState"] = counts.get("TurnState", 0) + 1
+                continue
             model = NOTIFICATION_MODELS.get(msg["method"])
             if model is None:
                 failures.append(f"{what}: no SDK model for notification {msg['method']!r}")

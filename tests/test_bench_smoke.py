@@ -51,5 +51,13 @@ def test_bench_tiny_prints_the_table_and_writes_json(tmp_path: pathlib.Path) -> 
     assert served["met"] is True
     echo = report["scenarios"]["pipelined"]["echo_depth2"][0]
     assert echo["ok"] > 0 and echo["notifications"] == echo["ok"]  # one update per one-word prompt
-    refusals = report["scenarios"]["overload"]["refusals"]
+    overload = report["scenarios"]["overload"]
+    refusals = overload["refusals"]
     assert refusals["round_trips"] > 0 and refusals["pipelined"]["ok"] == 0
+    # Server-side refusal timing, from a fresh server: exactly the refusals timed one at a time.
+    assert refusals["server_one_at_a_time"]["count"] == refusals["round_trips"]
+    assert 0 < refusals["server_one_at_a_time"]["p50Us"] <= refusals["server_one_at_a_time"]["maxUs"]
+    polite, rude = overload["by_run"]["3x polite"][0], overload["by_run"]["3x at once"][0]
+    assert polite["retry_after"] and polite["retry_waits"] > 0 and polite["refused"] > 0
+    assert not rude["retry_after"] and rude["server_refusals"]["count"] >= rude["refused"] > 0
+    assert overload["by_run"]["1x"][0]["refused"] == 0

@@ -14,6 +14,7 @@ from trio.testing import wait_all_tasks_blocked
 from acp_server.admission import Limits
 from acp_server.errors import InvalidClientIdError
 from acp_server.server import Server
+from acp_server.store import StoredEvent
 
 from .fakes import (
     FakeBackend,
@@ -264,6 +265,26 @@ def _event_ids(updates: list[dict[str, Any]]) -> list[int]:
     return [u["_meta"]["eventId"] for u in updates]
 
 
+def _check_event_stream(session: Any, *clients: RawClient) -> None:
+    """History ids strictly increase, and with the live-only turn states the clients saw they cover
+    every id the session handed out: no id is lost or used twice."""
+    history_ids = [event_id for event_id, _ in session.history]
+    assert history_ids == sorted(set(history_ids)), "history eventIds strictly increase"
+    live_only = {
+        t["_meta"]["eventId"]
+        for c in clients
+        for t in c.turn_states
+        if t["sessionId"] == session.session_id and t["state"] not in ("completed", "failed", "cancelled")
+    }
+    assert not live_only & set(history_ids)
+    assert sorted(live_only | set(history_ids)) == list(range(1, session.next_event_id))
+
+
+def _update_ids(session: Any) -> list[int]:
+    """The history's ``session/update`` ids (without the terminal turn states it also keeps)."""
+    return [event_id for event_id, update in session.history if not isinstance(update, StoredEvent)]
+
+
 async def test_updates_fan_out_with_event_ids_and_originators() -> None:
     """Every attached connection gets every update; a prompt is echoed as ``user_message_chunk`` to
     the connections other than its sender; every update carries a per-session, strictly increasing
@@ -299,9 +320,8 @@ async def test_updates_fan_out_with_event_ids_and_originators() -> None:
         for updates in (ua, ub, uc):
             ids = _event_ids(updates)
             assert ids == sorted(set(ids)), "eventIds strictly increase"
-        history_ids = [event_id for event_id, _ in session.history]
-        assert history_ids == list(range(1, len(history_ids) + 1))
-        assert sorted(set(_event_ids(ua)) | set(_event_ids(ub))) == history_ids
+        _check_event_stream(session, a, b)
+        assert sorted(set(_event_ids(ua)) | set(_event_ids(ub))) == _update_ids(session)
 
         for updates in (ua, ub):
             assert _originators_by_text(updates) == {
@@ -341,8 +361,9 @@ async def test_event_ids_are_per_session() -> None:
         await client.prompt(s1, "six")
         await wait_all_tasks_blocked()
         for sid, turns in ((s1, 2), (s2, 1)):
-            history_ids = [event_id for event_id, _ in server.bridge.sessions[sid].history]
-            assert history_ids == list(range(1, len(history_ids) + 1))
+            session = server.bridge.sessions[sid]
+            _check_event_stream(session, client)
+            history_ids = _update_ids(session)
             received = _event_ids(client.updates(sid))
             assert received == sorted(set(received)) and set(received) <= set(history_ids)
             # The sender is not sent its own prompt back: one user chunk per turn is missing.
@@ -421,7 +442,9 @@ async def test_fork_copies_history_and_registers_the_caller() -> None:
         assert info.value.kind == "invalid_client_id"
         await wait_all_tasks_blocked()
         copied = len(source.history)
-        assert [event_id for event_id, _ in branch.history] == list(range(1, len(branch.history) + 1))
+        _check_event_stream(source, client)
+        branch_ids = [event_id for event_id, _ in branch.history]
+        assert branch_ids == sorted(set(branch_ids)) and branch_ids[copied] >= source.next_event_id
         assert branch.history[:copied] == source.history
         assert _event_ids(client.updates(new_sid))[0] > copied, "the branch numbers on from the source"
         assert "on the branch" not in repr(source.history)

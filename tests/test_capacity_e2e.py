@@ -102,7 +102,9 @@ async def test_capacity_third_session_gets_capacity_exceeded() -> None:
             assert after["pools"][FAKE] == {
                 **before["pools"][FAKE],
                 "refusedTotal": before["pools"][FAKE]["refusedTotal"] + 1,
+                "oldestWaitMs": after["pools"][FAKE]["oldestWaitMs"],  # the waiter's age goes on
             }
+            assert after["pools"][FAKE]["oldestWaitMs"] >= before["pools"][FAKE]["oldestWaitMs"]
             bridge_before, bridge_after = before["bridge"], after["bridge"]
             assert bridge_after["refusedTotal"] == bridge_before["refusedTotal"] + 1
             assert {k: v for k, v in bridge_after.items() if k != "refusedTotal"} == {
@@ -142,6 +144,7 @@ async def test_capacity_limits_advertised_and_pools_reported() -> None:
                 "refusedTotal": 0,
                 "maxActive": 1,
                 "maxWaiting": 1,
+                "oldestWaitMs": 0,
             }
             echo_sid, _ = await client.new_session(backend="echo")
             assert (await client.prompt(echo_sid, "no pool here"))["stopReason"] == "end_turn"

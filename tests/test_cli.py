@@ -256,10 +256,12 @@ def test_stdio_stdout_carries_protocol_lines_only() -> None:
         assert server.proc.wait(10) == 0
         stdout = server.rest_of_stdout()
         stderr = server.rest_of_stderr()
-    # 4 answers and the echo's chunks ("only ", "json ", "here"), nothing else.
+    # 4 answers, the echo's chunks ("only ", "json ", "here") and the prompt's 3 turn states, nothing else.
     messages = [json.loads(line) for line in stdout]
     assert all(m["jsonrpc"] == "2.0" for m in messages)
-    assert len(messages) == 4 + 3, stdout
+    assert len(messages) == 4 + 3 + 3, stdout
+    states = [m["params"]["state"] for m in messages if m.get("method") == "_acp_server/turn_state"]
+    assert states == ["accepted", "running", "completed"]
     assert [
         m["params"]["update"]["content"]["text"] for m in messages if m.get("method") == "session/update"
     ] == [

@@ -14,7 +14,7 @@ import trio
 
 from acp_server.admission import Limits
 from acp_server.server import Server
-from acp_server.store import TURN_STATE, SessionStore, StoredSession
+from acp_server.store import TURN_STATE, SessionStore, StoredEvent, StoredSession
 
 from .helpers import RawClient, RpcError, connect, rows_of, stored_events
 
@@ -39,6 +39,12 @@ def seen(client: RawClient, session_id: str) -> list[tuple[str, Any, int]]:
         (u["update"]["sessionUpdate"], u["update"].get("content"), u["_meta"]["eventId"])
         for u in client.updates(session_id)
     ]
+
+
+def update_ids_after(server: Server, session_id: str, after: int) -> list[int]:
+    """The eventIds of the session's ``session/update`` history entries after ``after`` (terminal turn
+    states share the history and live-only ones take ids too, so ids are increasing, not adjacent)."""
+    return [e for e, u in server.bridge.sessions[session_id].history if e > after and not isinstance(u, StoredEvent)]
 
 
 def load_params(session_id: str, **meta: Any) -> dict[str, Any]:
@@ -79,8 +85,10 @@ async def test_restart_lists_and_replays_what_was_sent(tmp_path: pathlib.Path) -
             assert info.value.kind == "invalid_client_id"
             assert (await b.prompt(session_id, "four", clientId=new_client))["stopReason"] == "end_turn"
             last = live[-1][2]
-            # the sender is not sent its own prompt (last + 1), only the echo
-            assert [e for _, _, e in seen(b, session_id)][len(live):] == [last + 2]
+            user_id, echo_id = update_ids_after(server, session_id, last)
+            # the sender is not sent its own prompt, only the echo
+            assert [e for _, _, e in seen(b, session_id)][len(live):] == [echo_id]
+            assert user_id < echo_id
 
             tail = await connect(server, nursery)
             await tail.call("session/resume", load_params(session_id, afterEventId=last))
@@ -88,7 +96,10 @@ async def test_restart_lists_and_replays_what_was_sent(tmp_path: pathlib.Path) -
                 ("user_message_chunk", {"type": "text", "text": "four"}),
                 ("agent_message_chunk", {"type": "text", "text": "four"}),
             ]
-            assert [e for _, _, e in seen(tail, session_id)] == [last + 1, last + 2]
+            assert [e for _, _, e in seen(tail, session_id)] == [user_id, echo_id]
+            # the tail carries the terminal turn states after ``last`` too: "three"'s and "four"'s
+            assert [t["state"] for t in tail.turn_states] == ["completed", "completed"]
+            assert all(t["_meta"]["eventId"] > last for t in tail.turn_states)
 
 
 async def test_close_unloads_and_delete_removes(tmp_path: pathlib.Path) -> None:
@@ -133,7 +144,8 @@ async def test_stored_session_comes_back_silently_on_any_request(tmp_path: pathl
             b = await connect(server, nursery)
             assert session_id not in server.bridge.sessions
             assert (await b.prompt(session_id, "after"))["stopReason"] == "end_turn"
-            assert [u["_meta"]["eventId"] for u in b.updates(session_id)] == [last + 2]  # no replay
+            _, echo_id = update_ids_after(server, session_id, last)
+            assert [u["_meta"]["eventId"] for u in b.updates(session_id)] == [echo_id]  # no replay
             forked = await b.call("_acp_server/fork", {"sessionId": session_id})
             c = await connect(server, nursery)
             await c.call("session/load", load_params(forked["sessionId"]))
@@ -178,14 +190,18 @@ async def test_unfinished_prompt_replays_as_turn_state_at_its_place(tmp_path: pa
         async with durable_server(tmp_path) as (server, nursery):
             b = await connect(server, nursery)
             await b.call("session/load", load_params("sess_x"))
-            notes = [(n["method"], n["params"]["_meta"]["eventId"]) for n in b.notifications]
+            notes = [(n["method"], n["params"]["_meta"]["eventId"]) for n in b.messages if "method" in n]
             assert notes == [("session/update", 1), ("session/update", 2), (TURN_STATE, 3)]
-            state = b.notifications[2]["params"]
+            state = b.turn_states[0]
             assert state["sessionId"] == "sess_x" and state["promptId"] == "prompt_7"
             assert state["state"] == "failed" and state["reason"] == "server_restarted" and state["at"]
             result = await b.prompt("sess_x", "next")
             assert result["_meta"]["promptId"] == "prompt_8"  # prompt numbers continue past the stored ones
-            assert [u["_meta"]["eventId"] for u in b.updates("sess_x")][-1] == 5  # its user chunk took 4
+            # accepted 4, running 5, its user chunk 6 (not sent to its sender), the echo 7, completed 8
+            assert [u["_meta"]["eventId"] for u in b.updates("sess_x")][-1] == 7
+            assert [(t["state"], t["_meta"]["eventId"]) for t in b.turn_states[1:]] == [
+                ("accepted", 4), ("running", 5), ("completed", 8)
+            ]
 
 
 async def test_delete_of_a_stored_session_does_not_restore_it(tmp_path: pathlib.Path) -> None:

@@ -96,7 +96,10 @@ async def test_restart_keeps_sessions_and_replays_them(tmp_path: pathlib.Path) -
             last = live[-1][2]
             d = await open_raw(url)
             await d.call("session/load", load_params(session_id, afterEventId=last))
-            assert seen(d, session_id)[0] == ("user_message_chunk", {"type": "text", "text": "after restart"}, last + 1)
+            first = seen(d, session_id)[0]
+            assert first[:2] == ("user_message_chunk", {"type": "text", "text": "after restart"}) and first[2] > last
+            # the turn states after ``last`` come back too (the terminal ones; live-only ones are not kept)
+            assert [t["state"] for t in d.turn_states][-1] == "completed"
             assert d.agent_text(session_id) == "after restart"
 
 
@@ -175,6 +178,8 @@ async def test_kill_9_during_prompts_leaves_one_outcome_per_seen_prompt(tmp_path
                 for k, (prompt_id, outcome) in enumerate(rows):  # admitted in the order sent
                     outcomes[(i, k)] = (prompt_id, outcome)
             notes = [body for _, _, method, body in stored_events(state) if method == TURN_STATE]
+    completed = [body["promptId"] for body in notes if body["state"] == "completed"]
+    notes = [body for body in notes if body["reason"] == "server_restarted"]
 
     assert query(state, "SELECT COUNT(*) FROM prompts WHERE outcome IS NULL") == [(0,)]
     missing = saw - set(outcomes)
@@ -186,6 +191,10 @@ async def test_kill_9_during_prompts_leaves_one_outcome_per_seen_prompt(tmp_path
     restarted = [pid for pid, outcome in outcomes.values() if outcome == "server_restarted"]
     noted = [body["promptId"] for body in notes]
     assert sorted(noted) == sorted(restarted) and len(set(noted)) == len(noted)
+    assert all(body["state"] == "failed" for body in notes)
+    # every prompt ended with end_turn has its completed turn state in the transcript, and only those
+    ended = [pid for pid, outcome in outcomes.values() if outcome == "end_turn"]
+    assert not set(completed) - set(ended) and len(set(completed)) == len(completed)
     assert restarted, "no prompt was in flight at the kill"
 
 

@@ -1,5 +1,7 @@
 """session/load replays the transcript in order with the original eventIds; session/resume re-registers."""
 
+from acp_server.store import StoredEvent
+
 from .helpers import RpcError, connect, running_server
 
 
@@ -34,7 +36,12 @@ async def test_after_event_id_replays_only_the_tail() -> None:
         await a.prompt(session_id, "two")
         b = await connect(server, nursery)
         await b.call("session/resume", {"sessionId": session_id, "cwd": "/tmp", "_meta": {"afterEventId": last}})
-        assert [u["_meta"]["eventId"] for u in b.updates(session_id)] == [last + 1, last + 2]
+        history = server.bridge.sessions[session_id].history
+        tail = [e for e, u in history if e > last and not isinstance(u, StoredEvent)]
+        assert len(tail) == 2  # prompt "two": its user chunk and its echo
+        assert [u["_meta"]["eventId"] for u in b.updates(session_id)] == tail
+        # and the terminal turn states after ``last``: prompt "one"'s and prompt "two"'s
+        assert [(t["promptId"], t["state"]) for t in b.turn_states] == [("prompt_1", "completed"), ("prompt_2", "completed")]
 
 
 async def test_resume_registers_a_fresh_id_without_replay() -> None:

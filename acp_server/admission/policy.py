@@ -54,6 +54,7 @@ next checkpoint. A ticket abandoned without ``wait`` must be given up with :meth
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import secrets
@@ -82,7 +83,10 @@ __all__ = [
     "Priority",
     "Queued",
     "Seat",
+    "QUEUE_WAIT_BOUNDS",
+    "TenantStatistics",
     "WaitDeadlineExpired",
+    "WaitHistogram",
     "seat_shares",
 ]
 
@@ -95,6 +99,10 @@ RETRY_AFTER_MIN_MS: Final = 1000
 RETRY_AFTER_MAX_MS: Final = 32000
 #: Weight of the newest seat hold time in the running mean.
 _HOLD_ALPHA: Final = 0.2
+#: Upper bounds (seconds) of the queue-wait histogram's buckets; the last one catches everything.
+QUEUE_WAIT_BOUNDS: Final[tuple[float, ...]] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, math.inf,
+)
 
 Mode = Literal["enforce", "observe"]
 Reason = Literal["tenant_limit", "queue_full", "deadline_unreachable", "wait_too_long"]
@@ -205,6 +213,24 @@ class ClassStatistics(msgspec.Struct, frozen=True, kw_only=True, rename="camel")
     oldest_wait_ms: int
 
 
+class WaitHistogram(msgspec.Struct, frozen=True, kw_only=True):
+    """Seconds waited for a seat by the waiters granted in one class (Prometheus-style, cumulative).
+
+    Attributes:
+        buckets: ``[upper bound in seconds, waiters granted within it]``, the last bound ``inf``.
+        sum: seconds waited in all; count: waiters granted.
+    """
+
+    buckets: list[tuple[float, int]]
+    sum: float
+    count: int
+
+
+class TenantStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    running: int
+    waiting: int
+
+
 class PolicyStatistics(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """A snapshot of the engine, like ``trio.CapacityLimiter.statistics()``.
 
@@ -220,6 +246,8 @@ class PolicyStatistics(msgspec.Struct, frozen=True, kw_only=True, rename="camel"
         granted_total, released_total: seats handed out and given back.
         expired_total: waiters removed because their deadline ran out; cancelled_total: waiters that left.
         retry_after_served: refusals sent with a ``retryAfterMs``; retry_after_ms_total: the sum of those.
+        queue_wait: per class, how long its granted waiters waited.
+        tenants: per tenant holding a seat or waiting: its seats and waiters (for metrics with tenant labels).
     """
 
     enabled: bool
@@ -237,6 +265,8 @@ class PolicyStatistics(msgspec.Struct, frozen=True, kw_only=True, rename="camel"
     cancelled_total: int
     retry_after_served: int
     retry_after_ms_total: int
+    queue_wait: dict[str, WaitHistogram]
+    tenants: dict[str, TenantStatistics]
 
 
 class WaitDeadlineExpired(Exception):
@@ -255,7 +285,7 @@ class Seat:
         granted_at: the engine clock when it was granted.
     """
 
-    __slots__ = ("_engine", "_released", "granted_at", "priority", "rank", "session_id", "tenant")
+    __slots__ = ("_engine", "_released", "decision", "granted_at", "priority", "rank", "session_id", "tenant")
 
     def __init__(self, engine: PolicyEngine | None, tenant: str, rank: int, session_id: str, now: float) -> None:
         self._engine = engine
@@ -265,6 +295,8 @@ class Seat:
         self.priority: Priority = PRIORITIES[rank]
         self.session_id = session_id
         self.granted_at = now
+        #: the arrival decision it came from (a key of ``decisions``; "" when not from :meth:`decide`)
+        self.decision = ""
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
@@ -447,6 +479,8 @@ class PolicyEngine:
         self._cancelled_total = 0
         self._retry_served = 0
         self._retry_ms_total = 0
+        self._wait_counts = [[0] * len(QUEUE_WAIT_BOUNDS) for _ in PRIORITIES]
+        self._wait_sum = [0.0] * len(PRIORITIES)
 
     def __repr__(self) -> str:
         seats = self._seats or "unlimited"
@@ -522,19 +556,22 @@ class PolicyEngine:
             elif wait_s is not None and rank == INTERACTIVE and self._max_wait_s and wait_s > self._max_wait_s:
                 reason, retry_s = "wait_too_long", wait_s - self._max_wait_s
         if reason is not None:
-            self._refuse(reason, retry_s, tenant, rank, session_id)  # raises unless observing
-            self._admitted_total += 1
-            return self._new_seat(tenant, rank, session_id, now)
-        if self._seats is None or self._running < self._seats:
+            key = self._refuse(reason, retry_s, tenant, rank, session_id)  # raises unless observing
+        elif self._seats is None or self._running < self._seats:
             # A free seat means nobody eligible waits: every release hands seats on at once.
-            self._decisions["run"] += 1
+            key = "run"
+            self._decisions[key] += 1
+        else:
+            key = "queued"
+            self._decisions[key] += 1
+            if self._observe:
+                self._log_observed("queued", None, tenant, rank, session_id)
+        if key != "queued" or self._observe:
             self._admitted_total += 1
-            return self._new_seat(tenant, rank, session_id, now)
-        self._decisions["queued"] += 1
+            seat = self._new_seat(tenant, rank, session_id, now)
+            seat.decision = key
+            return seat
         self._admitted_total += 1
-        if self._observe:
-            self._log_observed("queued", None, tenant, rank, session_id)
-            return self._new_seat(tenant, rank, session_id, now)
         ticket = Queued(self, tenant, rank, session_id, expires_at, ahead + 1)
         self._room.push(ticket, now)
         return ticket
@@ -616,7 +653,56 @@ class PolicyEngine:
             cancelled_total=self._cancelled_total,
             retry_after_served=self._retry_served,
             retry_after_ms_total=self._retry_ms_total,
+            queue_wait={name: self._wait_histogram(rank) for rank, name in enumerate(PRIORITIES)},
+            tenants=self._tenant_statistics(),
         )
+
+    def _wait_histogram(self, rank: int) -> WaitHistogram:
+        buckets: list[tuple[float, int]] = []
+        total = 0
+        for bound, count in zip(QUEUE_WAIT_BOUNDS, self._wait_counts[rank], strict=True):
+            total += count
+            buckets.append((bound, total))
+        return WaitHistogram(buckets=buckets, sum=self._wait_sum[rank], count=total)
+
+    def _tenant_statistics(self) -> dict[str, TenantStatistics]:
+        waiting = self._room.tenant_counts() if self._room else {}
+        tenants = set(self._tenant_running) | set(waiting)
+        return {
+            t: TenantStatistics(running=self._tenant_running.get(t, 0), waiting=waiting.get(t, 0))
+            for t in sorted(tenants)
+        }
+
+    @enable_ki_protection
+    def revoke(self, got: Seat | Queued) -> None:
+        """Undo an arrival decision whose prompt was refused after it (the backend pool's lease): all or
+        nothing. Counters and gauges go back as if :meth:`decide` had not been called; a revoked seat
+        does not count as a hold time."""
+        if not self._enabled:
+            return
+        if isinstance(got, Queued):
+            if got._state != _QUEUED:
+                raise RuntimeError(f"only a ticket still waiting can be revoked; {got!r} is not")
+            self._room.remove(got)
+            got._state = _CANCELLED
+            self._decisions["queued"] -= 1
+        else:
+            if got.released:
+                raise RuntimeError(f"{got!r} was released already")
+            got._released = True
+            self._running -= 1
+            self._class_running[got.rank] -= 1
+            left = self._tenant_running[got.tenant] - 1
+            if left:
+                self._tenant_running[got.tenant] = left
+            else:
+                del self._tenant_running[got.tenant]
+            self._granted_total -= 1
+            if got.decision:
+                self._decisions[got.decision] -= 1
+            if self._room:
+                self._dispatch(self._clock())
+        self._admitted_total -= 1
 
     # --- seats ----------------------------------------------------------------------------------------
 
@@ -672,6 +758,9 @@ class PolicyEngine:
                 continue
             ticket._seat = self._new_seat(ticket.tenant, ticket.rank, ticket.session_id, now)
             ticket._state = _GRANTED
+            waited = max(now - ticket.enqueued_at, 0.0)
+            self._wait_sum[ticket.rank] += waited
+            self._wait_counts[ticket.rank][bisect.bisect_left(QUEUE_WAIT_BOUNDS, waited)] += 1
             ticket._wake(outcome.Value(None))
 
     def _pick(self) -> QueueEntry | None:
@@ -700,12 +789,14 @@ class PolicyEngine:
 
     # --- refusals -------------------------------------------------------------------------------------
 
-    def _refuse(self, reason: Reason, retry_s: float | None, tenant: str, rank: int, session_id: str) -> None:
+    def _refuse(self, reason: Reason, retry_s: float | None, tenant: str, rank: int, session_id: str) -> str:
+        """Count the refusal and raise it; in observe mode only count and log it, and return its key."""
         outcome_name = "deferred" if reason == "tenant_limit" else "rejected"
-        self._decisions[f"{outcome_name}.{reason}"] += 1
+        key = f"{outcome_name}.{reason}"
+        self._decisions[key] += 1
         if self._observe:
             self._log_observed(outcome_name, reason, tenant, rank, session_id)
-            return
+            return key
         retry_ms = RETRY_AFTER_MS if retry_s is None else math.ceil(retry_s * 1000)
         retry_ms = min(max(retry_ms, RETRY_AFTER_MIN_MS), RETRY_AFTER_MAX_MS)
         self._retry_served += 1

@@ -166,6 +166,14 @@ class WaitingRoom:
         entry.queued = False
         self._size -= 1
 
+    def tenant_counts(self) -> dict[str, int]:
+        """Waiters per tenant now, over every class."""
+        counts: dict[str, int] = {}
+        for queue in self._classes:
+            for tenant, fifo in queue.tenants.items():
+                counts[tenant] = counts.get(tenant, 0) + len(fifo)
+        return counts
+
     def peek(self, rank: int, eligible: Callable[[str], bool] | None = None) -> QueueEntry | None:
         """The waiter of class ``rank`` served next, skipping tenants ``eligible`` refuses (``None``: all)."""
         queue = self._classes[rank]

@@ -94,6 +94,7 @@ class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
         refused_total: prompts refused since the pool was made.
         max_active: the permit bound.
         max_waiting: the waiting room beyond ``max_active`` (``None``: unbounded).
+        oldest_wait_ms: how long the oldest waiter for a permit has waited (0: none waits).
     """
 
     active: int
@@ -103,6 +104,7 @@ class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     refused_total: int
     max_active: int
     max_waiting: int | None
+    oldest_wait_ms: int = 0
 
 
 # A lease's permit state: it runs one backend call at a time.
@@ -176,7 +178,12 @@ class CapacityPool:
 
     def statistics(self) -> PoolStatistics:
         """A frozen snapshot of the pool's counters and bounds."""
+        oldest = 0
+        if self._waiters and trio.lowlevel.in_trio_run():
+            first = next(iter(self._waiters.values()))
+            oldest = max(0, round((trio.current_time() - first._since) * 1000))
         return PoolStatistics(
+            oldest_wait_ms=oldest,
             active=self._active,
             waiting=len(self._waiters),
             leased=self._leased,
@@ -203,6 +210,7 @@ class CapacityPool:
         self._waiters[task] = lease
         lease._permit = _WAITING
         lease._task = task
+        lease._since = trio.current_time()
 
         def abort(_: RaiseCancelT) -> Abort:
             # Runs only while the task is still parked: a grant reschedules it first, and then the
@@ -251,7 +259,7 @@ class Lease:
     times in sequence (retries) while it is held. ``release`` returns any permit it still holds.
     """
 
-    __slots__ = ("__weakref__", "_permit", "_pool", "_released", "_task", "session_id")
+    __slots__ = ("__weakref__", "_permit", "_pool", "_released", "_since", "_task", "session_id")
 
     def __init__(self, pool: CapacityPool, session_id: str) -> None:
         self._pool = pool
@@ -259,6 +267,7 @@ class Lease:
         self._released = False
         self._permit: int = _IDLE
         self._task: Task | None = None
+        self._since = 0.0  # when it started waiting for a permit
 
     def __repr__(self) -> str:
         state = "released" if self._released else ("idle", "waiting", "holding")[self._permit]

@@ -25,7 +25,8 @@ import msgspec
 import trio
 
 from ..admission.limits import Limits
-from ..admission.pool import CapacityManager
+from ..admission.policy import PolicyEngine, Queued, Seat, WaitDeadlineExpired
+from ..admission.pool import CapacityManager, Lease
 from ..backends.base import Backend, ClientChannel, SessionSetup, Turn
 from ..errors import (
     RETRY_AFTER_MS,
@@ -45,6 +46,7 @@ from ..errors import (
 from ..jsonrpc.dispatch import Deferred
 from ..store import TURN_STATE, SessionStore, StoredEvent, StoredSession
 from ..types.acp import ContentBlock, PromptResult, SessionNotification, UserMessageChunk
+from ..types.ext import TERMINAL_TURN_STATES, TurnStateBody, TurnStateParams
 from .session import ClientReg, ForkTicket, Peer, PromptTicket, Session
 
 __all__ = ["BridgeStatistics", "PromptWaiter", "SessionBridge"]
@@ -52,7 +54,6 @@ __all__ = ["BridgeStatistics", "PromptWaiter", "SessionBridge"]
 log = logging.getLogger("acp_server.bridge")
 
 _encoder = msgspec.json.Encoder()
-_CANCELLED = PromptResult(stop_reason="cancelled")
 
 
 class _UpdateMsg(msgspec.Struct):
@@ -63,6 +64,19 @@ class _UpdateMsg(msgspec.Struct):
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _cancelled(ticket: PromptTicket) -> PromptResult:
+    return PromptResult(stop_reason="cancelled", meta={"promptId": ticket.prompt_id})
+
+
+def _terminal_state(result: PromptResult | None, error: AcpError | None) -> tuple[str, str | None]:
+    """The terminal turn state of an outcome, and its reason (the stop reason or the error kind)."""
+    if error is not None:
+        return ("cancelled" if isinstance(error, RequestCancelledError) else "failed"), error.kind
+    if result is not None and result.stop_reason == "cancelled":
+        return "cancelled", None
+    return "completed", result.stop_reason if result is not None else None
 
 
 def _fan_out(segment: list[tuple[tuple[Peer, ...], Peer | None, bytes]]) -> None:
@@ -76,6 +90,42 @@ class _ExtMsg(msgspec.Struct):
     jsonrpc: str
     method: str
     params: dict[str, Any]
+
+
+class _TurnStateMsg(msgspec.Struct):
+    jsonrpc: str
+    method: str
+    params: TurnStateParams
+
+
+class _TurnChannel:
+    """A prompt's client channel that reports ``paused_for_approval`` while a permission request is open."""
+
+    __slots__ = ("_bridge", "_inner", "_open", "_ticket")
+
+    def __init__(self, bridge: SessionBridge, inner: ClientChannel, ticket: PromptTicket) -> None:
+        self._bridge = bridge
+        self._inner = inner
+        self._ticket = ticket
+        self._open = 0
+
+    @property
+    def capabilities(self) -> Any:
+        return self._inner.capabilities
+
+    async def request(self, method: str, params: Any) -> Any:
+        if method != "session/request_permission":
+            return await self._inner.request(method, params)
+        ticket = self._ticket
+        self._open += 1
+        if self._open == 1 and not ticket.settled:
+            self._bridge.turn_state(ticket, "paused_for_approval")
+        try:
+            return await self._inner.request(method, params)
+        finally:
+            self._open -= 1
+            if not self._open and not ticket.settled:
+                self._bridge.turn_state(ticket, "running")
 
 
 class PromptWaiter(Deferred):
@@ -141,6 +191,7 @@ class SessionBridge:
         default_backend: the name of the backend a session gets when it names none (with a table).
         store: the durable store (``None``: ephemeral, everything in memory); ``stored``: its session
             index as :meth:`SessionStore.open` returned it, and ``prompt_seq`` the highest prompt number.
+        policy: the admission policy engine (default: one that limits nothing and costs nothing).
 
     Raises:
         TypeError, ValueError: a limit is not of its accepted form (the message names it).
@@ -157,6 +208,7 @@ class SessionBridge:
         store: SessionStore | None = None,
         stored: dict[str, StoredSession] | None = None,
         prompt_seq: int = 0,
+        policy: PolicyEngine | None = None,
     ) -> None:
         limits = limits or Limits()
         if max_pending_prompts_per_session is not None:
@@ -164,6 +216,8 @@ class SessionBridge:
             limits.__post_init__()
         self.limits = limits
         self.capacity = capacity or CapacityManager()
+        #: the admission policy (issue G): global seats, tenant caps, priority classes; off by default
+        self.policy = policy or PolicyEngine()
         #: (session id, idempotency key) -> (prompt fingerprint, ticket, admitted at), oldest first
         self._idempotency: collections.OrderedDict[tuple[str, str], tuple[bytes, PromptTicket, float]] = (
             collections.OrderedDict()
@@ -196,6 +250,8 @@ class SessionBridge:
         self._refused = 0
         self._settled = 0
         self._closing = False
+        #: ``session/resume`` calls that had to mint a new client id (the SDK's self-heal)
+        self.self_heal_resumes = 0
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -239,6 +295,7 @@ class SessionBridge:
         client_id: str | None = None,
         *,
         backend: Backend | None = None,
+        tenant: str = "default",
     ) -> tuple[Session, str]:
         """Create a session and register the caller on it; returns the session and its client id.
 
@@ -247,7 +304,7 @@ class SessionBridge:
         self._check_session_limit()
         session_id = f"sess_{uuid.uuid4().hex}"
         session = Session(
-            self, session_id, cwd, mcp_servers, backend or self.backend, trio.current_time(), _now_ms()
+            self, session_id, cwd, mcp_servers, backend or self.backend, trio.current_time(), _now_ms(), tenant
         )
         self.sessions[session_id] = session
         self._store_session(session)
@@ -262,12 +319,13 @@ class SessionBridge:
         *,
         backend: Backend | None = None,
         meta: dict[str, Any] | None = None,
+        tenant: str = "default",
     ) -> tuple[Session, str, SessionSetup]:
         """Create a session on its backend (the agent's side first), then register the caller."""
         backend = backend or self.backend
         self._check_session_limit()
         session_id = f"sess_{uuid.uuid4().hex}"
-        session = Session(self, session_id, cwd, mcp_servers, backend, trio.current_time(), _now_ms())
+        session = Session(self, session_id, cwd, mcp_servers, backend, trio.current_time(), _now_ms(), tenant)
         setup = await backend.open_session(session_id, cwd, mcp_servers, lambda u: self.emit(session, u, None), meta)
         session.modes = setup.modes
         if setup.modes and isinstance(setup.modes.get("currentModeId"), str):
@@ -282,14 +340,20 @@ class SessionBridge:
         self._store_session(session)
         return session, self.register(session, peer, client_id), setup
 
-    def get(self, session_id: str) -> Session:
-        """The live session ``session_id``; a stored one that is not live is restored (no replay)."""
+    def get(self, session_id: str, tenant: str | None = None) -> Session:
+        """The live session ``session_id``; a stored one that is not live is restored (no replay).
+
+        With ``tenant``, a session of another tenant is ``session_not_found``, exactly as one that
+        does not exist.
+        """
         session = self.sessions.get(session_id)
         if session is None:
             meta = self.stored.get(session_id) if self.store is not None else None
-            if meta is None:
+            if meta is None or (tenant is not None and meta.tenant != tenant):
                 raise SessionNotFoundError(session_id=session_id)
             session = self._restore(meta)
+        elif tenant is not None and session.tenant != tenant:
+            raise SessionNotFoundError(session_id=session_id)
         return session
 
     # --- the durable store -------------------------------------------------------------------------
@@ -307,7 +371,7 @@ class SessionBridge:
         meta = StoredSession(
             session.session_id, session.cwd, session.backend.name, session.created_ms, session.updated_ms,
             list(session.mcp_servers), session.title, session.next_event_id,
-            state(session.session_id) if state is not None else None,
+            state(session.session_id) if state is not None else None, session.tenant,
         )
         self.stored[session.session_id] = meta
         store.save_session(meta)
@@ -319,7 +383,10 @@ class SessionBridge:
         if backend is None:
             log.warning("session %s was on backend %r, which is gone: using %s", meta.session_id, meta.backend, self.backend.name)
             backend = self.backend
-        session = Session(self, meta.session_id, meta.cwd, list(meta.mcp_servers), backend, trio.current_time(), meta.created_ms)
+        session = Session(
+            self, meta.session_id, meta.cwd, list(meta.mcp_servers), backend, trio.current_time(), meta.created_ms,
+            meta.tenant,
+        )
         session.updated_ms = meta.updated_ms
         session.title = meta.title
         session.next_event_id = meta.next_event_id
@@ -349,18 +416,22 @@ class SessionBridge:
             meta.updated_ms = session.updated_ms
             meta.title = session.title
 
-    def close_or_delete(self, session_id: str, peer: Peer | None, client_id: str | None, *, delete: bool) -> None:
+    def close_or_delete(
+        self, session_id: str, peer: Peer | None, client_id: str | None, *, delete: bool, tenant: str | None = None
+    ) -> None:
         """``session/close`` / ``session/delete``: a stored session that is not live is not restored for it
         (it has no client ids: one given is invalid)."""
         session = self.sessions.get(session_id)
-        if session is None and self.store is not None and session_id in self.stored:
+        store = self.store
+        meta = self.stored.get(session_id) if session is None and store is not None else None
+        if store is not None and meta is not None and (tenant is None or meta.tenant == tenant):
             if client_id is not None:
                 raise InvalidClientIdError(session_id=session_id, client_id=client_id)
             if delete:
                 del self.stored[session_id]
-                self.store.delete_session(session_id)
+                store.delete_session(session_id)
             return
-        session = self.get(session_id)
+        session = self.get(session_id, tenant)
         self.resolve_client(session, peer, client_id)
         if delete:
             self.delete_session(session)
@@ -481,7 +552,11 @@ class SessionBridge:
                         item,
                         None,
                         BackendUnavailableError(
-                            backend_id=backend_name, session_id=session.session_id, reason="exited", exit_code=exit_code
+                            backend_id=backend_name,
+                            session_id=session.session_id,
+                            reason="exited",
+                            exit_code=exit_code,
+                            prompt_id=item.prompt_id,
                         ),
                     )
 
@@ -520,12 +595,19 @@ class SessionBridge:
                 break
         self.attach(session, peer)
 
-    def list_sessions(self, cwd: str | None = None) -> list[Session | StoredSession]:
-        """Live sessions, and with a store every stored one too (in creation order)."""
+    def list_sessions(self, cwd: str | None = None, tenant: str | None = None) -> list[Session | StoredSession]:
+        """Live sessions, and with a store every stored one too (in creation order); with ``tenant``
+        only that tenant's."""
         if self.store is None:
-            return [s for s in self.sessions.values() if cwd is None or s.cwd == cwd]
+            return [
+                s for s in self.sessions.values()
+                if (cwd is None or s.cwd == cwd) and (tenant is None or s.tenant == tenant)
+            ]
         live = self.sessions
-        return [live.get(m.session_id) or m for m in self.stored.values() if cwd is None or m.cwd == cwd]
+        return [
+            live.get(m.session_id) or m for m in self.stored.values()
+            if (cwd is None or m.cwd == cwd) and (tenant is None or m.tenant == tenant)
+        ]
 
     # --- prompts -----------------------------------------------------------------------------------
 
@@ -545,6 +627,8 @@ class SessionBridge:
         channel: ClientChannel | None = None,
         meta: dict[str, Any] | None = None,
         idempotency_key: str | None = None,
+        tenant: str | None = None,
+        priority: str = "interactive",
     ) -> tuple[PromptTicket, bool]:
         """Admit a prompt or refuse it, synchronously and all or nothing.
 
@@ -555,12 +639,18 @@ class SessionBridge:
         does not run again: the earlier attempt's ticket is returned (wait on it with
         :meth:`waiter` with ``owner=False``), so every attempt gets the same outcome.
 
+        With the admission policy on, a prompt arriving at a session with nothing pending is decided
+        now (after the pending limit, before the backend pool's lease): it gets a seat, or a place in
+        the global waiting room, or is refused. One admitted behind others is decided when it reaches
+        the head of its session's FIFO, and is never refused then.
+
         Raises:
             SessionNotFoundError, InvalidClientIdError, RequestCancelledError,
-            IdempotencyKeyConflictError, PromptQueueFullError, CapacityExceededError:
+            IdempotencyKeyConflictError, PromptQueueFullError, AdmissionDeferredError,
+            CapacityUnavailableError, CapacityExceededError:
                 in this order of checks; a refusal changes nothing.
         """
-        session = self.get(session_id)
+        session = self.get(session_id, tenant)
         client = self.resolve_client(session, peer, client_id)
         if cancelled:
             raise RequestCancelledError()
@@ -580,6 +670,23 @@ class SessionBridge:
             raise PromptQueueFullError(
                 session_id=session_id, limit=limit, pending_count=session.pending_count, retry_after_ms=RETRY_AFTER_MS
             )
+        effective = self.limits.prompt_deadline_ms
+        if deadline_ms is not None and (not effective or deadline_ms < effective):
+            effective = deadline_ms
+        now = trio.current_time()
+        policy = self.policy
+        seat: Seat | Queued | None = None
+        if policy.enabled and not session.pending_count:
+            try:
+                seat = policy.decide(
+                    tenant=session.tenant,
+                    priority=priority,
+                    deadline=now + effective / 1000 if effective else None,
+                    session_id=session_id,
+                )
+            except AcpError:
+                self._refused += 1
+                raise
         pool = self.capacity.pool(session.backend.name)
         lease = None
         if pool is not None:
@@ -587,17 +694,16 @@ class SessionBridge:
                 lease = pool.try_lease(session_id)
             except AcpError:
                 self._refused += 1
+                if seat is not None:
+                    policy.revoke(seat)  # all or nothing
                 raise
-        effective = self.limits.prompt_deadline_ms
-        if deadline_ms is not None and (not effective or deadline_ms < effective):
-            effective = deadline_ms
         self._prompt_seq += 1
-        ticket = PromptTicket(
-            session, f"prompt_{self._prompt_seq}", prompt, peer, client, trio.current_time(), effective
-        )
+        ticket = PromptTicket(session, f"prompt_{self._prompt_seq}", prompt, peer, client, now, effective)
         ticket.channel = channel
         ticket.meta = meta
         ticket.lease = lease
+        ticket.priority = priority
+        ticket.seat = seat
         ticket.seq = self._prompt_seq
         if self.store is not None:
             ticket.store_op = self.store.admit(ticket.seq, ticket.prompt_id, session_id)
@@ -611,6 +717,9 @@ class SessionBridge:
         self._admitted += 1
         if peer is not None:
             self.attach(session, peer)
+        self.turn_state(ticket, "accepted")
+        if isinstance(seat, Queued):
+            self.turn_state(ticket, "queued", position=seat.position_hint)
         self._enqueue(session, ticket)
         return ticket, False
 
@@ -652,16 +761,18 @@ class SessionBridge:
             raise
         return ticket.outcome()
 
-    def cancel_session(self, session_id: str, peer: Peer | None, client_id: str | None = None) -> None:
+    def cancel_session(
+        self, session_id: str, peer: Peer | None, client_id: str | None = None, tenant: str | None = None
+    ) -> None:
         """``session/cancel``: the running prompt and every queued one end with ``cancelled``."""
-        session = self.get(session_id)
+        session = self.get(session_id, tenant)
         self.resolve_client(session, peer, client_id)
         self._cancel_session_prompts(session)
 
     def _cancel_session_prompts(self, session: Session) -> None:
         for item in list(session.fifo):
             if isinstance(item, PromptTicket):
-                self._settle(item, _CANCELLED, None)
+                self._settle(item, _cancelled(item), None)
             elif not item.settled:
                 item.settled = True
                 item.error = RequestCancelledError()
@@ -695,7 +806,10 @@ class SessionBridge:
             ticket,
             None,
             PromptDeadlineExceededError(
-                session_id=ticket.session.session_id, deadline_ms=ticket.deadline_ms, elapsed_ms=elapsed
+                session_id=ticket.session.session_id,
+                deadline_ms=ticket.deadline_ms,
+                elapsed_ms=elapsed,
+                prompt_id=ticket.prompt_id,
             ),
         )
 
@@ -703,6 +817,10 @@ class SessionBridge:
         """Give the prompt its one outcome and release its slot; later calls change nothing."""
         if ticket.settled:
             return False
+        if error is not None:
+            error = error.for_prompt(ticket.prompt_id)
+        state, reason = _terminal_state(result, error)
+        self.turn_state(ticket, state, reason=reason)
         ticket.settled = True
         ticket.result, ticket.error = result, error
         session = ticket.session
@@ -715,8 +833,20 @@ class SessionBridge:
             ticket.call_scope.cancel()
             if session.abandoned is None:
                 session.abandoned = trio.Event()
-        elif ticket.lease is not None:
-            ticket.lease.release()  # never reached the backend; a running call releases it as it ends
+        else:
+            # Never reached the backend; a running call releases these as it ends.
+            if ticket.lease is not None:
+                ticket.lease.release()
+            seat = ticket.seat
+            if seat is not None:
+                if ticket.wait_scope is not None:
+                    ticket.wait_scope.cancel()  # the runner's wait leaves the waiting room
+                else:
+                    ticket.seat = None
+                    if isinstance(seat, Queued):
+                        seat.cancel()
+                    else:
+                        seat.release()
         if self.store is not None:
             # The answer waits for the terminal record's commit; the slot is free already.
             outcome = result.stop_reason if result is not None else error.kind if error is not None else "internal"
@@ -742,8 +872,10 @@ class SessionBridge:
 
     # --- forks -------------------------------------------------------------------------------------
 
-    def admit_fork(self, session_id: str, peer: Peer | None, client_id: str | None) -> ForkTicket:
-        session = self.get(session_id)
+    def admit_fork(
+        self, session_id: str, peer: Peer | None, client_id: str | None, tenant: str | None = None
+    ) -> ForkTicket:
+        session = self.get(session_id, tenant)
         client = self.resolve_client(session, peer, client_id)
         ticket = ForkTicket(peer, client)
         self._enqueue(session, ticket)
@@ -772,7 +904,18 @@ class SessionBridge:
             if self._nursery is None:
                 raise InternalError()
             session.runner_active = True
-            self._nursery.start_soon(self._run_session, session)
+            store = self.store
+            if store is not None and isinstance(item, PromptTicket) and store.committed < item.store_op:
+                # Its admission record first: the runner starts from that commit instead of parking.
+                store.after_commit(partial(self._start_runner, session))
+            else:
+                self._nursery.start_soon(self._run_session, session)
+
+    def _start_runner(self, session: Session) -> None:
+        if self._nursery is None:  # shutting down
+            session.runner_active = False
+            return
+        self._nursery.start_soon(self._run_session, session)
 
     async def _run_session(self, session: Session) -> None:
         """Run the session's FIFO to empty: one turn at a time, in arrival order.
@@ -797,53 +940,107 @@ class SessionBridge:
                 if store is not None and store.committed < item.store_op:
                     await store.wait_committed(item.store_op)  # its admission record first
                     continue  # re-check: it may have settled meanwhile
+                if self.policy.enabled and not await self._take_seat(item):
+                    continue  # settled while it waited for a seat: the loop drops it
                 await self._call_backend(item)
                 fifo.popleft()
         finally:
             session.runner_active = False
 
+    async def _take_seat(self, ticket: PromptTicket) -> bool:
+        """Hold a policy seat for the head prompt: the one decided at arrival, or one from the fair
+        queue (never refused: an accepted prompt waits). False when the prompt settled meanwhile."""
+        got = ticket.seat
+        if got is None:
+            session = ticket.session
+            got = ticket.seat = self.policy.enqueue(
+                tenant=session.tenant,
+                priority=ticket.priority,
+                deadline=ticket.deadline if ticket.deadline_ms else None,
+                session_id=session.session_id,
+            )
+            if isinstance(got, Queued) and got.waiting:
+                self.turn_state(ticket, "queued", position=got.position_hint)
+        if isinstance(got, Seat):
+            return True
+        seat: Seat | None = None
+        with trio.CancelScope() as scope:
+            ticket.wait_scope = scope
+            try:
+                seat = await got.wait()
+            except WaitDeadlineExpired:
+                pass
+            finally:
+                ticket.wait_scope = None
+        if seat is None:
+            ticket.seat = None
+            if not scope.cancelled_caught:
+                self._expire(ticket)  # too little of its deadline left to start
+            return False
+        ticket.seat = seat
+        if ticket.settled:
+            ticket.seat = None
+            seat.release()
+            return False
+        return True
+
     async def _call_backend(self, ticket: PromptTicket) -> None:
         session = ticket.session
         ticket.running = True
-        self._emit_user_prompt(ticket)
+        channel = ticket.channel
         turn = Turn(
             session.session_id,
             ticket.prompt_id,
             ticket.prompt,
             lambda u: self._emit_for(ticket, u),
-            ticket.channel,
+            _TurnChannel(self, channel, ticket) if channel is not None else None,
             ticket.meta,
         )
-        result: PromptResult | None = _CANCELLED
+        lease = ticket.lease
+        result: PromptResult | None = None
         error: AcpError | None = None
         try:
             with trio.CancelScope() as scope:
                 ticket.call_scope = scope
                 try:
-                    if ticket.lease is not None:
-                        async with ticket.lease.permit():  # at most max_active calls; FIFO
-                            stop_reason = await session.backend.prompt(turn)
-                    else:
-                        stop_reason = await session.backend.prompt(turn)
+                    if lease is not None:
+                        await self._permit(ticket, lease)  # at most max_active calls; FIFO
+                    self.turn_state(ticket, "running")
+                    self._emit_user_prompt(ticket)
+                    stop_reason = await session.backend.prompt(turn)
                 finally:
                     ticket.call_scope = None  # the call is over: settling now abandons nothing
                 result = PromptResult(stop_reason=stop_reason, meta={"promptId": ticket.prompt_id})
+            if result is None:
+                result = _cancelled(ticket)
         except AcpError as exc:
             result, error = None, exc
         except trio.Cancelled:
-            self._settle(ticket, _CANCELLED, None)
+            self._settle(ticket, _cancelled(ticket), None)
             raise
         except Exception:
             log.exception("backend %s failed on %s of session %s", session.backend.name, ticket.prompt_id, session.session_id)
             result, error = None, InternalError()
         finally:
-            if ticket.lease is not None:
-                ticket.lease.release()
+            if lease is not None:
+                lease.release()  # with its permit
+            seat = ticket.seat
+            if seat is not None:
+                ticket.seat = None
+                seat.release()  # a seat is held for one prompt: busy sessions take turns
             abandoned = session.abandoned
             if abandoned is not None:
                 session.abandoned = None
                 abandoned.set()
         self._settle(ticket, result, error)  # no-op when it settled first (cancel, deadline, crash)
+
+    async def _permit(self, ticket: PromptTicket, lease: Lease) -> None:
+        """Take the backend pool's permit, reporting ``waiting_for_dependency`` when it has to wait."""
+        try:
+            lease.acquire_permit_nowait()
+        except trio.WouldBlock:
+            self.turn_state(ticket, "waiting_for_dependency")
+            await lease.acquire_permit()
 
     def _fail_head_forks(self, session: Session) -> None:
         """While an abandoned call runs, forks at the head of the FIFO fail with branch_while_prompt_active."""
@@ -869,7 +1066,7 @@ class SessionBridge:
         await self._load_transcript(session)
         new = Session(
             self, f"sess_{uuid.uuid4().hex}", session.cwd, list(session.mcp_servers),
-            session.backend, trio.current_time(), _now_ms(),
+            session.backend, trio.current_time(), _now_ms(), session.tenant,
         )
         try:
             await session.backend.fork(session.session_id, new.session_id)
@@ -922,6 +1119,39 @@ class SessionBridge:
         data = _encoder.encode(
             _UpdateMsg("2.0", "session/update", SessionNotification(session_id=session.session_id, update=update, meta=meta))
         ) + b"\n"
+        self._send(session, data, exclude)
+
+    def turn_state(self, ticket: PromptTicket, state: str, *, reason: str | None = None, position: int | None = None) -> None:
+        """Send ``_acp_server/turn_state`` for ``ticket`` to every connection attached to its session.
+
+        It takes the session's next ``eventId`` like an update. The terminal states (completed,
+        failed, cancelled) are also kept in the transcript (replayed by load, stored with a store);
+        the others are live only.
+        """
+        session = ticket.session
+        event_id = session.next_event_id
+        session.next_event_id = event_id + 1
+        at = _now_ms()
+        if state in TERMINAL_TURN_STATES:
+            body = _encoder.encode(TurnStateBody(prompt_id=ticket.prompt_id, state=state, at=at, reason=reason))
+            session.history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(body))))
+            if self.store is not None:
+                self.store.add_event(session.session_id, event_id, msgspec.Raw(body), TURN_STATE)
+        if not session.attached:
+            return
+        params = TurnStateParams(
+            session_id=session.session_id,
+            prompt_id=ticket.prompt_id,
+            state=state,
+            at=at,
+            reason=reason,
+            position_hint=position,
+            meta={"eventId": event_id},
+        )
+        self._send(session, _encoder.encode(_TurnStateMsg("2.0", TURN_STATE, params)) + b"\n", None)
+
+    def _send(self, session: Session, data: bytes, exclude: Peer | None) -> None:
+        store = self.store
         if store is not None:
             # Sent once committed, in order with the answers: durable before visible, and a round's
             # updates and answers leave a connection in one write instead of two.

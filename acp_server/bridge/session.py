@@ -71,13 +71,16 @@ class PromptTicket:
         "error",
         "lease",
         "meta",
+        "priority",
         "prompt",
         "prompt_id",
         "result",
         "running",
+        "seat",
         "sender",
         "seq",
         "store_op",
+        "wait_scope",
         "waiters",
         "session",
         "settled",
@@ -118,6 +121,12 @@ class PromptTicket:
         #: the prompt's number (its id is ``prompt_<seq>``) and its admission record's op in the store
         self.seq = 0
         self.store_op = 0
+        #: its class for the admission policy (issue G): ``_meta.priority``, default interactive
+        self.priority = "interactive"
+        #: with the policy on: its policy seat, or its ticket in the global waiting room
+        self.seat: Any = None
+        #: set while the runner waits in the waiting room: settling cancels the wait
+        self.wait_scope: trio.CancelScope | None = None
 
     def outcome(self) -> PromptResult:
         """The settled result, or raise the settled error."""
@@ -163,6 +172,7 @@ class Session:
         "runner_active",
         "session_id",
         "stored_upto",
+        "tenant",
         "title",
         "updated_ms",
     )
@@ -176,9 +186,12 @@ class Session:
         backend: Any,
         now: float,
         now_ms: int,
+        tenant: str = "default",
     ) -> None:
         self.bridge = bridge
         self.session_id = session_id
+        #: the tenant of the connection that created it: other tenants do not see it
+        self.tenant = tenant
         self.cwd = cwd
         self.mcp_servers = mcp_servers
         self.backend = backend

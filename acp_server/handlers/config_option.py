@@ -15,7 +15,7 @@ __all__ = ["set_config_option"]
 
 def set_config_option(ctx: ConnContext, params: SetConfigOptionParams) -> Coroutine[Any, Any, dict[str, Any]]:
     bridge = ctx.bridge
-    session = bridge.get(params.session_id)
+    session = bridge.get(params.session_id, ctx.tenant)
     bridge.resolve_client(session, ctx.peer, meta_client_id(params.meta))
     backend: Backend = session.backend
     return backend.set_config_option(session.session_id, params.config_id, params.value)

@@ -25,11 +25,12 @@ class ConnContext(HandlerContext):
         peer: this connection, as the bridge addresses it.
         initialized: ``initialize`` has succeeded on this connection.
         client_capabilities: what the client advertised at ``initialize``.
+        tenant: the tenant named at ``initialize`` (``default`` when none): the sessions it may see.
         cancelled: set by the shell while running the synchronous part of a request that
             ``$/cancel_request`` already cancelled (only for methods that see cancels).
     """
 
-    __slots__ = ("cancelled", "client_capabilities", "client_info", "initialized", "peer", "server")
+    __slots__ = ("cancelled", "client_capabilities", "client_info", "initialized", "peer", "server", "tenant")
 
     def __init__(self, server: Server, peer: Peer) -> None:
         self.server = server
@@ -38,6 +39,8 @@ class ConnContext(HandlerContext):
         self.cancelled = False
         self.client_capabilities = ClientCapabilities()
         self.client_info: Any = None
+        #: the tenant this connection acts for (``initialize`` ``_meta.tenantId``); sessions are per tenant
+        self.tenant = "default"
 
     @property
     def bridge(self) -> SessionBridge:

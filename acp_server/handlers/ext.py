@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from ..backends import EchoBackend
 from ..types.acp import SessionIdParams
 from ..types.ext import BackendCapability, CapabilitiesResult
@@ -31,16 +29,13 @@ def capabilities(ctx: ConnContext, params: None) -> CapabilitiesResult:
 
 
 def stats(ctx: ConnContext, params: None) -> dict[str, Any]:
-    bridge = ctx.bridge
-    return {
-        "bridge": msgspec.to_builtins(bridge.statistics()),
-        "pools": {name: msgspec.to_builtins(s) for name, s in bridge.capacity.statistics().items()},
-    }
+    """Everything the Prometheus endpoint shows, as one document (see ``Server.stats_snapshot``)."""
+    return ctx.server.stats_snapshot()
 
 
 def heartbeat(ctx: ConnContext, params: SessionIdParams) -> dict[str, Any]:
     bridge = ctx.bridge
-    session = bridge.get(params.session_id)
+    session = bridge.get(params.session_id, ctx.tenant)
     client_id = bridge.resolve_client(session, ctx.peer, meta_client_id(params.meta))
     out: dict[str, Any] = {"sessionId": session.session_id, "lastSeenAt": bridge.heartbeat(session, client_id)}
     if client_id is not None:
@@ -50,7 +45,7 @@ def heartbeat(ctx: ConnContext, params: SessionIdParams) -> dict[str, Any]:
 
 def detach(ctx: ConnContext, params: SessionIdParams) -> dict[str, Any]:
     bridge = ctx.bridge
-    session = bridge.get(params.session_id)
+    session = bridge.get(params.session_id, ctx.tenant)
     client_id = bridge.resolve_client(session, ctx.peer, meta_client_id(params.meta))
     bridge.detach(session, ctx.peer, client_id)
     return {}
@@ -62,5 +57,5 @@ async def _fork_result(ctx: ConnContext, ticket: Any) -> dict[str, Any]:
 
 
 def fork(ctx: ConnContext, params: SessionIdParams) -> Any:
-    ticket = ctx.bridge.admit_fork(params.session_id, ctx.peer, meta_client_id(params.meta))
+    ticket = ctx.bridge.admit_fork(params.session_id, ctx.peer, meta_client_id(params.meta), ctx.tenant)
     return _fork_result(ctx, ticket)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import InvalidParamsError
 from ..types.acp import (
     PROTOCOL_VERSION,
     AgentCapabilities,
@@ -15,13 +16,19 @@ from ..types.acp import (
     SessionCapabilities,
 )
 from .context import ConnContext
-from .meta import passthrough_meta
+from .meta import meta_tenant, passthrough_meta
 
 __all__ = ["authenticate", "initialize", "logout"]
 
 
 def initialize(ctx: ConnContext, params: InitializeParams) -> InitializeResult:
     """Answer protocol version 1 whatever the client asks, with capabilities true to what is built."""
+    tenant = meta_tenant(params.meta)
+    if ctx.initialized and tenant != ctx.tenant:
+        raise InvalidParamsError(
+            path="_meta.tenantId", detail=f"this connection is already initialized as tenant {ctx.tenant!r}"
+        )
+    ctx.tenant = tenant
     ctx.client_capabilities = params.client_capabilities
     ctx.client_info = params.client_info
     ctx.initialized = True

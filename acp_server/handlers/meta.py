@@ -7,9 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..admission.policy import PRIORITIES
 from ..errors import InvalidParamsError
 
-__all__ = ["OUR_META_KEYS", "meta_client_id", "meta_deadline_ms", "meta_str", "passthrough_meta"]
+__all__ = [
+    "OUR_META_KEYS",
+    "meta_client_id",
+    "meta_deadline_ms",
+    "meta_priority",
+    "meta_str",
+    "meta_tenant",
+    "passthrough_meta",
+]
 
 #: ``_meta`` keys acp-server reads itself (those of later issues included).
 OUR_META_KEYS = frozenset({"clientId", "deadlineMs", "backend", "tenantId", "priority", "idempotencyKey", "afterEventId"})
@@ -41,6 +50,35 @@ def meta_deadline_ms(meta: dict[str, Any] | None) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidParamsError(path="_meta.deadlineMs", detail=f"must be a positive integer (milliseconds); got {value!r}")
+    return value
+
+
+def meta_priority(meta: dict[str, Any] | None) -> str:
+    """``_meta.priority``: one of the priority classes (default ``interactive``)."""
+    value = meta.get("priority") if meta else None
+    if value is None:
+        return "interactive"
+    if value not in PRIORITIES:
+        raise InvalidParamsError(
+            path="_meta.priority", detail=f"must be one of {', '.join(PRIORITIES)}; got {value!r}"
+        )
+    return str(value)
+
+
+#: The longest tenant id accepted (it is logged and, with ``--metrics-tenant-labels``, a label value).
+MAX_TENANT_ID = 128
+
+
+def meta_tenant(meta: dict[str, Any] | None) -> str:
+    """``_meta.tenantId`` at ``initialize``: a non-empty string of printable characters (default ``default``)."""
+    value = meta_str(meta, "tenantId")
+    if value is None:
+        return "default"
+    if len(value) > MAX_TENANT_ID or not value.isprintable():
+        raise InvalidParamsError(
+            path="_meta.tenantId",
+            detail=f"must be at most {MAX_TENANT_ID} printable characters; got {value[:MAX_TENANT_ID + 1]!r}",
+        )
     return value
 
 

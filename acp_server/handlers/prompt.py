@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..bridge import PromptWaiter
 from ..types.acp import PromptParams
 from .context import ConnContext
-from .meta import meta_client_id, meta_deadline_ms, meta_str, passthrough_meta
+from .meta import meta_client_id, meta_deadline_ms, meta_priority, meta_str, passthrough_meta
 
 __all__ = ["prompt"]
 
@@ -23,5 +23,7 @@ def prompt(ctx: ConnContext, params: PromptParams) -> PromptWaiter:
         channel=ctx.channel(),
         meta=passthrough_meta(params.meta),
         idempotency_key=key,
+        tenant=ctx.tenant,
+        priority=meta_priority(params.meta),
     )
     return bridge.waiter(ticket, owner=not duplicate)

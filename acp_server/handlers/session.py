@@ -53,6 +53,7 @@ async def _open(ctx: ConnContext, params: NewSessionParams, backend: Backend) ->
         meta_client_id(params.meta),
         backend=backend,
         meta=passthrough_meta(params.meta),
+        tenant=ctx.tenant,
     )
     result: dict[str, Any] = {"sessionId": session.session_id}
     result["modes"] = setup.modes if setup.modes is not None else msgspec.to_builtins(_modes(session.mode_id))
@@ -87,7 +88,7 @@ def _check_cwd(cwd: str) -> None:
 def load(ctx: ConnContext, params: LoadSessionParams) -> Coroutine[Any, Any, dict[str, Any]]:
     """Replay the transcript (after ``_meta.afterEventId`` if given), then register the caller."""
     _check_cwd(params.cwd)
-    session = ctx.bridge.get(params.session_id)
+    session = ctx.bridge.get(params.session_id, ctx.tenant)
     after = _after_event_id(params.meta) or 0
     return _load(ctx, session, after, meta_client_id(params.meta))
 
@@ -101,9 +102,11 @@ def resume(ctx: ConnContext, params: LoadSessionParams) -> Any:
     """Re-register the caller (a fresh client id unless ``_meta.clientId`` is still registered);
     replay only with ``_meta.afterEventId``."""
     _check_cwd(params.cwd)
-    session = ctx.bridge.get(params.session_id)
+    session = ctx.bridge.get(params.session_id, ctx.tenant)
     after = _after_event_id(params.meta)
     requested = meta_client_id(params.meta)
+    if requested is None or requested not in session.clients:
+        ctx.bridge.self_heal_resumes += 1  # a new client id: what the SDK does after invalid_client_id
     if after is None:
         return _reattach_result(session, ctx.bridge.register(session, ctx.peer, requested))
     return _load(ctx, session, after, requested)
@@ -115,7 +118,7 @@ def list_sessions(ctx: ConnContext, params: ListSessionsParams) -> ListSessionsR
         if not params.cursor.isdigit():
             raise InvalidParamsError(path="cursor", detail="not a cursor this server issued")
         start = int(params.cursor)
-    sessions = ctx.bridge.list_sessions(params.cwd)
+    sessions = ctx.bridge.list_sessions(params.cwd, ctx.tenant)
     page = sessions[start : start + _PAGE]
     infos = [
         SessionInfo(
@@ -132,18 +135,22 @@ def list_sessions(ctx: ConnContext, params: ListSessionsParams) -> ListSessionsR
 
 def close(ctx: ConnContext, params: CloseSessionParams) -> dict[str, Any]:
     """End the session for every client; with a store it is only unloaded (listed, loadable)."""
-    ctx.bridge.close_or_delete(params.session_id, ctx.peer, meta_client_id(params.meta), delete=False)
+    ctx.bridge.close_or_delete(
+        params.session_id, ctx.peer, meta_client_id(params.meta), delete=False, tenant=ctx.tenant
+    )
     return {}
 
 
 def delete(ctx: ConnContext, params: CloseSessionParams) -> dict[str, Any]:
     """Close the session and remove it and its transcript from the store."""
-    ctx.bridge.close_or_delete(params.session_id, ctx.peer, meta_client_id(params.meta), delete=True)
+    ctx.bridge.close_or_delete(
+        params.session_id, ctx.peer, meta_client_id(params.meta), delete=True, tenant=ctx.tenant
+    )
     return {}
 
 
 def set_mode(ctx: ConnContext, params: SetSessionModeParams) -> Coroutine[Any, Any, dict[str, Any]]:
-    session = ctx.bridge.get(params.session_id)
+    session = ctx.bridge.get(params.session_id, ctx.tenant)
     ctx.bridge.resolve_client(session, ctx.peer, meta_client_id(params.meta))
     if session.modes is not None:
         offered = [m.get("id") for m in session.modes.get("availableModes", []) if isinstance(m, dict)]
@@ -164,6 +171,6 @@ async def _set_mode(session: Session, mode_id: str) -> dict[str, Any]:
 def cancel(ctx: ConnContext, params: CancelParams) -> None:
     """A notification: the session's running prompt and queued ones end with ``cancelled``."""
     try:
-        ctx.bridge.cancel_session(params.session_id, ctx.peer, meta_client_id(params.meta))
+        ctx.bridge.cancel_session(params.session_id, ctx.peer, meta_client_id(params.meta), ctx.tenant)
     except SessionNotFoundError:
         pass  # nothing to cancel; notifications are never answered

@@ -13,7 +13,6 @@ import logging
 from typing import Any, Final
 
 import msgspec
-from jsonrpcserver.response import ErrorResponse, serialize_error
 from msgspec import UNSET, UnsetType
 
 from ..errors import AcpError, InvalidRequestError, MessageTooLargeError, ParseError
@@ -23,6 +22,7 @@ __all__ = [
     "NEED_DATA",
     "Batch",
     "Connection",
+    "EncodedError",
     "ErrorReply",
     "Event",
     "Notification",
@@ -149,16 +149,50 @@ class _RequestMsg(msgspec.Struct, omit_defaults=True):
     params: Any = None
 
 
+class _ErrorObject(msgspec.Struct):
+    code: int
+    message: str
+    data: Any
+
+
+class _ErrorMsg(msgspec.Struct):
+    """Field for field the dict of jsonrpcserver's ``serialize_error(ErrorResponse(...))`` (a test
+    holds the bytes equal), without building the dicts: a refusal is on the hot path under overload."""
+
+    jsonrpc: str
+    error: _ErrorObject
+    id: Id | None
+
+
 class _NotificationMsg(msgspec.Struct, omit_defaults=True):
     jsonrpc: str
     method: str
     params: Any = None
 
 
+_OBJECT, _ARRAY, _NULL = b"{[n"
 _encoder = msgspec.json.Encoder()
 _decode_envelope = msgspec.json.Decoder(_Envelope).decode
 _decode_batch = msgspec.json.Decoder(list[msgspec.Raw]).decode
 _decode_any = msgspec.json.Decoder().decode
+
+
+class EncodedError(bytes):
+    """An error response ready to write that still carries its :class:`~acp_server.errors.AcpError`.
+
+    It is ``bytes`` everywhere; a transport that wants to treat some errors apart (time refusals,
+    count kinds) checks ``type(data) is not bytes`` and reads ``error``, with no cost on the path
+    of results. Build one with :meth:`of`.
+    """
+
+    error: AcpError
+
+    @classmethod
+    def of(cls, id: Id | None, error: AcpError) -> EncodedError:
+        """The response :func:`encode_error` writes, keeping ``error``."""
+        data = cls(encode_error(id, error))
+        data.error = error  # set here rather than in a Python __new__: half the cost
+        return data
 
 
 def encode_result(id: Id | None, result: Any) -> bytes:
@@ -169,9 +203,9 @@ def encode_result(id: Id | None, result: Any) -> bytes:
 def encode_error(id: Id | None, error: AcpError) -> bytes:
     """One error response, newline-terminated (``data`` always carries ``errorKind``).
 
-    Shaped by jsonrpcserver's own ``ErrorResponse``/``serialize_error``; msgspec encodes the payload Struct.
+    The shape of jsonrpcserver's ``serialize_error(ErrorResponse(...))``; msgspec encodes the payload Struct.
     """
-    return _encoder.encode(serialize_error(ErrorResponse(error.code, error.message, error.payload, id))) + b"\n"
+    return _encoder.encode(_ErrorMsg("2.0", _ErrorObject(error.code, error.message, error.payload), id)) + b"\n"
 
 
 def _error_detail(exc: Exception) -> str:
@@ -256,10 +290,10 @@ class Connection:
         method = env.method
         if method is not UNSET:
             params = env.params
-            first = bytes(memoryview(params)[:1])
-            if not first or first == b"n":
+            first = memoryview(params)[0] if params else 0  # a byte as an int: no allocation
+            if first == 0 or first == _NULL:
                 params_raw = None
-            elif first in (b"{", b"["):
+            elif first == _OBJECT or first == _ARRAY:
                 params_raw = params
             else:
                 return self._reply(

@@ -27,11 +27,13 @@ from ..errors import (
     NotInitializedError,
 )
 from ..types.base import validation_location
-from .connection import Id, Notification, Request, encode_error, encode_result
+from .connection import EncodedError, Id, Notification, Request, encode_result
 
 __all__ = ["Deferred", "Dispatcher", "HandlerContext", "Method", "invalid_params_from"]
 
 log = logging.getLogger("acp_server.dispatch")
+
+_ARRAY = ord("[")
 
 
 
@@ -105,7 +107,7 @@ class Dispatcher:
         if method.params_type is None:
             return None
         data = b"{}" if raw is None else raw
-        if bytes(memoryview(data)[:1]) == b"[":
+        if memoryview(data)[0] == _ARRAY:
             raise InvalidParamsError(path="params", detail="params must be an object (by-name); arrays are not supported")
         try:
             return self._decoders[method.params_type](data)
@@ -114,7 +116,10 @@ class Dispatcher:
 
     def call(self, ctx: HandlerContext, req: Request) -> bytes | Coroutine[Any, Any, Any] | Deferred:
         """Run a request's synchronous part: the response bytes, a coroutine for :meth:`finish`, or a
-        :class:`Deferred` whose outcome :meth:`shape` turns into the response."""
+        :class:`Deferred` whose outcome :meth:`shape` turns into the response.
+
+        An error the handler raised comes back as :class:`EncodedError` (bytes that keep the error).
+        """
         method = self.requests.get(req.method)
         try:
             if method is None:
@@ -123,10 +128,10 @@ class Dispatcher:
                 raise NotInitializedError(method=req.method)
             out = method.handler(ctx, self._params(method, req.params))
         except AcpError as exc:
-            return encode_error(req.id, exc)
+            return EncodedError.of(req.id, exc)
         except Exception:
             log.exception("handler of %s (request id %r) failed", req.method, req.id)
-            return encode_error(req.id, InternalError())
+            return EncodedError.of(req.id, InternalError())
         if type(out) is CoroutineType or isinstance(out, Deferred):
             return out
         return encode_result(req.id, out)
@@ -134,17 +139,17 @@ class Dispatcher:
     @staticmethod
     def shape(req_id: Id, result: Any, error: AcpError | None) -> bytes:
         """The response to a :class:`Deferred`'s outcome."""
-        return encode_error(req_id, error) if error is not None else encode_result(req_id, result)
+        return EncodedError.of(req_id, error) if error is not None else encode_result(req_id, result)
 
     async def finish(self, req_id: Id, method: str, pending: Awaitable[Any]) -> bytes:
         """Await a handler's coroutine and shape its response (cancellation propagates to the caller)."""
         try:
             result = await pending
         except AcpError as exc:
-            return encode_error(req_id, exc)
+            return EncodedError.of(req_id, exc)
         except Exception:
             log.exception("handler of %s (request id %r) failed", method, req_id)
-            return encode_error(req_id, InternalError())
+            return EncodedError.of(req_id, InternalError())
         return encode_result(req_id, result)
 
     def notify(self, ctx: HandlerContext, note: Notification) -> None:

@@ -35,7 +35,7 @@ class LineBuffer:
         self._max = max_line_bytes
         self._buf = bytearray()
         self._pos = 0  # start of the first unread line in _buf
-        self._scan = 0  # where the newline search resumes (bytes before it hold no newline)
+        self._scan = 0  # where the newline search resumes (>= _pos; bytes before it hold no newline)
         self._discarding = False
 
     def feed(self, data: bytes | bytearray) -> None:
@@ -59,7 +59,7 @@ class LineBuffer:
     def next_line(self) -> bytes | _TooLarge | None:
         """The next complete line, :data:`TOO_LARGE`, or ``None`` when more bytes are needed."""
         buf = self._buf
-        nl = buf.find(b"\n", max(self._scan, self._pos))
+        nl = buf.find(b"\n", self._scan)  # _scan >= _pos always: no newline before it
         if nl < 0:
             if len(buf) - self._pos > self._max:
                 # Drop what we hold of the oversized line and skip the rest as it arrives.

@@ -55,6 +55,8 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         )""",
         "CREATE INDEX prompts_unfinished ON prompts (outcome) WHERE outcome IS NULL",
     ),
+    # issue G: a session belongs to the tenant that created it; older sessions to "default"
+    2: ("ALTER TABLE sessions ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default'",),
 }
 
 SCHEMA_VERSION = max(MIGRATIONS)

@@ -1,10 +1,19 @@
 """Byte streams and listeners (stdio, TCP, Unix) and the per-connection shell. No ACP method here."""
 
-from .listeners import isolated, listener_url, open_unix_listener, serve_tcp, serve_unix, stdio_stream
+from .listeners import (
+    PipeStream,
+    isolated,
+    listener_url,
+    open_unix_listener,
+    serve_tcp,
+    serve_unix,
+    stdio_stream,
+)
 from .shell import ConnectionShell
 
 __all__ = [
     "ConnectionShell",
+    "PipeStream",
     "isolated",
     "listener_url",
     "open_unix_listener",

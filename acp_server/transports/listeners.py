@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-__all__ = ["isolated", "open_unix_listener", "serve_tcp", "serve_unix", "stdio_stream", "listener_url"]
+__all__ = ["PipeStream", "isolated", "listener_url", "open_unix_listener", "serve_tcp", "serve_unix", "stdio_stream"]
 
 log = logging.getLogger("acp_server.transports")
 
@@ -122,6 +122,102 @@ async def serve_unix(
             pass
 
 
-def stdio_stream() -> trio.StapledStream[Any, Any]:
+class PipeStream(trio.abc.HalfCloseableStream):
+    """Two pipe descriptors (ours to close) as one stream, doing the I/O first and waiting only if it must.
+
+    trio's ``FdStream`` yields to the scheduler before every read and write; a request-response peer on
+    stdio then pays, per message, a scheduler pass plus a read that fails with ``EAGAIN``. Here, as with
+    trio's sockets, the system call comes first: ``send_all`` waits only when the pipe is full, and
+    ``receive_some`` reads at once, except after a short read (which emptied the pipe), when it waits
+    for readability first instead of making a read that would fail. ``receive_some`` is still a
+    checkpoint (it yields after a read that did not wait); ``send_all`` yields only while it waits, so
+    its caller must reach a checkpoint of its own between writes (the shell's writer waits for its
+    next message), and it raises ``Cancelled`` on entry in a cancelled scope. One reader and one writer
+    at a time, as the shell has.
+
+    Args:
+        receive_fd: the descriptor to read (stdin's duplicate); set non-blocking.
+        send_fd: the descriptor to write (stdout's duplicate); set non-blocking.
+    """
+
+    def __init__(self, receive_fd: int, send_fd: int) -> None:
+        os.set_blocking(receive_fd, False)
+        os.set_blocking(send_fd, False)
+        self._receive_fd: int | None = receive_fd
+        self._send_fd: int | None = send_fd
+        self._emptied = False  # the last read returned less than asked: the pipe was empty then
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        fd = self._receive_fd
+        if fd is None:
+            raise trio.ClosedResourceError("the stream is closed")
+        size = max_bytes or 65536
+        waited = self._emptied
+        if waited:
+            fd = await self._wait_readable(fd)
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            try:
+                data = os.read(fd, size)
+            except BlockingIOError:
+                fd = await self._wait_readable(fd)
+                waited = True
+            except OSError as exc:
+                raise trio.BrokenResourceError(exc) from exc
+            else:
+                break
+        self._emptied = len(data) < size
+        if not waited:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return data
+
+    async def _wait_readable(self, fd: int) -> int:
+        await trio.lowlevel.wait_readable(fd)
+        if self._receive_fd is None:
+            raise trio.ClosedResourceError("the stream was closed while reading")
+        return fd
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        fd = self._send_fd
+        if fd is None:
+            raise trio.ClosedResourceError("the stream is closed")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        with memoryview(data) as view:
+            sent, length = 0, len(view)
+            while sent < length:
+                try:
+                    sent += os.write(fd, view[sent:])
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(fd)
+                    fd = self._send_fd
+                    if fd is None:
+                        raise trio.ClosedResourceError("the stream was closed while writing") from None
+                except OSError as exc:
+                    raise trio.BrokenResourceError(exc) from exc
+
+    async def wait_send_all_might_not_block(self) -> None:
+        if self._send_fd is None:
+            raise trio.ClosedResourceError("the stream is closed")
+        await trio.lowlevel.wait_writable(self._send_fd)
+
+    async def send_eof(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self._close_fd("_send_fd")
+
+    async def aclose(self) -> None:
+        self._close_fd("_send_fd")
+        self._close_fd("_receive_fd")
+        await trio.lowlevel.checkpoint()
+
+    def _close_fd(self, attr: str) -> None:
+        fd = getattr(self, attr)
+        if fd is not None:
+            setattr(self, attr, None)
+            trio.lowlevel.notify_closing(fd)  # a task waiting on it wakes with ClosedResourceError
+            os.close(fd)
+
+
+def stdio_stream() -> PipeStream:
     """Our stdin and stdout as one trio stream (dup'd descriptors; nothing else may write stdout)."""
-    return trio.StapledStream(trio.lowlevel.FdStream(os.dup(1)), trio.lowlevel.FdStream(os.dup(0)))
+    return PipeStream(os.dup(0), os.dup(1))

@@ -10,6 +10,13 @@ reading pauses (backpressure through the transport, no error) only when four tim
 Notifications fanned out to this connection are queued up to ``max_outbound_bytes``; a connection
 that lets that overflow is sent ``_acp_server/evicted`` and closed, instead of slowing anyone else.
 Answers to the connection's own requests wait for the writer instead of overflowing.
+
+Refusal timing: given a :class:`~.timing.LatencyHistogram`, the shell records how long each overload
+refusal (an :class:`~acp_server.errors.OverloadError`: ``prompt_queue_full``, ``capacity_exceeded``,
+``admission_deferred``, ``capacity_unavailable``) took from the moment the reader handed its request to
+dispatch to the moment the writer's ``send_all`` carrying the error returned. The request is stamped
+when it is read; the answer path pays only for errors (a type check), results pay nothing more.
+Refusals inside a batch are answered in the batch's array and not timed.
 """
 
 from __future__ import annotations
@@ -18,12 +25,13 @@ import collections
 import itertools
 import logging
 from collections.abc import Callable, Coroutine
+from time import perf_counter_ns
 from typing import Any
 
 import msgspec
 import trio
 
-from ..errors import InvalidRequestError, RequestCancelledError
+from ..errors import InvalidRequestError, OverloadError, RequestCancelledError
 from ..jsonrpc import (
     NEED_DATA,
     Batch,
@@ -39,6 +47,7 @@ from ..jsonrpc import (
     encode_error,
 )
 from ..types.acp import CancelRequestParams
+from .timing import LatencyHistogram
 
 __all__ = ["ConnectionShell"]
 
@@ -53,9 +62,10 @@ _READ_SIZE = 65536
 class _Slot:
     """One request of the peer's, from arrival to answer."""
 
-    __slots__ = ("cancelled", "deferred", "scope")
+    __slots__ = ("cancelled", "deferred", "read_ns", "scope")
 
-    def __init__(self) -> None:
+    def __init__(self, read_ns: int) -> None:
+        self.read_ns = read_ns  # perf_counter_ns() when the reader handed the request to dispatch
         self.cancelled = False
         self.scope: trio.CancelScope | None = None
         self.deferred: Deferred | None = None
@@ -92,6 +102,8 @@ class ConnectionShell:
         max_message_bytes, max_outbound_bytes, max_inflight_requests: the bounds described above.
         on_close: called once, synchronously, when the connection is gone.
         name: for logs.
+        refusal_latency: where to record each overload refusal's time from read to written (see the
+            module docstring); ``None`` records nothing.
     """
 
     def __init__(
@@ -105,6 +117,7 @@ class ConnectionShell:
         max_inflight_requests: int,
         on_close: Callable[[ConnectionShell], None] | None = None,
         name: str = "connection",
+        refusal_latency: LatencyHistogram | None = None,
     ) -> None:
         self.peer_id = next(_ids)
         self.name = name
@@ -120,7 +133,9 @@ class ConnectionShell:
         self._closed = False
         self._out: list[bytes] = []
         self._out_bytes = 0
-        self._wake = trio.Event()
+        self._refusal_latency = refusal_latency
+        self._refusals_queued: list[int] = []  # read stamps of the refusals now in _out
+        self._writer_parked: trio.lowlevel.Task | None = None  # the writer, waiting for output
         self._drained = trio.Event()
         self._drained.set()
         self._slots: dict[Any, _Slot] = {}
@@ -142,7 +157,11 @@ class ConnectionShell:
         """Queue a notification; evict the connection if it lets its queue overflow."""
         if self._closed:
             return
-        self._enqueue(data)
+        out = self._out
+        if not out:
+            self._wake_writer()
+        out.append(data)
+        self._out_bytes += len(data)
         if self._out_bytes > self.max_outbound_bytes:
             self._evict()
 
@@ -157,11 +176,24 @@ class ConnectionShell:
         self.reply(data)
 
     def _enqueue(self, data: bytes) -> None:
-        self._out.append(data)
+        out = self._out
+        if not out:
+            self._wake_writer()
+        out.append(data)
         self._out_bytes += len(data)
-        self._wake.set()
+
+    def _wake_writer(self) -> None:
+        """The queue is about to become non-empty: wake the writer if it waits (once per batch)."""
+        task = self._writer_parked
+        if task is not None:
+            self._writer_parked = None
+            trio.lowlevel.reschedule(task)
         if self._drained.is_set():
             self._drained = trio.Event()
+
+    def _writer_abort(self, raise_cancel: Any) -> trio.lowlevel.Abort:
+        self._writer_parked = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
     async def _wait_for_room(self) -> None:
         while self._out_bytes > self.max_outbound_bytes and not self._closed:
@@ -254,19 +286,45 @@ class ConnectionShell:
             while True:
                 if not self._out:
                     self._drained.set()
-                    self._wake = trio.Event()
-                    await self._wake.wait()
-                    continue
+                    self._writer_parked = trio.lowlevel.current_task()
+                    await trio.lowlevel.wait_task_rescheduled(self._writer_abort)
+                    # Let the tasks woken with us queue their part first: a turn's last updates and
+                    # its answer then leave in one write (one system call, one wakeup of the peer).
+                    await trio.lowlevel.checkpoint()
                 data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
                 self._out = []
                 self._out_bytes = 0
+                refused: list[int] | None = None
+                if self._refusals_queued:  # taken with the bytes that carry them, not aliased
+                    refused, self._refusals_queued = self._refusals_queued, []
                 await stream.send_all(data)
+                if refused is not None:
+                    self._record_refusals(refused)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             log.info("%s: write failed: %s", self.name, exc)
             self._out = []
             self._out_bytes = 0
+            self._refusals_queued = []
             self._drained.set()
             self.close()
+
+    def _record_refusals(self, read_stamps: list[int]) -> None:
+        histogram = self._refusal_latency
+        assert histogram is not None
+        written = perf_counter_ns()
+        for read_ns in read_stamps:
+            histogram.record(written - read_ns)
+
+    def _reply_error(self, data: bytes, slot: _Slot, reply: Callable[[bytes], None]) -> None:
+        """Queue an error answer; an overload refusal is timed until its bytes are written."""
+        if (
+            self._refusal_latency is not None
+            and isinstance(getattr(data, "error", None), OverloadError)
+            and reply == self.reply
+            and not self.evicted
+        ):
+            self._refusals_queued.append(slot.read_ns)
+        reply(data)
 
     async def _reader(self) -> None:
         core = self.core
@@ -297,7 +355,7 @@ class ConnectionShell:
             if event.id in self._slots:
                 reply(encode_error(event.id, InvalidRequestError(detail=f"id {event.id!r} is already in use by a request in flight")))
                 return
-            self._slots[event.id] = _Slot()
+            self._slots[event.id] = _Slot(perf_counter_ns())
             if self._waiting or self._inflight >= self.max_inflight:
                 if reply == self.reply:
                     self._waiting.append(event)
@@ -339,11 +397,12 @@ class ConnectionShell:
 
     def _start(self, req: Request, reply: Callable[[bytes], None]) -> None:
         slot = self._slots[req.id]
-        method = self.dispatcher.requests.get(req.method)
-        if slot.cancelled and (method is None or not method.sees_cancel):
-            del self._slots[req.id]
-            reply(encode_error(req.id, RequestCancelledError()))
-            return
+        if slot.cancelled:
+            method = self.dispatcher.requests.get(req.method)
+            if method is None or not method.sees_cancel:
+                del self._slots[req.id]
+                reply(encode_error(req.id, RequestCancelledError()))
+                return
         ctx = self.ctx
         ctx.cancelled = slot.cancelled  # type: ignore[attr-defined]
         try:
@@ -352,7 +411,10 @@ class ConnectionShell:
             ctx.cancelled = False  # type: ignore[attr-defined]
         if isinstance(out, bytes):
             del self._slots[req.id]
-            reply(out)
+            if type(out) is bytes:
+                reply(out)
+            else:
+                self._reply_error(out, slot, reply)
             return
         self._inflight += 1
         if isinstance(out, Deferred):
@@ -364,9 +426,13 @@ class ConnectionShell:
 
     def _deferred_done(self, req: Request, reply: Callable[[bytes], None], result: Any, error: Any) -> None:
         self._inflight -= 1
-        self._slots.pop(req.id, None)
+        slot = self._slots.pop(req.id, None)
         if not self._closed:
-            reply(self.dispatcher.shape(req.id, result, error))
+            data = self.dispatcher.shape(req.id, result, error)
+            if error is None or slot is None:
+                reply(data)
+            else:
+                self._reply_error(data, slot, reply)
         self._start_waiting()
 
     def _start_waiting(self) -> None:
@@ -392,4 +458,7 @@ class ConnectionShell:
             self._start_waiting()
         if data is not None and not self._closed:
             await self._wait_for_room()
-            reply(data)
+            if type(data) is bytes:
+                reply(data)
+            else:
+                self._reply_error(data, slot, reply)

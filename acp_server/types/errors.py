@@ -117,10 +117,12 @@ class InvalidClientIdData(ErrorData, tag="invalid_client_id"):
     client_id: str
 
 
-class PromptDeadlineExceededData(ErrorData, tag="prompt_deadline_exceeded"):
+class PromptDeadlineExceededData(ErrorData, tag="prompt_deadline_exceeded", omit_defaults=True):
     session_id: str
     deadline_ms: int
     elapsed_ms: int
+    #: the admitted prompt this error ends (its result's ``_meta.promptId``)
+    prompt_id: str | None = None
 
 
 class BranchWhilePromptActiveData(ErrorData, tag="branch_while_prompt_active"):
@@ -132,22 +134,26 @@ class IdempotencyKeyConflictData(ErrorData, tag="idempotency_key_conflict"):
     idempotency_key: str
 
 
-class BackendUnavailableData(ErrorData, tag="backend_unavailable"):
+class BackendUnavailableData(ErrorData, tag="backend_unavailable", omit_defaults=True):
     backend_id: str
     session_id: str | None
     reason: Literal["spawn_failed", "exited", "initialize_failed"]
     exit_code: int | None
+    #: set when the error ends an admitted prompt
+    prompt_id: str | None = None
 
 
 class AuthRequiredData(ErrorData, tag="auth_required"):
     backend_id: str
 
 
-class AgentErrorData(ErrorData, tag="agent_error"):
+class AgentErrorData(ErrorData, tag="agent_error", omit_defaults=True):
     backend_id: str
     agent_code: int
     agent_message: str
     agent_data: Any = None
+    #: set when the error ends an admitted prompt
+    prompt_id: str | None = None
 
 
 class SessionLimitExceededData(ErrorData, tag="session_limit_exceeded"):

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
-__all__ = ["BackendCapability", "CapabilitiesResult", "LimitsCapability"]
+from .base import Wire, meta_field
+
+__all__ = [
+    "TERMINAL_TURN_STATES",
+    "TURN_STATES",
+    "BackendCapability",
+    "CapabilitiesResult",
+    "LimitsCapability",
+    "TurnStateBody",
+    "TurnStateParams",
+]
 
 
 class LimitsCapability(msgspec.Struct, rename="camel", kw_only=True):
@@ -32,3 +44,43 @@ class CapabilitiesResult(msgspec.Struct, rename="camel", kw_only=True):
     limits: LimitsCapability
     backends: dict[str, BackendCapability]
     default_backend: str
+
+
+#: The states of ``_acp_server/turn_state``, in the order a prompt can pass through them.
+TURN_STATES = (
+    "accepted",
+    "queued",
+    "waiting_for_dependency",
+    "running",
+    "paused_for_approval",
+    "completed",
+    "failed",
+    "cancelled",
+)
+#: The states that end a prompt: recorded in the transcript (the others are live only).
+TERMINAL_TURN_STATES = frozenset({"completed", "failed", "cancelled"})
+
+
+class TurnStateBody(Wire):
+    """``_acp_server/turn_state`` params as the transcript stores them (without sessionId and _meta)."""
+
+    prompt_id: str
+    state: str
+    at: int
+    reason: str | None = None
+    position_hint: int | None = None
+
+
+class TurnStateParams(Wire):
+    """``_acp_server/turn_state``: where a prompt stands, sent to every connection attached to its session.
+
+    ``at`` is Unix epoch milliseconds; ``_meta.eventId`` places it in the session's event stream.
+    """
+
+    session_id: str
+    prompt_id: str
+    state: str
+    at: int
+    reason: str | None = None
+    position_hint: int | None = None
+    meta: dict[str, Any] | None = meta_field()
