@@ -120,8 +120,8 @@ class RawClient:
                     self.turn_states.append(item["params"])
                 else:
                     self.notifications.append(item)
-                    self.notified.set()
-                    self.notified = trio.Event()
+                self.notified.set()
+                self.notified = trio.Event()
             elif not isinstance(msg, list) and item.get("id") in self.waiting:
                 self.waiting.pop(item["id"]).send_nowait(item)
 

@@ -136,6 +136,7 @@ class ConnectionShell:
         self._refusal_latency = refusal_latency
         self._refusals_queued: list[int] = []  # read stamps of the refusals now in _out
         self._writer_parked: trio.lowlevel.Task | None = None  # the writer, waiting for output
+        self._writer_coalesce = False
         self._drained = trio.Event()
         self._drained.set()
         self._slots: dict[Any, _Slot] = {}
@@ -159,7 +160,7 @@ class ConnectionShell:
             return
         out = self._out
         if not out:
-            self._wake_writer()
+            self._wake_writer(True)
         out.append(data)
         self._out_bytes += len(data)
         if self._out_bytes > self.max_outbound_bytes:
@@ -178,15 +179,21 @@ class ConnectionShell:
     def _enqueue(self, data: bytes) -> None:
         out = self._out
         if not out:
-            self._wake_writer()
+            self._wake_writer(False)
         out.append(data)
         self._out_bytes += len(data)
 
-    def _wake_writer(self) -> None:
-        """The queue is about to become non-empty: wake the writer if it waits (once per batch)."""
+    def _wake_writer(self, update: bool) -> None:
+        """The queue is about to become non-empty: wake the writer if it waits (once per batch).
+
+        ``update``: what comes first is a notification (a turn under way, whose answer may follow at
+        once), so the writer lets the other runnable tasks go first, to send both in one write. An
+        answer first (a refusal, a quick method) goes out without that extra pass.
+        """
         task = self._writer_parked
         if task is not None:
             self._writer_parked = None
+            self._writer_coalesce = update
             trio.lowlevel.reschedule(task)
         if self._drained.is_set():
             self._drained = trio.Event()
@@ -288,9 +295,10 @@ class ConnectionShell:
                     self._drained.set()
                     self._writer_parked = trio.lowlevel.current_task()
                     await trio.lowlevel.wait_task_rescheduled(self._writer_abort)
-                    # Let the tasks woken with us queue their part first: a turn's last updates and
-                    # its answer then leave in one write (one system call, one wakeup of the peer).
-                    await trio.lowlevel.checkpoint()
+                    if self._writer_coalesce:
+                        # Let the tasks woken with us queue their part first: a turn's last updates
+                        # and its answer then leave in one write (one system call, one peer wakeup).
+                        await trio.lowlevel.checkpoint()
                 data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
                 self._out = []
                 self._out_bytes = 0
