@@ -101,7 +101,12 @@ class Client:
         max_pending_prompts: int | None = None,
         on_self_heal: Callable[[str | None, str], None] | None = None,
         client_info: Mapping[str, Any] | None = None,
+        tenant_id: str | None = None,
     ) -> None:
+        if tenant_id is not None and (not isinstance(tenant_id, str) or not tenant_id):
+            raise ValueError(f"tenant_id must be a non-empty string or None; got {tenant_id!r}")
+        #: the tenant named at ``initialize`` (``_meta.tenantId``); ``None``: the server's ``default``
+        self.tenant_id = tenant_id
         self.connection = connection
         self.init_result: dict[str, Any] = {}
         self.limits: dict[str, Any] | None = None
@@ -139,6 +144,8 @@ class Client:
             "clientCapabilities": self.connection.hooks.capabilities(),
             "clientInfo": self._client_info,
         }
+        if self.tenant_id is not None:
+            params["_meta"] = {"tenantId": self.tenant_id}
         result = await self.connection.call("initialize", params)
         if not isinstance(result, dict):
             raise ProtocolError(f"the initialize result is not an object: {result!r}")
@@ -344,6 +351,7 @@ async def connect(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_buffered_updates: int = 10_000,
     initialize: bool = True,
+    tenant_id: str | None = None,
 ) -> AsyncIterator[Client]:
     """Connect to a server and ``initialize``; the connection closes when the block ends.
 
@@ -357,6 +365,8 @@ async def connect(
         max_message_bytes: the longest line accepted from the server.
         max_buffered_updates: unread updates kept per session before the oldest is dropped.
         initialize: send ``initialize`` before handing the client out.
+        tenant_id: the tenant this connection acts for (``initialize`` ``_meta.tenantId``); sessions
+            belong to their tenant, and the server's admission policy caps and shares seats by it.
 
     Raises:
         ValueError, TypeError: a bad argument (a limit negative or fractional, a malformed URL).
@@ -368,7 +378,13 @@ async def connect(
         conn = RpcConnection(
             stream, hooks=hooks or Hooks(), max_message_bytes=max_message_bytes, max_buffered_updates=max_buffered_updates
         )
-        client = Client(conn, max_pending_prompts=max_pending_prompts, on_self_heal=on_self_heal, client_info=client_info)
+        client = Client(
+            conn,
+            max_pending_prompts=max_pending_prompts,
+            on_self_heal=on_self_heal,
+            client_info=client_info,
+            tenant_id=tenant_id,
+        )
         raised: BaseException | None = None
         try:
             async with trio.open_nursery() as nursery:
