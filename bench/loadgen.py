@@ -144,8 +144,11 @@ class Wire:
                         raise LoadError(f"{method} failed: {error_kind(msg.error)}: {msg.error.message}")
                     return msgspec.json.decode(msg.result) if msg.result else None
 
-    def handshake(self) -> dict[str, Any]:
-        result: dict[str, Any] = self.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+    def handshake(self, *, turn_states: bool = True) -> dict[str, Any]:
+        params: dict[str, Any] = {"protocolVersion": 1, "clientCapabilities": {}}
+        if not turn_states:
+            params["_meta"] = {"turnStates": False}  # opt out of _acp_server/turn_state
+        result: dict[str, Any] = self.call("initialize", params)
         return result
 
     def new_session(self) -> str:
@@ -358,7 +361,7 @@ def _check_echo(wire: Wire, session_id: str, text: str) -> None:
 
 def mode_echo(args: argparse.Namespace) -> dict[str, Any]:
     wire = Wire(args.port)
-    limits = wire.handshake().get("agentCapabilities", {}).get("_meta", {}).get("limits", {})
+    limits = wire.handshake(turn_states=not args.no_turn_states).get("agentCapabilities", {}).get("_meta", {}).get("limits", {})
     depth = args.depth
     if args.per_limit is not None:
         if not limits.get("maxPendingPromptsPerSession"):
@@ -602,6 +605,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="F",
         help="F times the server's pending limit in flight per session (overrides --depth)",
+    )
+    p.add_argument(
+        "--no-turn-states",
+        action="store_true",
+        help="opt out of _acp_server/turn_state at initialize (the figure without their cost)",
     )
     p.add_argument(
         "--retry-after",

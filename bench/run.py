@@ -229,10 +229,14 @@ def scenario_pipelined(report: Report, sizes: Sizes) -> None:
             window = str(RPC_WINDOW)
             rpc = [loadgen("rpc", server, ["--window", window, *timing], runs) for _ in range(sizes.reps)]
             echo: dict[int, list[dict[str, Any]]] = {2: [], 5: []}
+            opted_out: list[dict[str, Any]] = []
             for _ in range(sizes.reps):
                 for depth in echo:
                     args = ["--sessions", str(sizes.echo_sessions), "--depth", str(depth), *timing]
                     echo[depth].append(loadgen("echo", server, args, runs))
+                if label == "defaults":  # the price of live turn states, same server, same run
+                    args = ["--sessions", str(sizes.echo_sessions), "--depth", "2", "--no-turn-states", *timing]
+                    opted_out.append(loadgen("echo", server, args, runs))
         suffix = "" if label == "defaults" else f" ({label})"
         rpc_run = median_run(rpc, "ok_per_s")
         raw[f"rpc{suffix}"] = rpc
@@ -263,6 +267,12 @@ def scenario_pipelined(report: Report, sizes: Sizes) -> None:
                 1e6 / cpu_us if cpu_us else None,
             )
             check_busy(report, f"Scenario 2, {what}", run)
+        if opted_out:
+            run = median_run(opted_out, "ok_per_s")
+            raw["echo_depth2_no_turn_states"] = opted_out
+            what = f"echo, {sizes.echo_sessions} sessions x 2 in flight, turn states opted out"
+            report.add("pipelined", f"{what}: prompts/s", "1/s", run["ok_per_s"])
+            report.add("pipelined", f"{what}: server CPU per prompt", "µs", run["server_cpu_us_per_ok"])
     report.scenarios["pipelined"] = raw
     shutil.rmtree(state_dir, ignore_errors=True)
     report.notes.append(

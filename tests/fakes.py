@@ -315,6 +315,7 @@ class FakePeer:
         self.peer_id = FakePeer._next_id
         self.registrations: dict[str, str] = {}
         self.attached: set[str] = set()
+        self.turn_states = True
         self.sent: list[bytes] = []
         self.closed = False
 

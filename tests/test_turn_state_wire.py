@@ -4,6 +4,7 @@ what it sends is exactly what the wire type :class:`TurnStateParams` encodes, es
 from __future__ import annotations
 
 import msgspec
+import pytest
 import trio
 
 from acp_server.admission import Limits
@@ -11,7 +12,7 @@ from acp_server.store import TURN_STATE, StoredEvent
 from acp_server.types.ext import TurnStateBody, TurnStateParams
 
 from .fakes import FakeBackend, send_prompt, serving
-from .helpers import connect
+from .helpers import RpcError, connect
 
 
 async def test_turn_state_text_matches_the_wire_type_and_escapes_the_reason() -> None:
@@ -48,3 +49,28 @@ async def test_turn_state_text_matches_the_wire_type_and_escapes_the_reason() ->
         backend.release("held")
         with trio.fail_after(5):
             await pending.wait()
+
+
+async def test_a_connection_may_opt_out_of_turn_states() -> None:
+    """``initialize`` ``_meta.turnStates: false``: that connection gets no turn state, live or replayed;
+    the others still do; a non-boolean is invalid_params naming the key."""
+    async with serving(Limits(), FakeBackend()) as (server, nursery):
+        quiet = await connect(server, nursery, initialize=False)
+        with pytest.raises(RpcError) as info:
+            await quiet.call("initialize", {"protocolVersion": 1, "_meta": {"turnStates": "no"}})
+        assert info.value.kind == "invalid_params" and info.value.data["path"] == "_meta.turnStates"
+        await quiet.call("initialize", {"protocolVersion": 1, "_meta": {"turnStates": False}})
+        loud = await connect(server, nursery)
+        sid, _ = await quiet.new_session()
+        await loud.call("session/resume", {"sessionId": sid, "cwd": "/tmp"})
+        assert (await quiet.prompt(sid, "hello"))["stopReason"] == "end_turn"
+        await quiet.call("_acp_server/stats")
+        await loud.call("_acp_server/stats")
+        assert quiet.turn_states == [] and quiet.updates(sid)
+        assert [t["state"] for t in loud.turn_states] == ["accepted", "running", "completed"]
+        # a replay skips them too (the completed state is in the transcript)
+        await quiet.call("session/load", {"sessionId": sid, "cwd": "/tmp", "mcpServers": []})
+        assert quiet.turn_states == []
+        later = await connect(server, nursery)
+        await later.call("session/load", {"sessionId": sid, "cwd": "/tmp", "mcpServers": []})
+        assert [t["state"] for t in later.turn_states] == ["completed"]

@@ -572,6 +572,8 @@ class SessionBridge:
             end = len(history)
             for event_id, update in history[index:end]:
                 if isinstance(update, StoredEvent):
+                    if not peer.turn_states and (update.method or TURN_STATE) == TURN_STATE:
+                        continue  # the connection opted out at initialize
                     params = msgspec.json.decode(update.body)
                     params.update(sessionId=session.session_id, _meta={"eventId": event_id})
                     await peer.send_reliably(_encoder.encode(_ExtMsg("2.0", update.method or TURN_STATE, params)) + b"\n")
@@ -1121,7 +1123,8 @@ class SessionBridge:
         self._send(session, data, exclude)
 
     def turn_state(self, ticket: PromptTicket, state: str, *, reason: str | None = None, position: int | None = None) -> None:
-        """Send ``_acp_server/turn_state`` for ``ticket`` to every connection attached to its session.
+        """Send ``_acp_server/turn_state`` for ``ticket`` to every connection attached to its session
+        (but those that opted out at ``initialize`` with ``_meta.turnStates: false``).
 
         It takes the session's next ``eventId`` like an update. The terminal states (completed,
         failed, cancelled) are also kept in the transcript (replayed by load, stored with a store);
@@ -1143,15 +1146,19 @@ class SessionBridge:
             session.history.append((event_id, StoredEvent(event_id, TURN_STATE, body)))
             if self.store is not None:
                 self.store.add_event(session.session_id, event_id, body, TURN_STATE)
-        if not session.attached:
+        peers = tuple(p for p in session.attached if p.turn_states)
+        if not peers:
             return
         data = (
             f'{{"jsonrpc":"2.0","method":"{TURN_STATE}","params":{{"sessionId":"{session.session_id}",{fields},'
             f'"_meta":{{"eventId":{event_id}}}}}}}\n'
         ).encode()
-        self._send(session, data, None)
+        self._send(session, data, None, peers)
 
-    def _send(self, session: Session, data: bytes, exclude: Peer | None) -> None:
+    def _send(self, session: Session, data: bytes, exclude: Peer | None, peers: tuple[Peer, ...] | None = None) -> None:
+        """Send to ``peers`` (default: every connection attached to ``session``) but ``exclude``."""
+        if peers is None:
+            peers = tuple(session.attached)
         store = self.store
         if store is not None:
             # Sent once committed, in order with the answers: durable before visible, and a round's
@@ -1161,9 +1168,9 @@ class SessionBridge:
                 segment = self._fanout = []
                 self._fanout_generation = store.generation
                 store.after_commit(partial(_fan_out, segment))
-            segment.append((tuple(session.attached), exclude, data))
+            segment.append((peers, exclude, data))
             return
-        for peer in tuple(session.attached):
+        for peer in peers:
             if peer is not exclude:
                 peer.send(data)
 

@@ -24,6 +24,8 @@ class Peer(Protocol):
     registrations: dict[str, str]
     #: sessions this connection is attached to (receives their updates)
     attached: set[str]
+    #: it receives ``_acp_server/turn_state`` (default; ``initialize`` ``_meta.turnStates: false`` opts out)
+    turn_states: bool
 
     @property
     def closed(self) -> bool: ...

@@ -16,7 +16,7 @@ from ..types.acp import (
     SessionCapabilities,
 )
 from .context import ConnContext
-from .meta import meta_tenant, passthrough_meta
+from .meta import meta_bool, meta_tenant, passthrough_meta
 
 __all__ = ["authenticate", "initialize", "logout"]
 
@@ -29,6 +29,8 @@ def initialize(ctx: ConnContext, params: InitializeParams) -> InitializeResult:
             path="_meta.tenantId", detail=f"this connection is already initialized as tenant {ctx.tenant!r}"
         )
     ctx.tenant = tenant
+    # Turn states are on unless the client opts out (a client that cannot use them saves their cost).
+    ctx.peer.turn_states = meta_bool(params.meta, "turnStates", True)
     ctx.client_capabilities = params.client_capabilities
     ctx.client_info = params.client_info
     ctx.initialized = True

@@ -13,6 +13,7 @@ from ..errors import InvalidParamsError
 __all__ = [
     "OUR_META_KEYS",
     "meta_client_id",
+    "meta_bool",
     "meta_deadline_ms",
     "meta_priority",
     "meta_str",
@@ -21,7 +22,9 @@ __all__ = [
 ]
 
 #: ``_meta`` keys acp-server reads itself (those of later issues included).
-OUR_META_KEYS = frozenset({"clientId", "deadlineMs", "backend", "tenantId", "priority", "idempotencyKey", "afterEventId"})
+OUR_META_KEYS = frozenset(
+    {"clientId", "deadlineMs", "backend", "tenantId", "priority", "idempotencyKey", "afterEventId", "turnStates"}
+)
 
 
 def meta_str(meta: dict[str, Any] | None, key: str) -> str | None:
@@ -79,6 +82,16 @@ def meta_tenant(meta: dict[str, Any] | None) -> str:
             path="_meta.tenantId",
             detail=f"must be at most {MAX_TENANT_ID} printable characters; got {value[:MAX_TENANT_ID + 1]!r}",
         )
+    return value
+
+
+def meta_bool(meta: dict[str, Any] | None, key: str, default: bool) -> bool:
+    """``_meta.<key>``: ``true`` or ``false`` (absent: ``default``)."""
+    value = meta.get(key) if meta else None
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidParamsError(path=f"_meta.{key}", detail=f"must be true or false; got {value!r}")
     return value
 
 

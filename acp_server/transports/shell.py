@@ -128,6 +128,8 @@ class ConnectionShell:
         self.max_inflight = max_inflight_requests
         self.registrations: dict[str, str] = {}
         self.attached: set[str] = set()
+        #: the bridge sends it ``_acp_server/turn_state`` (``initialize`` may opt out)
+        self.turn_states = True
         self.evicted = False
         self._on_close = on_close
         self._closed = False
