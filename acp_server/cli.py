@@ -7,6 +7,7 @@ Exit codes: 0 clean exit, 1 a runtime failure (port in use, a live Unix socket),
 from __future__ import annotations
 
 import argparse
+import gc
 import ipaddress
 import logging
 import math
@@ -485,6 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics_listen=metrics_listen,
         metrics_tenant_labels=metrics_tenant_labels,
     )
+    tune_gc()
     try:
         trio.run(serve, config)
     except KeyboardInterrupt:
@@ -496,6 +498,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"acp-server: {failure.strerror or failure}", file=sys.stderr)
         return 1
     return 0
+
+
+#: Allocations between young-generation collections for a serving process (CPython's default is 700).
+GC_THRESHOLD = (50_000, 20, 20)
+
+
+def tune_gc() -> None:
+    """Collect garbage less often in a serving process.
+
+    With CPython's defaults a loaded server collected every few prompts, and its full collections walk
+    every live session's history: 21-26% of server CPU in the pipelined echo benchmark, with full
+    collections of 60-80 ms each. Objects made at start-up are frozen out of collection, and the young
+    generation is collected every 50,000 allocations instead of every 700.
+    """
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
 
 
 def _os_error(exc: BaseException) -> OSError | None:
