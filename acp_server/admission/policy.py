@@ -695,14 +695,7 @@ class PolicyEngine:
             if got.released:
                 raise RuntimeError(f"{got!r} was released already")
             got._released = True
-            self._running -= 1
-            self._class_running[got.rank] -= 1
-            self._granted_sum[got.rank] -= got.granted_at
-            left = self._tenant_running[got.tenant] - 1
-            if left:
-                self._tenant_running[got.tenant] = left
-            else:
-                del self._tenant_running[got.tenant]
+            self._vacate(got)
             self._granted_total -= 1
             if got.decision:
                 self._decisions[got.decision] -= 1
@@ -730,13 +723,8 @@ class PolicyEngine:
         self._granted_sum[rank] += now
         return Seat(self, tenant, rank, session_id, now)
 
-    def _release(self, seat: Seat) -> None:
-        now = self._clock()
-        held = max(now - seat.granted_at, 0.0)
-        mean = self._hold[seat.rank]
-        self._hold[seat.rank] = held if mean is None else mean + _HOLD_ALPHA * (held - mean)
-        self._last_hold[seat.rank] = held
-        self._hold_all = held if self._hold_all is None else self._hold_all + _HOLD_ALPHA * (held - self._hold_all)
+    def _vacate(self, seat: Seat) -> None:
+        """Take a seat out of the gauges (the reverse of :meth:`_new_seat`'s)."""
         self._running -= 1
         self._class_running[seat.rank] -= 1
         self._granted_sum[seat.rank] -= seat.granted_at
@@ -745,6 +733,15 @@ class PolicyEngine:
             self._tenant_running[seat.tenant] = left
         else:
             del self._tenant_running[seat.tenant]
+
+    def _release(self, seat: Seat) -> None:
+        now = self._clock()
+        held = max(now - seat.granted_at, 0.0)
+        mean = self._hold[seat.rank]
+        self._hold[seat.rank] = held if mean is None else mean + _HOLD_ALPHA * (held - mean)
+        self._last_hold[seat.rank] = held
+        self._hold_all = held if self._hold_all is None else self._hold_all + _HOLD_ALPHA * (held - self._hold_all)
+        self._vacate(seat)
         self._released_total += 1
         if self._room:
             self._dispatch(now)
