@@ -27,7 +27,7 @@ from .admission.policy import PolicyLimits
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config
 from .server import ListenAddress, ServerConfig, serve
-from .store import StoreVersionError, default_state_dir
+from .store import StoreVersionError, StoreWriterError, default_state_dir
 from .transports.relay import relay_stdio
 
 __all__ = ["build_parser", "main", "parse_listen", "policy_from"]
@@ -523,7 +523,7 @@ def _os_error(exc: BaseException) -> OSError | None:
     """
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
-    if isinstance(exc, StoreVersionError | sqlite3.DatabaseError):
+    if isinstance(exc, StoreVersionError | StoreWriterError | sqlite3.DatabaseError):
         return OSError(str(exc))
     return exc if isinstance(exc, OSError) else None
 

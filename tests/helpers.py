@@ -214,12 +214,11 @@ async def connect(server: Server, nursery: trio.Nursery, *, initialize: bool = T
 
 
 def rows_of(directory: pathlib.Path, query: str, *args: Any) -> list[tuple[Any, ...]]:
-    """Rows of a query on the session store in ``directory``, read by a connection of our own."""
-    import sqlite3
-
+    """Rows of a query on what the session store in ``directory`` made durable, read by a connection of our own."""
     from acp_server.store import DB_NAME
+    from acp_server.store.writer import applied_copy
 
-    db = sqlite3.connect(directory / DB_NAME)
+    db = applied_copy(directory / DB_NAME)  # what is durable: the tables and the log not yet applied
     try:
         return db.execute(query, args).fetchall()
     finally:
@@ -231,9 +230,11 @@ def stored_events(directory: pathlib.Path, session_id: str | None = None) -> lis
     (session id, eventId, method or None for a session/update, decoded body)."""
     import msgspec
 
+    from acp_server.store.writer import chunk_events
+
     query = "SELECT session_id, body FROM chunks" + (" WHERE session_id = ?" if session_id else "") + " ORDER BY seq"
     return [
-        (sid, event_id, method, body)
+        (sid, event_id, method, msgspec.json.decode(body))
         for sid, chunk in rows_of(directory, query, *([session_id] if session_id else []))
-        for event_id, method, body in msgspec.json.decode(chunk)
+        for event_id, method, body in chunk_events(chunk)
     ]

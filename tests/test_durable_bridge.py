@@ -182,9 +182,9 @@ async def test_unfinished_prompt_replays_as_turn_state_at_its_place(tmp_path: pa
     store.add_event("sess_x", 1, {"sessionUpdate": "user_message_chunk", "content": {"type": "text", "text": "q"}})
     store.add_event("sess_x", 2, {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": "a"}})
     store.flush_sync()
-    assert store._db is not None
-    store._db.close()  # the process "dies": no clean close
-    store._db = None
+    assert store._writer is not None
+    store._writer.close()  # the process "dies": no clean close
+    store._writer = None
     store.close()
     with trio.fail_after(20):
         async with durable_server(tmp_path) as (server, nursery):

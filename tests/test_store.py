@@ -28,16 +28,13 @@ from acp_server.store import (
 )
 from acp_server.types.acp import StopReason
 
-from .helpers import connect, stored_events
+from .helpers import connect, rows_of, stored_events
 
 
 def rows(directory: pathlib.Path, query: str, *args: Any) -> list[tuple[Any, ...]]:
-    """Read the database with a connection of our own (what another process would see)."""
-    db = sqlite3.connect(directory / DB_NAME)
-    try:
-        return db.execute(query, args).fetchall()
-    finally:
-        db.close()
+    """What is durable, read by a connection of our own (a copy of the database with its log applied,
+    as another process, or the next start, would see it)."""
+    return rows_of(directory, query, *args)
 
 
 def meta(session_id: str) -> StoredSession:
@@ -54,7 +51,11 @@ def test_fresh_database_is_migrated_to_the_current_version(tmp_path: pathlib.Pat
     assert [v for (v,) in rows(directory, "SELECT version FROM schema_migrations")] == list(
         range(1, SCHEMA_VERSION + 1)
     )
-    assert rows(directory, "PRAGMA journal_mode") == [("wal",)]
+    db = sqlite3.connect(directory / DB_NAME)
+    try:
+        assert db.execute("PRAGMA journal_mode").fetchall() == [("wal",)]
+    finally:
+        db.close()
     # opening again applies nothing twice
     store = SessionStore(directory)
     store.open()
@@ -127,8 +128,8 @@ async def test_unfinished_prompts_are_marked_server_restarted_once(tmp_path: pat
     store.admit(2, "prompt_2", "s1")
     store.add_event("s1", 2, {"sessionUpdate": "agent_message_chunk"})
     store.flush_sync()
-    store._db.close()  # type: ignore[union-attr]  # dies without a clean close: nothing more written
-    store._db = None
+    store._writer.close()  # type: ignore[union-attr]  # dies without a clean close: nothing more written
+    store._writer = None
     store.close()
 
     again = SessionStore(tmp_path)

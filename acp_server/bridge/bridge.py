@@ -1110,16 +1110,20 @@ class SessionBridge:
         session.next_event_id = event_id + 1
         session.history.append((event_id, update))
         store = self.store
-        if store is not None:
-            store.add_event(session.session_id, event_id, update)
-        meta: dict[str, Any] = {"eventId": event_id}
-        if originator is not None:
-            meta["originatorClientId"] = originator
         if not session.attached:
+            if store is not None:
+                store.add_event(session.session_id, event_id, update)
             return
-        data = _encoder.encode(
-            _UpdateMsg("2.0", "session/update", SessionNotification(session_id=session.session_id, update=update, meta=meta))
-        ) + b"\n"
+        # Encoded once, for the wire and the store; the notification around it is SessionNotification's
+        # shape built as text (our session and client ids need no escaping), as turn states are.
+        body = _encoder.encode(update)
+        if store is not None:
+            store.add_event(session.session_id, event_id, body)
+        meta = f'{{"eventId":{event_id}}}' if originator is None else f'{{"eventId":{event_id},"originatorClientId":"{originator}"}}'
+        data = b"".join((
+            b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"', session.session_id.encode(),
+            b'","update":', body, b',"_meta":', meta.encode(), b"}}\n",
+        ))
         self._send(session, data, exclude)
 
     def turn_state(self, ticket: PromptTicket, state: str, *, reason: str | None = None, position: int | None = None) -> None:
@@ -1142,10 +1146,10 @@ class SessionBridge:
         if position is not None:
             fields += f',"positionHint":{position}'
         if state in TERMINAL_TURN_STATES:
-            body = msgspec.Raw(("{" + fields + "}").encode())
-            session.history.append((event_id, StoredEvent(event_id, TURN_STATE, body)))
+            text = ("{" + fields + "}").encode()
+            session.history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
             if self.store is not None:
-                self.store.add_event(session.session_id, event_id, body, TURN_STATE)
+                self.store.add_event(session.session_id, event_id, text, TURN_STATE)
         peers = tuple(p for p in session.attached if p.turn_states)
         if not peers:
             return

@@ -1,16 +1,9 @@
-"""Durable sessions: the SQLite store, its schema migrations and the state directory's lock."""
+"""Durable sessions: the SQLite store, its writer process, schema migrations and the state directory's lock."""
 
 from .lock import StateDirLocked, StateLock
+from .records import SERVER_RESTARTED, TURN_STATE, StoredEvent, StoredSession
 from .schema import SCHEMA_VERSION, StoreVersionError
-from .sqlite import (
-    DB_NAME,
-    SERVER_RESTARTED,
-    TURN_STATE,
-    SessionStore,
-    StoredEvent,
-    StoredSession,
-    default_state_dir,
-)
+from .session_store import DB_NAME, SessionStore, StoreWriterError, default_state_dir
 
 __all__ = [
     "DB_NAME",
@@ -21,6 +14,7 @@ __all__ = [
     "StateDirLocked",
     "StateLock",
     "StoreVersionError",
+    "StoreWriterError",
     "StoredEvent",
     "StoredSession",
     "default_state_dir",

@@ -5,8 +5,13 @@ from __future__ import annotations
 import fcntl
 import os
 import pathlib
+import time
 
 __all__ = ["StateDirLocked", "StateLock"]
+
+#: how long to wait for the lock when its owner is dead: its store writer process (which holds the
+#: lock too) is writing the last records it was sent
+DEAD_OWNER_WAIT_S = 10.0
 
 
 class StateDirLocked(OSError):
@@ -30,20 +35,34 @@ class StateLock:
         self.path = directory / "lock"
         self._fd: int | None = None
 
-    def acquire(self) -> None:
+    @property
+    def fd(self) -> int | None:
+        """The locked file's descriptor (a process that inherits it holds the lock too)."""
+        return self._fd
+
+    def acquire(self, dead_owner_wait_s: float = DEAD_OWNER_WAIT_S) -> None:
         """Take the lock and write our pid in the file.
+
+        A lock held although the pid in the file is dead belongs to that server's store writer, still
+        writing what it was sent: wait for it, up to ``dead_owner_wait_s``.
 
         Raises:
             StateDirLocked: another process holds it.
         """
         self.directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = _read_pid(fd)
-            os.close(fd)
-            raise StateDirLocked(self.directory, owner) from None
+        deadline = time.monotonic() + dead_owner_wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                owner = _read_pid(fd)
+                if owner is not None and not _alive(owner) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                os.close(fd)
+                raise StateDirLocked(self.directory, owner) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
@@ -53,6 +72,20 @@ class StateLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    try:  # a zombie (killed, not yet reaped by its parent) is dead too
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def _read_pid(fd: int) -> int | None:

@@ -57,6 +57,20 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     # issue G: a session belongs to the tenant that created it; older sessions to "default"
     2: ("ALTER TABLE sessions ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default'",),
+    # The chain heads (sessions.last_chunk) are written every so many rounds, no longer in every
+    # round: store_meta's heads_upto is the last chunk they account for, and the chunks after it
+    # (few) are read at startup to bring the heads up to date. written_ms: when the chunk was written
+    # (a session's updatedAt after a restart).
+    # log: rounds made durable as the server sent them (MessagePack ops, see store/records.py), applied
+    # to the tables above later and in bulk by the writer (and at startup), then deleted. Chunks
+    # written from here on hold MessagePack [eventId, method, body JSON, ...] (see
+    # writer.chunk_events), older ones stay JSON.
+    3: (
+        "CREATE TABLE log (seq INTEGER PRIMARY KEY, written_ms INTEGER NOT NULL, ops BLOB NOT NULL)",
+        "ALTER TABLE chunks ADD COLUMN written_ms INTEGER",
+        "CREATE TABLE store_meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+        "INSERT INTO store_meta SELECT 'heads_upto', COALESCE(MAX(seq), 0) FROM chunks",
+    ),
 }
 
 SCHEMA_VERSION = max(MIGRATIONS)
