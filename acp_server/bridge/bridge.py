@@ -62,10 +62,6 @@ class _UpdateMsg(msgspec.Struct):
     params: SessionNotification
 
 
-#: how long a session's runner waits for another prompt after its FIFO emptied, before it ends
-RUNNER_LINGER_S = 0.05
-
-
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -900,11 +896,7 @@ class SessionBridge:
 
     def _enqueue(self, session: Session, item: PromptTicket | ForkTicket) -> None:
         session.fifo.append(item)
-        if session.runner_active:
-            wake = session.runner_wake
-            if wake is not None:
-                wake.set()  # the runner lingers: it takes this one (no new task)
-        else:
+        if not session.runner_active:
             if self._nursery is None:
                 raise InternalError()
             session.runner_active = True
@@ -931,16 +923,7 @@ class SessionBridge:
         """
         fifo = session.fifo
         try:
-            while True:
-                if not fifo:
-                    # Linger a moment: a busy session's next prompt then needs no new task (a task
-                    # per turn cost ~10 us when each answer waits for a store commit).
-                    wake = session.runner_wake = trio.Event()
-                    with trio.move_on_after(RUNNER_LINGER_S):
-                        await wake.wait()
-                    session.runner_wake = None
-                    if not fifo:
-                        return
+            while fifo:
                 # One cancel scope serves the calls until one is cancelled (its prompt settled while
                 # it ran): then a fresh one, so the cancel reaches no later call. A scope per call
                 # cost ~10% of an echo prompt's CPU.
@@ -966,7 +949,6 @@ class SessionBridge:
                             break  # the call finished before the cancel reached it
         finally:
             session.runner_active = False
-            session.runner_wake = None
 
     async def _take_seat(self, ticket: PromptTicket) -> bool:
         """Hold a policy seat for the head prompt: the one decided at arrival, or one from the fair

@@ -172,7 +172,6 @@ class Session:
         "next_event_id",
         "pending_count",
         "runner_active",
-        "runner_wake",
         "session_id",
         "stored_upto",
         "tenant",
@@ -208,8 +207,6 @@ class Session:
         self.fifo: collections.deque[PromptTicket | ForkTicket] = collections.deque()
         self.pending_count = 0
         self.runner_active = False
-        #: set by a prompt queued while the runner lingers after emptying the FIFO
-        self.runner_wake: trio.Event | None = None
         #: set while a backend call whose prompt already settled (cancelled, expired) is still running
         self.abandoned: trio.Event | None = None
         self.clients: dict[str, ClientReg] = {}
