@@ -376,6 +376,8 @@ def mode_echo(args: argparse.Namespace) -> dict[str, Any]:
         wire, templates, depth, duration=args.duration, server_pid=args.server_pid, honour_retry_after=polite
     )
     server_refusals = server_refusal_timing(wire)
+    for session_id in sessions:  # leave the server as we found it (live sessions count to --max-sessions)
+        wire.call("session/close", {"sessionId": session_id})
     wire.close()
     if run.errors:
         raise LoadError(f"prompts failed: {dict(run.errors)}")

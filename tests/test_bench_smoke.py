@@ -51,6 +51,11 @@ def test_bench_tiny_prints_the_table_and_writes_json(tmp_path: pathlib.Path) -> 
     assert served["met"] is True
     echo = report["scenarios"]["pipelined"]["echo_depth2"][0]
     assert echo["ok"] > 0 and echo["notifications"] == echo["ok"]  # one update per one-word prompt
+    assert report["scenarios"]["pipelined"]["echo_depth5 (store on)"][0]["ok"] > 0
+    costs = [f for f in figures if f["name"].startswith("store cost, echo 100 sessions x ")]
+    assert [f["goal"] for f in costs] == ["<= 25%", "<= 25%"] and all(f["ours"] is not None for f in costs)
+    added = next(f for f in figures if f["name"] == "one sequential prompt: latency the store adds (p50)")
+    assert added["unit"] == "ms" and added["ours"] is not None
     overload = report["scenarios"]["overload"]
     refusals = overload["refusals"]
     assert refusals["round_trips"] > 0 and refusals["pipelined"]["ok"] == 0
