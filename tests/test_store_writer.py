@@ -238,6 +238,25 @@ async def test_waiters_wake_on_their_own_round_in_order(store: SessionStore, tmp
     assert [e for _, e, _, _ in stored_events(tmp_path, "s1")] == list(range(1, 31))
 
 
+def test_after_round_also_covers_records_enqueued_after_it(store: SessionStore) -> None:
+    """Registered while a round is in flight and nothing is queued, an after_round callback waits for
+    what is enqueued after it under the same generation, where after_commit would run with the round
+    in flight (the bridge appends answers to a round's list after registering it)."""
+    ran: list[str] = []
+    store.admit(1, "prompt_1", "s1")
+    assert store._take() is not None  # round 1 in flight, nothing queued
+    generation = store.generation
+    store.after_commit(lambda: ran.append("after_commit"))
+    store.after_round(lambda: ran.append("after_round"))
+    store.admit(2, "prompt_2", "s1")  # after both registrations, same generation
+    assert store.generation == generation
+    assert store._take() is not None  # round 2
+    store._finish(1, None, [])
+    assert ran == ["after_commit"]
+    store._finish(2, None, [])
+    assert ran == ["after_commit", "after_round"]
+
+
 async def test_shutdown_writes_the_queue_and_the_writer_process_ends(store: SessionStore, tmp_path: pathlib.Path) -> None:
     ran: list[int] = []
     with trio.fail_after(TIMEOUT_S):

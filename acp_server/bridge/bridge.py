@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgspec
 import trio
@@ -79,11 +79,9 @@ def _terminal_state(result: PromptResult | None, error: AcpError | None) -> tupl
     return "completed", result.stop_reason if result is not None else None
 
 
-def _fan_out(segment: list[tuple[tuple[Peer, ...], Peer | None, bytes]]) -> None:
-    for peers, exclude, data in segment:
-        for peer in peers:
-            if peer is not exclude and not peer.closed:
-                peer.send(data)
+#: what waits for a write round's commit, in order: a message to send (peers, but not this one,
+#: data), a settled prompt to answer, or a session whose runner starts (its head's admission is in)
+_Deferred: TypeAlias = "tuple[tuple[Peer, ...], Peer | None, bytes] | PromptTicket | Session"
 
 
 class _ExtMsg(msgspec.Struct):
@@ -237,8 +235,8 @@ class SessionBridge:
         self.store = store
         #: every stored session's metadata, live or not (with a store): admission restores synchronously
         self.stored: dict[str, StoredSession] = dict(stored or {})
-        #: with a store: the updates of this write round waiting for its commit (see :meth:`emit`)
-        self._fanout: list[tuple[tuple[Peer, ...], Peer | None, bytes]] | None = None
+        #: with a store: what this write round's commit lets out, in order (see :meth:`_deferred`)
+        self._fanout: list[_Deferred] | None = None
         self._fanout_generation = 0
         self._admitted = 0
         self._refused = 0
@@ -847,8 +845,8 @@ class SessionBridge:
             # The answer waits for the terminal record's commit; the slot is free already.
             outcome = result.stop_reason if result is not None else error.kind if error is not None else "internal"
             session.updated_ms = _now_ms()
-            self._fanout = None  # later updates go out after this answer
-            self.store.settle(ticket.seq, outcome, lambda: self._answer(ticket))
+            self.store.settle(ticket.seq, outcome)
+            self._deferred().append(ticket)  # answered after the commit, in order with the updates
             self._fail_head_forks(session)
             return True
         ticket.done.set()
@@ -903,7 +901,7 @@ class SessionBridge:
             store = self.store
             if store is not None and isinstance(item, PromptTicket) and store.committed < item.store_op:
                 # Its admission record first: the runner starts from that commit instead of parking.
-                store.after_commit(partial(self._start_runner, session))
+                self._deferred().append(session)
             else:
                 self._nursery.start_soon(self._run_session, session)
 
@@ -1163,20 +1161,41 @@ class SessionBridge:
         """Send to ``peers`` (default: every connection attached to ``session``) but ``exclude``."""
         if peers is None:
             peers = tuple(session.attached)
-        store = self.store
-        if store is not None:
+        if self.store is not None:
             # Sent once committed, in order with the answers: durable before visible, and a round's
             # updates and answers leave a connection in one write instead of two.
-            segment = self._fanout
-            if segment is None or self._fanout_generation != store.generation:
-                segment = self._fanout = []
-                self._fanout_generation = store.generation
-                store.after_commit(partial(_fan_out, segment))
-            segment.append((peers, exclude, data))
+            self._deferred().append((peers, exclude, data))
             return
         for peer in peers:
             if peer is not exclude:
                 peer.send(data)
+
+    def _deferred(self) -> list[_Deferred]:
+        """What waits for the commit of the current write round (one store callback per round)."""
+        store = self.store
+        assert store is not None
+        segment = self._fanout
+        if segment is None or self._fanout_generation != store.generation:
+            segment = self._fanout = []
+            self._fanout_generation = store.generation
+            store.after_round(partial(self._committed, segment))  # also covers what is appended later
+        return segment
+
+    def _committed(self, segment: list[_Deferred]) -> None:
+        """A write round is committed: send its messages, answer its prompts, start its runners, in order."""
+        for entry in segment:
+            try:
+                if isinstance(entry, tuple):
+                    peers, exclude, data = entry
+                    for peer in peers:
+                        if peer is not exclude and not peer.closed:
+                            peer.send(data)
+                elif isinstance(entry, PromptTicket):
+                    self._answer(entry)
+                else:
+                    self._start_runner(entry)
+            except Exception:
+                log.exception("after a store commit: %r failed", entry)
 
     # --- housekeeping ------------------------------------------------------------------------------
 

@@ -14,8 +14,9 @@ Ordering guarantees the bridge builds on:
   enqueued before it is.
 - :meth:`SessionStore.settle` takes a callback run after the terminal record is committed (the bridge
   answers the prompt from it).
-- ``generation`` changes exactly when a round takes the queue: callbacks registered under one
-  generation run after the same commit, which also covers every record enqueued under it.
+- ``generation`` changes exactly when a round takes the queue: a callback registered with
+  :meth:`SessionStore.after_round` runs after the commit that covers every record enqueued under the
+  generation it was registered in, those enqueued after it included.
 """
 
 from __future__ import annotations
@@ -130,8 +131,7 @@ class SessionStore:
         self._callbacks: list[Callable[[], None]] = []
         self._op_seq = 0
         self.committed = 0
-        #: incremented each time a round takes the queued records: callbacks registered under one
-        #: generation all run after the same commit
+        #: incremented each time a round takes the queued records (see :meth:`after_round`)
         self.generation = 0
         # set by the first op queued after a take: ``run`` takes the queue at its next turn
         self._wake = trio.Event()
@@ -272,6 +272,12 @@ class SessionStore:
         else:
             self._callbacks.append(callback)
             self._wake.set()
+
+    def after_round(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once everything enqueued until the next round is taken is committed: also
+        the records enqueued after this call, under the same :attr:`generation`."""
+        self._callbacks.append(callback)
+        self._wake.set()
 
     async def wait_committed(self, op: int) -> None:
         """Return once op number ``op`` is committed."""
