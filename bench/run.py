@@ -305,8 +305,7 @@ def scenario_pipelined(report: Report, sizes: Sizes) -> None:
             goal=f"<= {STORE_COST_GOAL:.0%}",
             met=cost is not None and cost <= STORE_COST_GOAL,
         )
-    p50 = {label: sorted(r["ok_p50_ms"] for r in sequential[label]) for label in labels}
-    eph_ms, store_ms = (p50[label][(len(p50[label]) - 1) // 2] for label in labels)
+    eph_ms, store_ms = (median_run(sequential[label], "ok_p50_ms")["ok_p50_ms"] for label in labels)
     report.add("pipelined", "one sequential prompt (1 session, 1 in flight): p50 latency", "ms", eph_ms)
     report.add("pipelined", "one sequential prompt: p50 latency (store on)", "ms", store_ms)
     report.add("pipelined", "one sequential prompt: latency the store adds (p50)", "ms", store_ms - eph_ms)

@@ -105,6 +105,17 @@ async def prompt_error(client: RawClient, session_id: str, text: str, **meta: An
     return error
 
 
+async def hold_one(
+    server: Server, backend: FakeBackend, client: RawClient, nursery: trio.Nursery, session_id: str
+) -> tuple[Pending, dict[str, Any]]:
+    """Prompt "x" runs held on ``session_id``: its pending call, and the stats once it holds its seat."""
+    backend.hold("x")
+    pending = await send_prompt(client, nursery, session_id, "x")
+    await backend.started("x")
+    await wait_all_tasks_blocked()
+    return pending, server.stats_snapshot()
+
+
 async def result_of(pending: Pending) -> dict[str, Any]:
     response = await pending.wait()
     assert "result" in response, response
@@ -311,11 +322,7 @@ async def test_tenant_at_its_cap_is_deferred_and_other_tenants_run(mock_clock: t
         a1, _ = await a.new_session()
         a2, _ = await a.new_session()
         b1, _ = await b.new_session()
-        backend.hold("x")
-        px = await send_prompt(a, nursery, a1, "x")
-        await backend.started("x")
-        await wait_all_tasks_blocked()
-        before = server.stats_snapshot()
+        px, before = await hold_one(server, backend, a, nursery, a1)
         seen = len(a.turn_states)
 
         error = await prompt_error(a, a2, "y")
@@ -349,11 +356,7 @@ async def test_queue_full_is_rejected_with_the_request_id_it_logged(
         client = await connect(server, nursery)
         s1, _ = await client.new_session()
         s2, _ = await client.new_session()
-        backend.hold("x")
-        px = await send_prompt(client, nursery, s1, "x")
-        await backend.started("x")
-        await wait_all_tasks_blocked()
-        before = server.stats_snapshot()
+        px, before = await hold_one(server, backend, client, nursery, s1)
 
         error = await prompt_error(client, s2, "y")
         assert error["code"] == -32011
@@ -441,11 +444,7 @@ async def test_pool_refusal_after_the_policy_decision_revokes_it(
         client = await connect(server, nursery)
         s1, _ = await client.new_session()
         s2, _ = await client.new_session()
-        backend.hold("x")
-        px = await send_prompt(client, nursery, s1, "x")
-        await backend.started("x")
-        await wait_all_tasks_blocked()
-        before = server.stats_snapshot()
+        px, before = await hold_one(server, backend, client, nursery, s1)
 
         error = await prompt_error(client, s2, "y")
         assert (error["code"], error["data"]["errorKind"]) == (-32005, "capacity_exceeded")

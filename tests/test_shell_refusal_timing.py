@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -16,31 +16,26 @@ from jsonrpcserver.response import ErrorResponse, serialize_error
 from acp_server.admission import Limits
 from acp_server.backends import EchoBackend
 from acp_server.errors import InternalError, PromptQueueFullError, SessionNotFoundError
-from acp_server.handlers import ConnContext
 from acp_server.jsonrpc import EncodedError, encode_error
 from acp_server.server import Server
-from acp_server.transports import ConnectionShell
 from acp_server.transports.timing import LatencyHistogram
 
 from .helpers import RawClient, connect, running_server
 
 
+def open_connection(
+    server: Server, nursery: trio.Nursery, pair: Callable[[], tuple[Any, Any]] = trio.testing.memory_stream_pair
+) -> tuple[RawClient, LatencyHistogram]:
+    """A connection served by ``server.handle_stream`` over ``pair``, and the server's refusal histogram
+    (each test's server is fresh: only this connection's refusals land in it)."""
+    client_end, server_end = pair()
+    nursery.start_soon(server.handle_stream, server_end, "test")
+    return RawClient(client_end), server.refusal_latency
+
+
 @asynccontextmanager
 async def shell_with_histogram(server: Server, nursery: trio.Nursery) -> AsyncIterator[tuple[RawClient, LatencyHistogram]]:
-    histogram = LatencyHistogram()
-    client_end, server_end = trio.testing.memory_stream_pair()
-    lim = server.limits
-    shell = ConnectionShell(
-        server_end,
-        server.dispatcher,
-        lambda sh: ConnContext(server, sh),
-        max_message_bytes=lim.max_message_bytes,
-        max_outbound_bytes=lim.outbound_bytes,
-        max_inflight_requests=lim.max_inflight_requests,
-        refusal_latency=histogram,
-    )
-    nursery.start_soon(shell.run)
-    client = RawClient(client_end)
+    client, histogram = open_connection(server, nursery)
     nursery.start_soon(client.pump)
     await client.initialize()
     yield client, histogram
@@ -84,20 +79,7 @@ async def test_a_refusal_queued_while_another_write_blocks_is_counted_once() -> 
     limits = Limits(max_pending_prompts_per_session=1)
     with trio.fail_after(10):
         async with running_server(limits, EchoBackend(delay_ms=60_000)) as (server, nursery):
-            histogram = LatencyHistogram()
-            client_end, server_end = trio.testing.lockstep_stream_pair()  # no buffer: writes block
-            lim = server.limits
-            shell = ConnectionShell(
-                server_end,
-                server.dispatcher,
-                lambda sh: ConnContext(server, sh),
-                max_message_bytes=lim.max_message_bytes,
-                max_outbound_bytes=lim.outbound_bytes,
-                max_inflight_requests=lim.max_inflight_requests,
-                refusal_latency=histogram,
-            )
-            nursery.start_soon(shell.run)
-            client = RawClient(client_end)
+            client, histogram = open_connection(server, nursery, trio.testing.lockstep_stream_pair)  # writes block
             reading = trio.CancelScope()
 
             async def pump_until_stopped() -> None:
