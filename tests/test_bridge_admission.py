@@ -713,3 +713,79 @@ async def test_deadline_frees_the_slot_of_a_backend_ignoring_cancel(
         assert stats.settled_total == stats.admitted_total == 2
         by_id = responses_by_id(client)
         assert len(by_id[stuck.id]) == 1 and len(by_id[after.id]) == 1
+
+
+# --- the session's runner --------------------------------------------------------------------------
+
+
+async def test_runner_parks_between_prompts_and_ends_once_idle(autojump_clock: trio.testing.MockClock) -> None:
+    """A session's runner outlives its empty FIFO: the next prompt runs on the same task (no task per
+    busy spell), and a runner left idle for a whole sweep period ends; a later prompt starts a new one."""
+    from acp_server.bridge.bridge import RUNNER_IDLE_S
+
+    backend = FakeBackend()
+    async with running_bridge(backend) as bridge:
+        peer = FakePeer()
+        session, _ = bridge.new_session("/tmp", [], peer)
+        sid = session.session_id
+        first = bridge.admit_prompt(sid, text_blocks("one"), peer=peer)
+        assert (await bridge.prompt_outcome(first)).stop_reason == "end_turn"
+        await wait_all_tasks_blocked()
+        runner = session.runner_parked
+        assert runner is not None and session.runner_active
+
+        second = bridge.admit_prompt(sid, text_blocks("two"), peer=peer)
+        assert (await bridge.prompt_outcome(second)).stop_reason == "end_turn"
+        await wait_all_tasks_blocked()
+        assert session.runner_parked is runner, "the parked runner took the next prompt"
+
+        await trio.sleep(RUNNER_IDLE_S / 2)
+        assert session.runner_parked is runner, "a runner idle for less than a sweep period stays"
+        await trio.sleep(2 * RUNNER_IDLE_S)
+        await wait_all_tasks_blocked()
+        assert not session.runner_active and session.runner_parked is None
+
+        third = bridge.admit_prompt(sid, text_blocks("three"), peer=peer)
+        assert (await bridge.prompt_outcome(third)).stop_reason == "end_turn"
+        await wait_all_tasks_blocked()
+        assert session.runner_parked is not None and session.runner_parked is not runner
+        assert backend.texts_started() == ["one", "two", "three"]
+
+
+async def test_close_ends_the_parked_runner_at_once() -> None:
+    """session/close does not leave the closed session's runner parked until a sweep."""
+    backend = FakeBackend()
+    async with running_bridge(backend) as bridge:
+        peer = FakePeer()
+        session, _ = bridge.new_session("/tmp", [], peer)
+        ticket = bridge.admit_prompt(session.session_id, text_blocks("one"), peer=peer)
+        assert (await bridge.prompt_outcome(ticket)).stop_reason == "end_turn"
+        await wait_all_tasks_blocked()
+        assert session.runner_parked is not None
+        bridge.close_session(session)
+        await wait_all_tasks_blocked()
+        assert not session.runner_active and session.runner_parked is None
+
+
+async def test_latch_behaves_like_an_event() -> None:
+    """A ticket's ``done`` latch: set before or after the wait, every waiter wakes, once set it stays."""
+    from acp_server.bridge.session import Latch
+
+    early = Latch()
+    early.set()
+    with trio.testing.assert_checkpoints():
+        await early.wait()
+    late = Latch()
+    woken: list[int] = []
+
+    async def waiter(n: int) -> None:
+        await late.wait()
+        woken.append(n)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter, 1)
+        nursery.start_soon(waiter, 2)
+        await wait_all_tasks_blocked()
+        assert not late.is_set() and woken == []
+        late.set()
+    assert late.is_set() and sorted(woken) == [1, 2]

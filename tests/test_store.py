@@ -187,3 +187,46 @@ async def test_admission_committed_before_run_and_outcome_before_answer(tmp_path
         nursery.cancel_scope.cancel()
     assert server.store is not None
     server.store.close()
+
+
+async def test_a_settled_prompt_waiting_for_its_commit_frees_its_connection_slot(tmp_path: pathlib.Path) -> None:
+    """With --max-inflight-requests 1, a prompt whose outcome is known but not yet committed no longer
+    counts as running on its connection: the next request starts while the answer waits (the writer
+    is stopped), and the answer still goes out once the commit comes; shutdown waits for it."""
+    import signal
+
+    from acp_server.admission import Limits
+
+    from .fakes import FakeBackend, send_prompt
+
+    backend = FakeBackend()
+    backend.hold("a")
+    store = SessionStore(tmp_path)
+    server = Server(Limits(max_inflight_requests=1), backend, store=store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.bridge.run)
+        client = await connect(server, nursery)
+        s1, _ = await client.new_session()
+        s2, _ = await client.new_session()
+        first = await send_prompt(client, nursery, s1, "a")
+        await backend.started("a")
+        second = await send_prompt(client, nursery, s2, "b")
+        await trio.testing.wait_all_tasks_blocked()
+        assert server.bridge.statistics().admitted_total == 1, "b waits unstarted behind a"
+
+        assert store._process is not None
+        writer_pid = store._process.pid
+        os.kill(writer_pid, signal.SIGSTOP)  # no commit until SIGCONT
+        try:
+            backend.release("a")
+            await trio.testing.wait_all_tasks_blocked()
+            assert server.bridge.statistics().admitted_total == 2, "b started while a's answer waits"
+            assert not first.done.is_set(), "a's answer waits for its outcome's commit"
+            assert [c.text for c in backend.calls_of("b")] == [], "b waits for its own admission's commit"
+        finally:
+            os.kill(writer_pid, signal.SIGCONT)
+        with trio.fail_after(10):
+            assert (await first.wait())["result"]["stopReason"] == "end_turn"
+            assert (await second.wait())["result"]["stopReason"] == "end_turn"
+        nursery.cancel_scope.cancel()
+    store.close()

@@ -22,6 +22,7 @@ from functools import partial
 from typing import Any, TypeAlias
 
 import msgspec
+import outcome
 import trio
 
 from ..admission.limits import Limits
@@ -62,6 +63,10 @@ class _UpdateMsg(msgspec.Struct):
     params: SessionNotification
 
 
+#: how long (one to two sweeps) a session's runner stays parked with an empty FIFO before it ends
+RUNNER_IDLE_S = 1.0
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -81,7 +86,7 @@ def _terminal_state(result: PromptResult | None, error: AcpError | None) -> tupl
 
 #: what waits for a write round's commit, in order: a message to send (peers, but not this one,
 #: data), a settled prompt to answer, or a session whose runner starts (its head's admission is in)
-_Deferred: TypeAlias = "tuple[tuple[Peer, ...], Peer | None, bytes] | PromptTicket | Session"
+_Deferred: TypeAlias = "tuple[tuple[Peer, ...], list[bytes]] | PromptTicket"
 
 
 class _ExtMsg(msgspec.Struct):
@@ -123,13 +128,23 @@ class _TurnChannel:
 class PromptWaiter(Deferred):
     """A request waiting on a prompt's outcome, answered by callback when the prompt settles."""
 
-    __slots__ = ("_done", "bridge", "owner", "ticket")
+    __slots__ = ("_done", "_settled", "bridge", "owner", "ticket")
 
     def __init__(self, bridge: SessionBridge, ticket: PromptTicket, owner: bool) -> None:
         self.bridge = bridge
         self.ticket = ticket
         self.owner = owner
         self._done: Callable[[Any, AcpError | None], None] | None = None
+        self._settled: Callable[[], None] | None = None
+
+    def on_settled(self, settled: Callable[[], None]) -> None:
+        self._settled = settled
+
+    def settled(self) -> None:
+        """The prompt settled; its answer waits for the store's commit."""
+        settled, self._settled = self._settled, None
+        if settled is not None:
+            settled()
 
     def subscribe(self, done: Callable[[Any, AcpError | None], None]) -> None:
         ticket = self.ticket
@@ -238,6 +253,8 @@ class SessionBridge:
         #: with a store: what this write round's commit lets out, in order (see :meth:`_deferred`)
         self._fanout: list[_Deferred] | None = None
         self._fanout_generation = 0
+        #: counts :meth:`_stop_idle_runners`' sweeps; a runner parks with the current one
+        self._runner_epoch = 0
         self._admitted = 0
         self._refused = 0
         self._settled = 0
@@ -255,6 +272,7 @@ class SessionBridge:
                 await nursery.start(self.store.run)
             nursery.start_soon(self._reaper)
             nursery.start_soon(self._expire_deadlines)
+            nursery.start_soon(self._stop_idle_runners)
             task_status.started()
             try:
                 await trio.sleep_forever()
@@ -521,6 +539,7 @@ class SessionBridge:
             self._unload(session)  # history kept: listed, and loadable again
         if self.sessions.pop(session.session_id, None) is not None and self._nursery is not None:
             self._nursery.start_soon(self._close_on_backend, session)
+        self._wake_runner(session, False)  # a parked runner ends (or first drops the settled prompts)
         for peer in list(session.attached):
             peer.attached.discard(session.session_id)
             peer.registrations.pop(session.session_id, None)
@@ -848,6 +867,8 @@ class SessionBridge:
             self.store.settle(ticket.seq, outcome)
             self._deferred().append(ticket)  # answered after the commit, in order with the updates
             self._fail_head_forks(session)
+            for waiter in list(ticket.waiters):  # last: a callback may start the connection's next request
+                waiter.settled()  # the request no longer counts as running on its connection
             return True
         ticket.done.set()
         self._fail_head_forks(session)
@@ -893,26 +914,55 @@ class SessionBridge:
     # --- the runner --------------------------------------------------------------------------------
 
     def _enqueue(self, session: Session, item: PromptTicket | ForkTicket) -> None:
-        session.fifo.append(item)
-        if not session.runner_active:
-            if self._nursery is None:
-                raise InternalError()
-            session.runner_active = True
-            store = self.store
-            if store is not None and isinstance(item, PromptTicket) and store.committed < item.store_op:
-                # Its admission record first: the runner starts from that commit instead of parking.
-                self._deferred().append(session)
-            else:
-                self._nursery.start_soon(self._run_session, session)
-
-    def _start_runner(self, session: Session) -> None:
-        if self._nursery is None:  # shutting down
-            session.runner_active = False
+        fifo = session.fifo
+        fifo.append(item)
+        if session.runner_active:
+            if session.runner_parked is not None and len(fifo) == 1:
+                self._nudge(session)  # an idle runner: it takes this one (no new task)
             return
+        if self._nursery is None:
+            raise InternalError()
+        session.runner_active = True
         self._nursery.start_soon(self._run_session, session)
 
+    def _nudge(self, session: Session) -> None:
+        """Wake the session's parked runner once its FIFO's head may run: now, or (with a store) when
+        the head's admission record is committed."""
+        head = session.fifo[0]
+        store = self.store
+        if store is not None and isinstance(head, PromptTicket) and store.committed < head.store_op:
+            store.when_committed(head.store_op, partial(self._wake_runner, session, True))
+        else:
+            self._wake_runner(session, True)
+
+    @staticmethod
+    def _wake_runner(session: Session, go: bool) -> None:
+        """Resume the session's parked runner (if it is parked): to look at its FIFO again (``go``), or
+        to end if the FIFO is empty (idle too long, or the session closed)."""
+        task = session.runner_parked
+        if task is not None:
+            session.runner_parked = None
+            trio.lowlevel.reschedule(task, outcome.Value(go))
+
+    @staticmethod
+    async def _park(session: Session) -> bool:
+        """Wait, holding no task slot but this one, until :meth:`_wake_runner`; its ``go``."""
+        session.runner_parked = trio.lowlevel.current_task()
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            session.runner_parked = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        return await trio.lowlevel.wait_task_rescheduled(abort)  # type: ignore[no-any-return]
+
     async def _run_session(self, session: Session) -> None:
-        """Run the session's FIFO to empty: one turn at a time, in arrival order.
+        """Run the session's FIFO: one turn at a time, in arrival order.
+
+        The runner outlives an empty FIFO: it parks, and the next prompt wakes it (a task per busy
+        spell, not per prompt: with a store each answer waits for a commit, so a busy session's FIFO
+        empties between turns). :meth:`_stop_idle_runners` ends one parked for a whole sweep period,
+        :meth:`close_session` at once. With a store, a head whose admission record is not committed
+        yet parks the runner until that commit.
 
         The backend call runs here, in the runner's own task. A prompt that settles while its call is
         still running (cancelled, expired) leaves that call *abandoned*: the FIFO's next prompt waits
@@ -920,13 +970,21 @@ class SessionBridge:
         (:meth:`_fail_head_forks`).
         """
         fifo = session.fifo
+        store = self.store
         try:
-            while fifo:
+            while True:
                 # One cancel scope serves the calls until one is cancelled (its prompt settled while
                 # it ran): then a fresh one, so the cancel reaches no later call. A scope per call
-                # cost ~10% of an echo prompt's CPU.
+                # cost ~10% of an echo prompt's CPU. Nothing cancels it while the runner is parked.
                 with trio.CancelScope() as scope:
-                    while fifo:
+                    while True:
+                        if not fifo:
+                            if self.sessions.get(session.session_id) is not session:
+                                return  # closed
+                            session.runner_idle_epoch = self._runner_epoch
+                            if not await self._park(session) and not fifo:
+                                return
+                            continue
                         item = fifo[0]
                         if item.settled:
                             fifo.popleft()
@@ -935,9 +993,10 @@ class SessionBridge:
                             await self._run_fork(session, item)
                             fifo.popleft()
                             continue
-                        store = self.store
                         if store is not None and store.committed < item.store_op:
-                            await store.wait_committed(item.store_op)  # its admission record first
+                            # Its admission record first: parked until that commit.
+                            store.when_committed(item.store_op, partial(self._wake_runner, session, True))
+                            await self._park(session)
                             continue  # re-check: it may have settled meanwhile
                         if self.policy.enabled and not await self._take_seat(item):
                             continue  # settled while it waited for a seat: the loop drops it
@@ -947,6 +1006,17 @@ class SessionBridge:
                             break  # the call finished before the cancel reached it
         finally:
             session.runner_active = False
+            session.runner_parked = None
+
+    async def _stop_idle_runners(self) -> None:
+        """Every :data:`RUNNER_IDLE_S`, end the runners parked with an empty FIFO since the last sweep."""
+        while True:
+            await trio.sleep(RUNNER_IDLE_S)
+            epoch = self._runner_epoch
+            self._runner_epoch = epoch + 1
+            for session in list(self.sessions.values()):
+                if session.runner_parked is not None and not session.fifo and session.runner_idle_epoch < epoch:
+                    self._wake_runner(session, False)
 
     async def _take_seat(self, ticket: PromptTicket) -> bool:
         """Hold a policy seat for the head prompt: the one decided at arrival, or one from the fair
@@ -1117,6 +1187,8 @@ class SessionBridge:
         body = _encoder.encode(update)
         if store is not None:
             store.add_event(session.session_id, event_id, body)
+        if exclude is not None and len(session.attached) == 1 and exclude in session.attached:
+            return  # a prompt's own text, to the one connection that sent it: nobody else to tell
         meta = f'{{"eventId":{event_id}}}' if originator is None else f'{{"eventId":{event_id},"originatorClientId":"{originator}"}}'
         data = b"".join((
             b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"', session.session_id.encode(),
@@ -1148,7 +1220,12 @@ class SessionBridge:
             session.history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
             if self.store is not None:
                 self.store.add_event(session.session_id, event_id, text, TURN_STATE)
-        peers = tuple(p for p in session.attached if p.turn_states)
+        attached = session.attached
+        if len(attached) == 1:  # the usual case, without a generator
+            (peer,) = attached
+            peers: tuple[Peer, ...] = (peer,) if peer.turn_states else ()
+        else:
+            peers = tuple(p for p in attached if p.turn_states)
         if not peers:
             return
         data = (
@@ -1161,14 +1238,27 @@ class SessionBridge:
         """Send to ``peers`` (default: every connection attached to ``session``) but ``exclude``."""
         if peers is None:
             peers = tuple(session.attached)
-        if self.store is not None:
-            # Sent once committed, in order with the answers: durable before visible, and a round's
-            # updates and answers leave a connection in one write instead of two.
-            self._deferred().append((peers, exclude, data))
+        store = self.store
+        if store is None:
+            for peer in peers:
+                if peer is not exclude:
+                    peer.send(data)
             return
-        for peer in peers:
-            if peer is not exclude:
-                peer.send(data)
+        # Sent once committed, in order with the answers: durable before visible, and a round's
+        # updates and answers leave a connection in one write instead of two.
+        if exclude is not None:
+            peers = tuple(p for p in peers if p is not exclude)
+            if not peers:
+                return
+        segment = self._fanout
+        if segment is None or self._fanout_generation != store.generation:
+            segment = self._deferred()
+        if segment:
+            last = segment[-1]
+            if type(last) is tuple and last[0] == peers:
+                last[1].append(data)  # the same connections as the message before: one send for both
+                return
+        segment.append((peers, [data]))
 
     def _deferred(self) -> list[_Deferred]:
         """What waits for the commit of the current write round (one store callback per round)."""
@@ -1182,18 +1272,16 @@ class SessionBridge:
         return segment
 
     def _committed(self, segment: list[_Deferred]) -> None:
-        """A write round is committed: send its messages, answer its prompts, start its runners, in order."""
+        """A write round is committed: send its messages and answer its prompts, in order."""
         for entry in segment:
             try:
-                if isinstance(entry, tuple):
-                    peers, exclude, data = entry
-                    for peer in peers:
-                        if peer is not exclude and not peer.closed:
-                            peer.send(data)
-                elif isinstance(entry, PromptTicket):
+                if isinstance(entry, PromptTicket):
                     self._answer(entry)
                 else:
-                    self._start_runner(entry)
+                    peers, parts = entry
+                    data = parts[0] if len(parts) == 1 else b"".join(parts)
+                    for peer in peers:
+                        peer.send(data)  # a closed one drops it
             except Exception:
                 log.exception("after a store commit: %r failed", entry)
 

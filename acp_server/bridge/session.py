@@ -16,6 +16,34 @@ if TYPE_CHECKING:
 __all__ = ["ClientReg", "ForkTicket", "Peer", "PromptTicket", "Session"]
 
 
+class Latch:
+    """A one-way flag with ``trio.Event``'s ``set``/``is_set``/``wait``, whose event is made only if
+    somebody waits before it is set (on the wire a prompt's outcome goes to callbacks, and an event
+    per prompt cost ~1 us)."""
+
+    __slots__ = ("_event", "_flag")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._event: trio.Event | None = None
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        self._flag = True
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        if self._flag:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._event is None:
+            self._event = trio.Event()
+        await self._event.wait()
+
+
 class Peer(Protocol):
     """A connection as the bridge sees it: somewhere to send bytes, and whether it is gone."""
 
@@ -31,7 +59,8 @@ class Peer(Protocol):
     def closed(self) -> bool: ...
 
     def send(self, data: bytes) -> None:
-        """Queue a notification; a connection that cannot keep up is evicted, never waited for."""
+        """Queue a notification; a connection that cannot keep up is evicted, never waited for. A
+        closed connection drops what it is sent."""
         ...
 
     async def send_reliably(self, data: bytes) -> None:
@@ -110,7 +139,7 @@ class PromptTicket:
         self.settled = False
         self.result: PromptResult | None = None
         self.error: AcpError | None = None
-        self.done = trio.Event()
+        self.done = Latch()
         self.call_scope: trio.CancelScope | None = None
         #: callbacks ``(result, error)`` of the requests waiting on this prompt (see PromptWaiter)
         self.waiters: list[Any] = []
@@ -172,6 +201,8 @@ class Session:
         "next_event_id",
         "pending_count",
         "runner_active",
+        "runner_idle_epoch",
+        "runner_parked",
         "session_id",
         "stored_upto",
         "tenant",
@@ -206,7 +237,10 @@ class Session:
         self.last_activity = now
         self.fifo: collections.deque[PromptTicket | ForkTicket] = collections.deque()
         self.pending_count = 0
+        #: a runner task exists; ``runner_parked`` is it while it waits for work (see SessionBridge._park)
         self.runner_active = False
+        self.runner_parked: trio.lowlevel.Task | None = None
+        self.runner_idle_epoch = 0
         #: set while a backend call whose prompt already settled (cancelled, expired) is still running
         self.abandoned: trio.Event | None = None
         self.clients: dict[str, ClientReg] = {}

@@ -61,6 +61,11 @@ class Deferred:
         """The request was cancelled (``$/cancel_request``), or its connection is gone."""
         raise NotImplementedError
 
+    def on_settled(self, settled: Callable[[], None]) -> None:
+        """Call ``settled`` once if the work ends before its answer can go out (a prompt whose outcome
+        waits for the store's commit): from then on the request no longer counts as running. By
+        default the answer itself is the end."""
+
 
 class Method(NamedTuple):
     """One entry of the method table.

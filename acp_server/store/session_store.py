@@ -279,17 +279,22 @@ class SessionStore:
         self._callbacks.append(callback)
         self._wake.set()
 
+    def when_committed(self, op: int, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (in the trio thread, never from inside this call) once op number ``op`` is
+        committed; ``op`` must not be committed yet."""
+        for job in self._rounds:  # a handful at most: the rounds sent and not yet reported
+            if op <= job.upto:
+                job.callbacks.append(callback)
+                return
+        self._callbacks.append(callback)  # ``op`` is queued: its round takes this callback too
+        self._wake.set()
+
     async def wait_committed(self, op: int) -> None:
         """Return once op number ``op`` is committed."""
         if self.committed >= op:
             return
         done = trio.Event()
-        for job in self._rounds:  # a handful at most: the rounds sent and not yet reported
-            if op <= job.upto:
-                job.callbacks.append(done.set)
-                break
-        else:
-            self._callbacks.append(done.set)  # ``op`` is queued: its round takes this callback too
+        self.when_committed(op, done.set)
         await done.wait()
 
     async def read_events(self, session_id: str, after: int, upto: int) -> list[StoredEvent]:

@@ -5,8 +5,10 @@ synchronous part at once, in arrival order; requests that must wait run as tasks
 the stream and joins everything queued into one ``send_all``. The shell knows no ACP method: it
 gets a :class:`~acp_server.jsonrpc.Dispatcher` and a context for its handlers.
 
-Bounds: at most ``max_inflight_requests`` unanswered requests run at once, later ones wait unstarted;
-reading pauses (backpressure through the transport, no error) only when four times that many wait.
+Bounds: at most ``max_inflight_requests`` requests run at once, later ones wait unstarted; reading
+pauses (backpressure through the transport, no error) only when four times that many wait. A request
+runs until answered, or until its work is over when the answer has to wait (a prompt's outcome waiting
+for the store's commit: :meth:`Deferred.on_settled`).
 Notifications fanned out to this connection are queued up to ``max_outbound_bytes``; a connection
 that lets that overflow is sent ``_acp_server/evicted`` and closed, instead of slowing anyone else.
 Answers to the connection's own requests wait for the writer instead of overflowing.
@@ -25,6 +27,7 @@ import collections
 import itertools
 import logging
 from collections.abc import Callable, Coroutine
+from functools import partial
 from time import perf_counter_ns
 from typing import Any
 
@@ -62,13 +65,15 @@ _READ_SIZE = 65536
 class _Slot:
     """One request of the peer's, from arrival to answer."""
 
-    __slots__ = ("cancelled", "deferred", "read_ns", "scope")
+    __slots__ = ("cancelled", "deferred", "read_ns", "running", "scope")
 
     def __init__(self, read_ns: int) -> None:
         self.read_ns = read_ns  # perf_counter_ns() when the reader handed the request to dispatch
         self.cancelled = False
         self.scope: trio.CancelScope | None = None
         self.deferred: Deferred | None = None
+        #: it counts towards max_inflight_requests: from its start until its work ends (see _release)
+        self.running = False
 
 
 class _BatchReplies:
@@ -143,7 +148,9 @@ class ConnectionShell:
         self._drained.set()
         self._slots: dict[Any, _Slot] = {}
         self._waiting: collections.deque[Request] = collections.deque()
-        self._inflight = 0
+        self._inflight = 0  # started and not answered
+        #: of those, the ones whose work is over and whose answer waits (they no longer count as running)
+        self._finished_unanswered = 0
         self._room = trio.Event()
         self._outbound: dict[Any, trio.MemorySendChannel[Response]] = {}
         self._reader_scope = trio.CancelScope()
@@ -366,7 +373,7 @@ class ConnectionShell:
                 reply(encode_error(event.id, InvalidRequestError(detail=f"id {event.id!r} is already in use by a request in flight")))
                 return
             self._slots[event.id] = _Slot(perf_counter_ns())
-            if self._waiting or self._inflight >= self.max_inflight:
+            if self._waiting or self._inflight - self._finished_unanswered >= self.max_inflight:
                 if reply == self.reply:
                     self._waiting.append(event)
                     return
@@ -427,16 +434,27 @@ class ConnectionShell:
                 self._reply_error(out, slot, reply)
             return
         self._inflight += 1
+        slot.running = True
         if isinstance(out, Deferred):
             slot.deferred = out
+            out.on_settled(partial(self._release, slot))
             out.subscribe(lambda result, error: self._deferred_done(req, reply, result, error))
             return
         assert self._handlers is not None
         self._handlers.start_soon(self._finish, req, out, slot, reply)
 
+    def _release(self, slot: _Slot) -> None:
+        """``slot``'s work is over but its answer waits: the next waiting request may start."""
+        if slot.running:
+            slot.running = False
+            self._finished_unanswered += 1
+            self._start_waiting()
+
     def _deferred_done(self, req: Request, reply: Callable[[bytes], None], result: Any, error: Any) -> None:
         self._inflight -= 1
         slot = self._slots.pop(req.id, None)
+        if slot is not None and not slot.running:
+            self._finished_unanswered -= 1
         if not self._closed:
             data = self.dispatcher.shape(req.id, result, error)
             if error is None or slot is None:
@@ -446,7 +464,7 @@ class ConnectionShell:
         self._start_waiting()
 
     def _start_waiting(self) -> None:
-        while self._waiting and self._inflight < self.max_inflight:
+        while self._waiting and self._inflight - self._finished_unanswered < self.max_inflight:
             self._start(self._waiting.popleft(), self.reply)
         self._room.set()
 
