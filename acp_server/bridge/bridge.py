@@ -84,8 +84,8 @@ def _terminal_state(result: PromptResult | None, error: AcpError | None) -> tupl
     return "completed", result.stop_reason if result is not None else None
 
 
-#: what waits for a write round's commit, in order: a message to send (peers, but not this one,
-#: data), a settled prompt to answer, or a session whose runner starts (its head's admission is in)
+#: what waits for a write round's commit, in order: consecutive messages for the same connections
+#: (sent as one), or a settled prompt to answer
 _Deferred: TypeAlias = "tuple[tuple[Peer, ...], list[bytes]] | PromptTicket"
 
 
@@ -931,9 +931,13 @@ class SessionBridge:
         head = session.fifo[0]
         store = self.store
         if store is not None and isinstance(head, PromptTicket) and store.committed < head.store_op:
-            store.when_committed(head.store_op, partial(self._wake_runner, session, True))
+            self._wake_at_commit(session, head.store_op)
         else:
             self._wake_runner(session, True)
+
+    def _wake_at_commit(self, session: Session, op: int) -> None:
+        assert self.store is not None
+        self.store.when_committed(op, partial(self._wake_runner, session, True))
 
     @staticmethod
     def _wake_runner(session: Session, go: bool) -> None:
@@ -994,8 +998,7 @@ class SessionBridge:
                             fifo.popleft()
                             continue
                         if store is not None and store.committed < item.store_op:
-                            # Its admission record first: parked until that commit.
-                            store.when_committed(item.store_op, partial(self._wake_runner, session, True))
+                            self._wake_at_commit(session, item.store_op)  # its admission record first
                             await self._park(session)
                             continue  # re-check: it may have settled meanwhile
                         if self.policy.enabled and not await self._take_seat(item):

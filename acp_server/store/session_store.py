@@ -9,14 +9,15 @@ not one per record, and one pipe write each way.
 
 Ordering guarantees the bridge builds on:
 
-- :meth:`SessionStore.admit` returns an op number; :meth:`SessionStore.wait_committed` returns once
-  that record is committed, and :meth:`SessionStore.after_commit` runs a callback once everything
-  enqueued before it is.
-- :meth:`SessionStore.settle` takes a callback run after the terminal record is committed (the bridge
-  answers the prompt from it).
+- :meth:`SessionStore.admit` returns an op number; :meth:`SessionStore.when_committed` runs a callback
+  once that record is committed (a parked session runner wakes from it), :meth:`SessionStore.wait_committed`
+  waits for it.
 - ``generation`` changes exactly when a round takes the queue: a callback registered with
   :meth:`SessionStore.after_round` runs after the commit that covers every record enqueued under the
-  generation it was registered in, those enqueued after it included.
+  generation it was registered in, those enqueued after it included (the bridge sends a round's
+  updates and answers its settled prompts from it).
+- :meth:`SessionStore.after_commit` and the callback of :meth:`SessionStore.settle` run once everything
+  enqueued before them is committed.
 """
 
 from __future__ import annotations
