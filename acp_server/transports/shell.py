@@ -49,6 +49,7 @@ from ..jsonrpc import (
     TooLarge,
     encode_error,
 )
+from ..parking import ParkingSpot
 from ..types.acp import CancelRequestParams
 from .timing import LatencyHistogram
 
@@ -131,10 +132,6 @@ class ConnectionShell:
         self.dispatcher = dispatcher
         self.max_outbound_bytes = max_outbound_bytes
         self.max_inflight = max_inflight_requests
-        self.registrations: dict[str, str] = {}
-        self.attached: set[str] = set()
-        #: the bridge sends it ``_acp_server/turn_state`` (``initialize`` may opt out)
-        self.turn_states = True
         self.evicted = False
         self._on_close = on_close
         self._closed = False
@@ -142,7 +139,7 @@ class ConnectionShell:
         self._out_bytes = 0
         self._refusal_latency = refusal_latency
         self._refusals_queued: list[int] = []  # read stamps of the refusals now in _out
-        self._writer_parked: trio.lowlevel.Task | None = None  # the writer, waiting for output
+        self._writer_spot = ParkingSpot()  # where the writer waits for output
         self._writer_coalesce = False
         self._drained = trio.Event()
         self._drained.set()
@@ -199,17 +196,10 @@ class ConnectionShell:
         once), so the writer lets the other runnable tasks go first, to send both in one write. An
         answer first (a refusal, a quick method) goes out without that extra pass.
         """
-        task = self._writer_parked
-        if task is not None:
-            self._writer_parked = None
+        if self._writer_spot.wake():
             self._writer_coalesce = update
-            trio.lowlevel.reschedule(task)
         if self._drained.is_set():
             self._drained = trio.Event()
-
-    def _writer_abort(self, raise_cancel: Any) -> trio.lowlevel.Abort:
-        self._writer_parked = None
-        return trio.lowlevel.Abort.SUCCEEDED
 
     async def _wait_for_room(self) -> None:
         while self._out_bytes > self.max_outbound_bytes and not self._closed:
@@ -302,8 +292,7 @@ class ConnectionShell:
             while True:
                 if not self._out:
                     self._drained.set()
-                    self._writer_parked = trio.lowlevel.current_task()
-                    await trio.lowlevel.wait_task_rescheduled(self._writer_abort)
+                    await self._writer_spot.park()
                     if self._writer_coalesce:
                         # Let the tasks woken with us queue their part first: a turn's last updates
                         # and its answer then leave in one write (one system call, one peer wakeup).
