@@ -5,9 +5,10 @@ request is taken off the wire and in arrival order, which is what makes admissio
 request can run between a check and the count it changes. A handler that has to wait returns a
 coroutine; the transport shell awaits it in a task of its own (see :meth:`Dispatcher.finish`).
 
-jsonrpcserver supplies the error base class, the codes and the error response shape; its own async
-dispatch cannot run under trio, and its jsonschema request check is replaced by msgspec decoding
-into each method's params Struct. This module imports no event loop.
+Errors are answered in jsonrpcserver's error response shape (``code``, ``message``, ``data``; a test
+holds the bytes to jsonrpcserver's own serializer), without importing it: its async dispatch cannot
+run under trio, and its jsonschema request check is replaced by msgspec decoding into each method's
+params Struct. This module imports no event loop.
 """
 
 from __future__ import annotations
