@@ -31,6 +31,7 @@ from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
 from .jsonrpc import Dispatcher
 from .store import SessionStore
 from .transports import ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
+from .transports.address import ListenAddress
 from .transports.timing import LatencyHistogram
 from .types.ext import LimitsCapability
 
@@ -43,23 +44,9 @@ SHUTDOWN_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
-class ListenAddress:
-    """Where to listen: ``kind`` is ``"tcp"`` (host, port) or ``"unix"`` (path)."""
-
-    kind: str
-    host: str = ""
-    port: int = 0
-    path: str = ""
-
-    def __str__(self) -> str:
-        if self.kind == "unix":
-            return f"unix:{self.path}"
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
-
-
-@dataclass(frozen=True)
 class ServerConfig:
+    """What :func:`serve` runs: transports, limits, backends, the store, the policy and metrics."""
+
     stdio: bool = False
     listen: Sequence[ListenAddress] = field(default_factory=list)
     echo_delay_ms: int = 0
