@@ -149,7 +149,7 @@ class FakeBackend(BaseBackend):
         calls: every prompt call, in start order.
         order: ``("start" | "end", text)`` and ``("fork_start" | "fork_end", source id)`` in order.
         fork_calls: every fork call.
-        lifecycle: ``(method, session id)`` of every other call (open_session, cancel, set_mode,
+        lifecycle: ``(method, session id)`` of every other call (open_session, set_mode,
             close_session), in order.
         latency_s: trio seconds an unscripted (echo) prompt takes before it echoes, read when the call
             starts (0, the default: it echoes at once). Changing it models a dependency slowing down.
@@ -297,10 +297,6 @@ class FakeBackend(BaseBackend):
         self.lifecycle.append(("open_session", session_id))
         await trio.lowlevel.checkpoint()
         return SessionSetup()
-
-    async def cancel(self, session_id: str) -> None:
-        self.lifecycle.append(("cancel", session_id))
-        await trio.lowlevel.checkpoint()
 
     async def set_mode(self, session_id: str, mode_id: str) -> None:
         self.lifecycle.append(("set_mode", session_id))

@@ -523,13 +523,6 @@ class AcpAgentBackend(BaseBackend):
             raise self._malformed("session/prompt", f"stopReason {stop_reason!r}")
         return cast(StopReason, stop_reason)
 
-    async def cancel(self, session_id: str) -> None:
-        session = self._sessions.get(session_id)
-        child = self._child
-        if session is not None and child is not None and session.child is child and session.child_sid:
-            child.notify("session/cancel", {"sessionId": session.child_sid})
-        await trio.lowlevel.checkpoint()
-
     async def set_mode(self, session_id: str, mode_id: str) -> None:
         session = self._session(session_id)
         child, child_sid = await self._attach(session)

@@ -45,7 +45,6 @@ from .records import (
     READS,
     SESSION,
     SETTLES,
-    TITLE,
     FrameReader,
     StoredEvent,
     StoredSession,
@@ -220,9 +219,6 @@ class SessionStore:
         self._barrier((SESSION, meta.session_id, meta.cwd, meta.backend, meta.title, meta.created_ms,
                        meta.updated_ms, _encode(meta.mcp_servers),
                        _encode(meta.backend_state) if meta.backend_state is not None else None, meta.tenant))
-
-    def set_title(self, session_id: str, title: str | None) -> None:
-        self._barrier((TITLE, session_id, title))
 
     def delete_session(self, session_id: str) -> None:
         self._barrier((DELETE, session_id))

@@ -42,7 +42,6 @@ from .records import (
     SERVER_RESTARTED,
     SESSION,
     SETTLES,
-    TITLE,
     TURN_STATE,
     RoundReader,
     StoredSession,
@@ -427,8 +426,6 @@ class StoreWriter:
                         self._write(db, batch)
                         if kind == SESSION:
                             db.execute(_SAVE_SESSION, (*op[1:], self._heads.get(op[1])))
-                        elif kind == TITLE:
-                            db.execute("UPDATE sessions SET title = ? WHERE id = ?", (op[2], op[1]))
                         elif kind == DELETE:
                             self._delete(db, op[1])
                         elif kind == READ:
