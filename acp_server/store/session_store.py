@@ -2,7 +2,7 @@
 
 The event loop never touches the disk. Callers *enqueue* records synchronously (no ``await``); at each
 turn of the event loop :meth:`SessionStore.run` takes what was queued as one *round*, sends it to the
-writer process (:mod:`.writer`) as one frame, and runs the callbacks that waited for it once the
+writer process (:mod:`.writer_process`) as one frame, and runs the callbacks that waited for it once the
 writer reports its commit, in enqueue order. Rounds that reach the writer while it commits an earlier
 one go in one transaction together, so a burst of prompts over many sessions costs one transaction,
 not one per record, and one pipe write each way.
@@ -59,7 +59,7 @@ log = logging.getLogger("acp_server.store")
 DB_NAME = "sessions.db"
 #: how long a stopping server waits for its writer process to write what it was sent
 STOP_TIMEOUT_S = 30.0
-_WRITER_MAIN = "import sys; from acp_server.store.writer import main; sys.exit(main(sys.argv[1:]))"
+_WRITER_MAIN = "import sys; from acp_server.store.writer_process import main; sys.exit(main(sys.argv[1:]))"
 _encode = msgspec.json.Encoder().encode
 
 
