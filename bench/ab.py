@@ -6,8 +6,8 @@ from this tree (fresh processes, a fresh state directory for the store), runs th
 and takes the ratio of their server CPU per prompt. The figure is the median of those ratios, per mode
 (``--ephemeral`` and store on), the way scenario 2 of ``bench/run.py`` measures the store's cost.
 
-The base tree runs on this venv with ``PYTHONPATH`` pointing at it (its store writer process inherits
-that), so both servers share every dependency::
+Each server runs on this venv from inside its tree with ``PYTHONPATH`` pointing at it (its store
+writer process inherits both), so both share every dependency and nothing else::
 
     git worktree add /tmp/acp-base <commit>
     python bench/ab.py --base /tmp/acp-base
@@ -41,7 +41,9 @@ class TreeServer(TcpServer):
     def __init__(self, root: Path, extra: list[str]) -> None:
         super().__init__(extra)
         serve = self.argv.index("serve")
-        self.argv = ["env", f"PYTHONPATH={root}", sys.executable, "-m", "acp_server", *self.argv[serve:]]
+        # from inside the tree: ``-m`` puts the working directory first on sys.path (and the store's
+        # writer process, started by the server, inherits both)
+        self.argv = ["env", "-C", str(root), f"PYTHONPATH={root}", sys.executable, "-m", "acp_server", *self.argv[serve:]]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -119,7 +119,8 @@ class ClientRegistry:
             if reg is None:
                 raise InvalidClientIdError(session_id=session.session_id, client_id=requested)
         else:
-            own = self.registration(peer, session.session_id) if peer is not None else None
+            state = self.peers.get(peer) if peer is not None else None
+            own = state.registrations.get(session.session_id) if state is not None else None
             reg = session.clients.get(own) if own is not None else None
             if reg is None:
                 return None
@@ -170,7 +171,10 @@ class ClientRegistry:
         """``peer`` receives the session's updates from now on (a closed one is not attached)."""
         if not peer.closed:
             session.attached.add(peer)
-            self.state(peer).sessions.add(session)
+            state = self.peers.get(peer)
+            if state is None:
+                state = self.peers[peer] = PeerState()
+            state.sessions.add(session)
 
     def detach(self, session: Session, peer: Peer) -> None:
         """``peer`` stops receiving the session's updates (its client ids stay registered)."""

@@ -76,7 +76,9 @@ class FanOut:
 
     def __init__(self, clients: ClientRegistry, persistence: Persistence) -> None:
         self._clients = clients
+        self._peer_states = clients.peers
         self._persistence = persistence
+        self._add_event = persistence.add_event
 
     def emit(self, session: Session, update: Any, originator: str | None, *, exclude: Peer | None = None) -> None:
         """Record ``update`` in the session's history and send it to every attached connection but
@@ -85,10 +87,10 @@ class FanOut:
         session.next_event_id = event_id + 1
         session.history.append((event_id, update))
         if not session.attached:
-            self._persistence.add_event(session.session_id, event_id, update)
+            self._add_event(session.session_id, event_id, update)
             return
         body = _encoder.encode(update)  # once, for the wire and the store
-        self._persistence.add_event(session.session_id, event_id, body)
+        self._add_event(session.session_id, event_id, body)
         if exclude is not None and len(session.attached) == 1 and exclude in session.attached:
             return  # a prompt's own text, to the one connection that sent it: nobody else to tell
         self.send(session, encode_update(session.session_id, event_id, body, originator), exclude)
@@ -114,9 +116,9 @@ class FanOut:
         if state in TERMINAL_TURN_STATES:
             text = ("{" + fields + "}").encode()
             session.history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
-            self._persistence.add_event(session.session_id, event_id, text, TURN_STATE)
+            self._add_event(session.session_id, event_id, text, TURN_STATE)
         attached = session.attached
-        states = self._clients.peers
+        states = self._peer_states
         if len(attached) == 1:  # the usual case, without a generator
             (peer,) = attached
             peers: tuple[Peer, ...] = (peer,) if states[peer].turn_states else ()

@@ -114,7 +114,7 @@ class SessionRunner:
         fifo = session.fifo
         fifo.append(item)
         if session.runner_active:
-            if session.runner.parked and len(fifo) == 1:
+            if session.runner.task is not None and len(fifo) == 1:
                 self._nudge(session)  # an idle runner: it takes this one (no new task)
             return
         if self.nursery is None:
@@ -135,7 +135,9 @@ class SessionRunner:
     def wake(session: Session, go: bool) -> None:
         """Resume the session's parked runner (if it is parked): to look at its FIFO again (``go``), or
         to end if the FIFO is empty (idle too long, or the session closed)."""
-        session.runner.wake(outcome.Value(go))
+        runner = session.runner
+        if runner.task is not None:
+            runner.wake(outcome.Value(go))
 
     async def _run(self, session: Session) -> None:
         """Run the session's FIFO until it is closed, or idle for a sweep."""
