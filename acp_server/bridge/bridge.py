@@ -297,6 +297,7 @@ class SessionBridge:
         self.clients.session_closed(session)
 
     def _close_on_backend_soon(self, session: Session) -> None:
+        """Tell the backend the session ended, in a task of the bridge's (none when it is not running)."""
         nursery = self.runner.nursery
         if nursery is not None:
             nursery.start_soon(self._close_on_backend, session)
@@ -523,8 +524,7 @@ class SessionBridge:
             await ticket.done.wait()
         except trio.Cancelled:
             if not ticket.settled:
-                ticket.settled = True
-                ticket.error = RequestCancelledError()
+                ticket.fail(RequestCancelledError())  # the runner drops it
             raise
         if ticket.error is not None:
             raise ticket.error

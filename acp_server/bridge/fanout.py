@@ -38,6 +38,8 @@ _HeldBack: TypeAlias = "tuple[tuple[Peer, ...], list[bytes]] | PromptTicket"
 
 
 class _ExtMsg(msgspec.Struct):
+    """An extension notification replayed from the transcript (a stored turn state)."""
+
     jsonrpc: str
     method: str
     params: dict[str, Any]

@@ -30,14 +30,17 @@ class Latch:
         self._event: trio.Event | None = None
 
     def is_set(self) -> bool:
+        """The flag is up."""
         return self._flag
 
     def set(self) -> None:
+        """Raise the flag and wake whoever waits."""
         self._flag = True
         if self._event is not None:
             self._event.set()
 
     async def wait(self) -> None:
+        """Return once the flag is up (a checkpoint either way)."""
         if self._flag:
             await trio.lowlevel.checkpoint()
             return
@@ -58,7 +61,9 @@ class Peer(Protocol):
     peer_id: int
 
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """The connection is gone (what it is sent is dropped)."""
+        ...
 
     def send(self, data: bytes) -> None:
         """Queue a notification; a connection that cannot keep up is evicted, never waited for. A
