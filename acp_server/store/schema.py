@@ -58,7 +58,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     # A session belongs to the tenant that created it; older sessions to "default".
     2: ("ALTER TABLE sessions ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default'",),
-    # The chain heads (sessions.last_chunk) are written every so many rounds, no longer in every
+    # The chain heads (sessions.last_chunk) are written every so many rounds, not in every
     # round: store_meta's heads_upto is the last chunk they account for, and the chunks after it
     # (few) are read at startup to bring the heads up to date. written_ms: when the chunk was written
     # (a session's updatedAt after a restart).
