@@ -27,6 +27,10 @@ async def test_null_persistence_records_nothing_and_has_nothing_to_wait_for() ->
         null.when_committed(1, lambda: None)
     with pytest.raises(AssertionError):
         null.after_round(lambda: None)
+    with pytest.raises(AssertionError):
+        await null.read_transcript(session.session_id, 1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(null.run)  # nothing to run: started at once
 
 
 async def test_null_persistence_lists_the_live_sessions_by_cwd_and_tenant() -> None:

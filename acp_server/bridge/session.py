@@ -184,13 +184,6 @@ class PromptTicket:
             else:
                 seat.release()
 
-    def outcome(self) -> PromptResult:
-        """The settled result, or raise the settled error."""
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
-
 
 class ForkTicket:
     """A fork waiting in its source session's FIFO; it takes no pending slot."""

@@ -122,11 +122,9 @@ class Settlement:
                 item.fail(RequestCancelledError())
 
     def caller_gone(self, ticket: PromptTicket) -> None:
-        """The request that admitted the prompt was cancelled, or its connection closed: the prompt is
-        cancelled, unless its connection is gone and another live connection is attached to the
-        session (it runs on, and its outcome goes to history)."""
-        if ticket.settled:
-            return
+        """The request that admitted the (unsettled) prompt was cancelled, or its connection closed: the
+        prompt is cancelled, unless its connection is gone and another live connection is attached to
+        the session (it runs on, and its outcome goes to history)."""
         sender = ticket.sender
         if sender is not None and sender.closed and any(not p.closed for p in ticket.session.attached):
             log.info("%s runs on for the other attached connections of %s", ticket.prompt_id, ticket.session.session_id)
