@@ -61,7 +61,7 @@ class Settlement:
 
     def __init__(self, fanout: FanOut, persistence: Persistence) -> None:
         self._fanout = fanout
-        self._persistence = persistence
+        self._record = persistence.settle
         #: prompts settled so far
         self.settled_total = 0
         #: (deadline, seq, ticket): prompts with a deadline, soonest first (settled ones drop out lazily)
@@ -95,7 +95,7 @@ class Settlement:
                 session.abandoned = trio.Event()
         else:
             ticket.release_holds()  # it never reached the backend
-        self._persistence.settle(ticket)
+        self._record(ticket)
         self._fanout.hold_answer(ticket)
         self.fail_head_forks(session)
         self._fanout.answer_waiters(ticket)
