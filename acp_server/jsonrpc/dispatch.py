@@ -28,14 +28,13 @@ from ..errors import (
 )
 from ..types.base import validation_location
 from .connection import EncodedError, Id, Notification, Request, encode_result
+from .guard import error_of
 
 __all__ = ["Deferred", "Dispatcher", "HandlerContext", "Method", "invalid_params_from"]
 
 log = logging.getLogger("acp_server.dispatch")
 
 _ARRAY = ord("[")
-
-
 
 
 class HandlerContext:
@@ -118,6 +117,10 @@ class Dispatcher:
             return self._decoders[method.params_type](data)
         except msgspec.ValidationError as exc:
             raise invalid_params_from(exc) from None
+        except (msgspec.DecodeError, RecursionError) as exc:
+            # Only text the envelope skipped can fail here: invalid UTF-8 inside params, nesting that
+            # this deeper stack cannot decode.
+            raise error_of(exc, data) from None
 
     def call(self, ctx: HandlerContext, req: Request) -> bytes | Coroutine[Any, Any, Any] | Deferred:
         """Run a request's synchronous part: the response bytes, a coroutine for :meth:`finish`, or a

@@ -399,7 +399,7 @@ class ConnectionShell:
     def _cancel_request(self, note: Notification) -> None:
         try:
             params = _decode_cancel(note.params or b"{}")
-        except msgspec.ValidationError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
             log.warning("%s: ignoring malformed $/cancel_request: %s", self.name, exc)
             return
         slot = self._slots.get(params.request_id)
