@@ -8,7 +8,6 @@ are independent.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from .config import BackendConfig
 from .errors import AcpError
 from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
 from .jsonrpc import Dispatcher
+from .signals import ShutdownSignals, shutdown_signals
 from .store import SessionStore
 from .transports import ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
 from .transports.timing import LatencyHistogram
@@ -197,6 +197,9 @@ class Server:
 async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
     """Run a server until SIGINT/SIGTERM, or until stdin ends when stdio is the only transport.
 
+    A second signal during the shutdown is absorbed; a third one stops without waiting for the answers
+    of cancelled prompts (see :mod:`acp_server.signals`).
+
     Each listener prints one line to stderr when ready: ``acp-server: listening on URL``.
     """
     configs = dict(config.backends) or {"echo": BackendConfig(kind="echo", delay_ms=config.echo_delay_ms)}
@@ -213,15 +216,20 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         store=store,
         policy=config.policy,
     )
-    try:
-        await _serve(server, config, backends, task_status)
-    finally:
-        if store is not None:
-            store.close()  # what is still queued is written (a clean shutdown loses nothing)
+    with shutdown_signals() as signals:
+        try:
+            await _serve(server, config, backends, signals, task_status)
+        finally:
+            if store is not None:
+                store.close()  # what is still queued is written (a clean shutdown loses nothing)
 
 
 async def _serve(
-    server: Server, config: ServerConfig, backends: Mapping[str, Backend], task_status: trio.TaskStatus[Server]
+    server: Server,
+    config: ServerConfig,
+    backends: Mapping[str, Backend],
+    signals: ShutdownSignals,
+    task_status: trio.TaskStatus[Server],
 ) -> None:
     async with trio.open_nursery() as nursery:
         for backend in backends.values():
@@ -266,12 +274,12 @@ async def _serve(
                 listeners.start_soon(stdio_then_exit)
 
             async def on_signals() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for signum in signals:
-                        log.info("received %s: shutting down", signal.Signals(signum).name)
-                        break
-                with trio.move_on_after(SHUTDOWN_GRACE_S + 1):
-                    await server.shutdown()
+                await signals.first()
+                async with trio.open_nursery() as watching:
+                    with trio.CancelScope() as forced, trio.move_on_after(SHUTDOWN_GRACE_S + 1):
+                        watching.start_soon(signals.absorb, forced)  # a second signal is absorbed, a third forces
+                        await server.shutdown()
+                    watching.cancel_scope.cancel()
                 listeners.cancel_scope.cancel()
 
             listeners.start_soon(on_signals)

@@ -1,0 +1,138 @@
+"""Hostile input against a real ``acp-server`` process: bursts of signals, lines nested too deep for the
+decoder over TCP and stdio, a flood of idle connections at a lowered descriptor limit.
+
+Each test fails on a server that lets one peer (or one burst of signals) cost the process, another
+connection or an answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from typing import Any
+
+import pytest
+import trio
+
+from .helpers import assert_error_valid
+from .test_e2e_sdk import ServerProcess, raw_clients, server_process, wait_for
+
+DEEP = 5000  # far deeper than msgspec decodes (about 1,000)
+
+
+def _deep_request(id: Any, depth: int = DEEP) -> bytes:
+    return (
+        b'{"jsonrpc":"2.0","id":' + json.dumps(id).encode() + b',"method":"session/prompt","params":{"x":'
+        + b"[" * depth + b"]" * depth + b"}}\n"
+    )
+
+
+# --- signals ------------------------------------------------------------------------------------------
+
+
+def _signal_burst(pid: int, count: int, gap_s: float) -> None:
+    for i in range(count):
+        if i:
+            time.sleep(gap_s)
+        os.kill(pid, signal.SIGINT)
+
+
+@pytest.mark.parametrize("count", [2, 3], ids=["two", "three"])
+async def test_sigint_burst_during_a_prompt_exits_0_without_traceback(count: int) -> None:
+    """SIGINTs 2 ms apart (as a process group's Ctrl-C or ``timeout`` send them) while a prompt runs:
+    exit 0 and no traceback; with two, the prompt is still answered ``cancelled`` (the second is absorbed).
+    (trio folds signals that arrive before its receiver runs into one, so the count seen may be lower.)"""
+    with trio.fail_after(30):
+        args = ("--listen", "tcp://127.0.0.1:0", "--echo-delay-ms", "5000", "--ephemeral")
+        async with server_process(*args) as (server, (url,)), raw_clients() as open_raw:
+            client = await open_raw(url)
+            session_id, _ = await client.new_session()
+            outcome: dict[str, Any] = {}
+            async with trio.open_nursery() as nursery:
+
+                async def prompt() -> None:
+                    try:
+                        outcome.update(await client.prompt(session_id, "interrupted by signals"))
+                    except trio.EndOfChannel:
+                        pass
+
+                nursery.start_soon(prompt)
+                await wait_for(client, lambda: bool(client.agent_text(session_id)))  # the turn is running
+                await trio.to_thread.run_sync(_signal_burst, server.proc.pid, count, 0.002)
+                returncode = await trio.to_thread.run_sync(server.proc.wait, 10.0)
+                await client.eof.wait()
+                nursery.cancel_scope.cancel()
+            stderr = "\n".join(await trio.to_thread.run_sync(server.rest_of_stderr))
+            assert returncode == 0, stderr
+            assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+            if count == 2:
+                assert outcome.get("stopReason") == "cancelled", (outcome, stderr)
+
+
+# --- nesting too deep ---------------------------------------------------------------------------------
+
+
+async def test_deep_line_over_tcp_answers_with_its_id_while_another_connection_prompts() -> None:
+    """A line nested thousands of levels deep gets ``invalid_request`` (``maxDepth``) with its id, its
+    connection stays usable, and another connection's prompts all complete meanwhile."""
+    with trio.fail_after(60):
+        args = ("--listen", "tcp://127.0.0.1:0", "--ephemeral")
+        async with server_process(*args) as (server, (url,)), raw_clients() as open_raw:
+            busy = await open_raw(url)
+            hostile = await open_raw(url)
+            busy_session, _ = await busy.new_session()
+            done: list[str] = []
+
+            async def keep_prompting() -> None:
+                for i in range(30):
+                    result = await busy.prompt(busy_session, f"prompt {i}")
+                    done.append(result["stopReason"])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keep_prompting)
+                for n in range(5):
+                    id, receive = hostile.start_request("session/prompt", id=f"deep-{n}")
+                    await hostile.send_raw(_deep_request(id))
+                    reply = await receive.receive()
+                    error = reply["error"]
+                    assert error["data"]["errorKind"] == "invalid_request" and error["data"]["maxDepth"] >= 256
+                    # the same connection still works
+                    session_id, _ = await hostile.new_session()
+                    assert (await hostile.prompt(session_id, "after"))["stopReason"] == "end_turn"
+            assert done == ["end_turn"] * 30
+            assert hostile.errors and all(e["data"]["errorKind"] == "invalid_request" for e in hostile.errors)
+            assert server.proc.poll() is None
+
+
+def test_deep_line_over_stdio_is_answered_and_the_server_keeps_serving() -> None:
+    """Over ``--stdio`` the deep line is answered with its id and the server stays up (it used to exit 1)."""
+    with ServerProcess("--stdio", stdin=subprocess.PIPE, stdout=subprocess.PIPE) as server:
+        assert server.proc.stdin is not None
+        deadline = time.monotonic() + 20
+
+        def call(line: bytes) -> dict[str, Any]:
+            assert server.proc.stdin is not None
+            server.proc.stdin.write(line)
+            server.proc.stdin.flush()
+            msg: dict[str, Any] = json.loads(server.next_stdout_line(deadline))
+            return msg
+
+        init = call(b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":1}}\n')
+        assert "result" in init
+        deep = call(_deep_request(2))
+        assert deep["id"] == 2 and deep["error"]["data"]["errorKind"] == "invalid_request"
+        assert_error_valid(deep["error"])
+        # a batch whose second item is too deep: the first is served, the second answered with its id
+        batch = call(
+            b'[{"jsonrpc":"2.0","id":3,"method":"_acp_server/capabilities"},' + _deep_request(4).rstrip() + b"]\n"
+        )
+        assert isinstance(batch, list) and {m["id"] for m in batch} == {3, 4}
+        assert "result" in next(m for m in batch if m["id"] == 3)
+        after = call(b'{"jsonrpc":"2.0","id":5,"method":"_acp_server/capabilities"}\n')
+        assert after["id"] == 5 and "result" in after
+        assert server.proc.poll() is None
+        server.proc.stdin.close()
+        assert server.proc.wait(10) == 0
