@@ -36,6 +36,7 @@ from ..jsonrpc import (
     TooLarge,
     safe_decode,
 )
+from ..logtext import clip
 
 __all__ = ["AgentProcess", "AgentRpcError", "ChildExitedError", "PendingCall"]
 
@@ -363,7 +364,7 @@ class AgentProcess:
                 try:
                     self._route(item)
                 except Exception:
-                    log.exception("routing %r from agent pid %s failed", item, self.pid)
+                    log.exception("routing %s from agent pid %s failed", clip(item), self.pid)
 
     def _route(self, event: Request | Notification | Response | ErrorReply) -> None:
         if isinstance(event, Response):

@@ -16,6 +16,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from ..errors import AcpError, InvalidRequestError, MessageTooLargeError
+from ..logtext import clip
 from .framing import TOO_LARGE, LineBuffer
 from .guard import DecodeFailure, decode_failure, error_of, nesting_error, safe_decode, scan_top_level
 
@@ -306,7 +307,7 @@ class Connection:
         if id is UNSET or id is None or (not env.result and env.error is UNSET):
             if id is None and env.error is not UNSET:
                 # The peer could not parse something we sent; nothing to route it to.
-                log.warning("peer reported an error without an id: %r", env.error)
+                log.warning("peer reported an error without an id: %s", clip(env.error))
                 return None
             return self._reply(
                 None if id is UNSET else id,
@@ -314,7 +315,7 @@ class Connection:
             )
         method_called = self._pending.pop(id, None)
         if method_called is None:
-            log.warning("dropping a response to unknown request id %r", id)
+            log.warning("dropping a response to unknown request id %s", clip(id))
             return None
         error = None if env.error is UNSET else env.error
         result = safe_decode(env.result) if env.result else None
