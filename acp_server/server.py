@@ -30,7 +30,7 @@ from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
 from .jsonrpc import Dispatcher
 from .signals import ShutdownSignals, shutdown_signals
 from .store import SessionStore
-from .transports import ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
+from .transports import ConnectionGate, ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
 from .transports.timing import LatencyHistogram
 from .types.ext import LimitsCapability
 
@@ -75,6 +75,8 @@ class ServerConfig:
     metrics_listen: ListenAddress | None = None
     #: label tenant series with tenant ids (unbounded, possibly sensitive: off by default)
     metrics_tenant_labels: bool = False
+    #: sockets of every listener together (0: from the fd limit, see ``default_max_connections``)
+    max_connections: int = 0
 
 
 class Server:
@@ -244,13 +246,15 @@ async def _serve(
             except AcpError as exc:
                 log.warning("default backend %s did not start: %s", server.bridge.backend.name, exc)
         serving = trio.open_nursery()
+        gate = ConnectionGate(config.max_connections)  # one count for every listener
         async with serving as listeners:
             for addr in config.listen:
                 try:
                     if addr.kind == "tcp":
-                        bound = await listeners.start(partial(serve_tcp, host=addr.host), server.handle_stream, addr.port)
+                        tcp = partial(serve_tcp, host=addr.host, gate=gate)
+                        bound = await listeners.start(tcp, server.handle_stream, addr.port)
                     else:
-                        bound = await listeners.start(serve_unix, server.handle_stream, addr.path)
+                        bound = await listeners.start(partial(serve_unix, gate=gate), server.handle_stream, addr.path)
                 except OSError as exc:
                     raise OSError(exc.errno, f"cannot listen on {addr}: {exc.strerror or exc}") from exc
                 for listener in bound:

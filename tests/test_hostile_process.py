@@ -136,3 +136,131 @@ def test_deep_line_over_stdio_is_answered_and_the_server_keeps_serving() -> None
         assert server.proc.poll() is None
         server.proc.stdin.close()
         assert server.proc.wait(10) == 0
+
+
+# --- descriptors and connection counts ----------------------------------------------------------------
+
+
+def _limited_server(tmp: Any, nofile: int, *args: str) -> tuple[subprocess.Popen[bytes], Any, tuple[str, int]]:
+    """A server process whose soft RLIMIT_NOFILE is ``nofile``; its stderr goes to a file."""
+    import resource
+    import sys
+
+    def lower() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    err = open(tmp / "stderr.log", "w+b")  # noqa: SIM115 - closed by the caller
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "acp_server", "serve", "--listen", "tcp://127.0.0.1:0", "--ephemeral", *args],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=lower,
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        text = (tmp / "stderr.log").read_text(errors="replace")
+        if "listening on tcp://" in text:
+            host, port = text.split("listening on tcp://", 1)[1].split()[0].rsplit(":", 1)
+            return proc, err, (host, int(port))
+        assert proc.poll() is None, text
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the server did not start")
+
+
+def _stderr(tmp: Any) -> str:
+    return str((tmp / "stderr.log").read_text(errors="replace"))
+
+
+def _initialize(sock: Any) -> dict[str, Any]:
+    sock.sendall(b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":1}}\n')
+    buf = b""
+    while b"\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed before the answer"
+        buf += chunk
+    msg: dict[str, Any] = json.loads(buf.split(b"\n", 1)[0])
+    return msg
+
+
+def _wait_for_text(tmp: Any, needle: str, count: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _stderr(tmp).count(needle) < count:
+        assert time.monotonic() < deadline, (needle, count, _stderr(tmp))
+        time.sleep(0.05)
+
+
+def test_emfile_backs_off_with_one_log_line_per_episode(tmp_path: Any) -> None:
+    """At a lowered fd limit, a flood of idle connections runs accept out of descriptors: one log line
+    per episode (not a traceback every 0.1 s), and accepting resumes once descriptors are free."""
+    import socket
+
+    proc, err, addr = _limited_server(tmp_path, 96, "--max-connections", "10000")
+    flood: list[socket.socket] = []
+    try:
+        for episode in (1, 2):
+            for _ in range(120):  # more than the fd limit leaves for sockets
+                flood.append(socket.create_connection(addr, timeout=5))
+            _wait_for_text(tmp_path, "accept failed with EMFILE", episode)
+            time.sleep(1.5)  # several retries inside the episode: still one line
+            assert _stderr(tmp_path).count("accept failed with EMFILE") == episode
+            for sock in flood:
+                sock.close()
+            flood.clear()
+            # descriptors are free again: a new client is served
+            deadline = time.monotonic() + 10
+            while True:
+                with socket.create_connection(addr, timeout=5) as sock:
+                    try:
+                        if "result" in _initialize(sock):
+                            break
+                    except (AssertionError, OSError):
+                        pass
+                assert time.monotonic() < deadline, _stderr(tmp_path)
+                time.sleep(0.2)
+        assert proc.poll() is None
+        assert "Traceback" not in _stderr(tmp_path), _stderr(tmp_path)
+    finally:
+        for sock in flood:
+            sock.close()
+        proc.kill()
+        proc.wait(10)
+        err.close()
+
+
+def test_max_connections_refuses_the_next_connection_with_evicted(tmp_path: Any) -> None:
+    """Past ``--max-connections`` (every listener together) a new connection is sent
+    ``_acp_server/evicted {reason: too_many_connections}`` and closed; the others keep working and a
+    closed one makes room."""
+    import socket
+
+    proc, err, addr = _limited_server(tmp_path, 1024, "--max-connections", "3")
+    held: list[socket.socket] = []
+    try:
+        for _ in range(3):
+            sock = socket.create_connection(addr, timeout=5)
+            assert "result" in _initialize(sock)
+            held.append(sock)
+        for _ in range(2):
+            with socket.create_connection(addr, timeout=5) as extra:
+                data = b""
+                while chunk := extra.recv(65536):
+                    data += chunk
+                note = json.loads(data.split(b"\n", 1)[0])
+                assert note["method"] == "_acp_server/evicted"
+                assert note["params"] == {"reason": "too_many_connections", "limit": 3}
+        assert _stderr(tmp_path).count("--max-connections limit") == 1  # one line per episode
+        held[0].sendall(b'{"jsonrpc":"2.0","id":2,"method":"_acp_server/capabilities"}\n')
+        assert b'"id":2' in held[0].recv(65536)
+        held.pop().close()
+        deadline = time.monotonic() + 10
+        while True:
+            with socket.create_connection(addr, timeout=5) as sock:
+                if "result" in _initialize(sock):
+                    break
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        for sock in held:
+            sock.close()
+        proc.kill()
+        proc.wait(10)
+        err.close()
