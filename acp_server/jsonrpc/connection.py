@@ -18,7 +18,7 @@ from msgspec import UNSET, UnsetType
 from ..errors import AcpError, InvalidRequestError, MessageTooLargeError
 from ..logtext import clip
 from .framing import TOO_LARGE, LineBuffer
-from .guard import DecodeFailure, decode_failure, error_of, nesting_error, safe_decode, scan_top_level
+from .guard import DecodeFailure, decode_failure, error_of, safe_decode, scan_top_level
 
 __all__ = [
     "NEED_DATA",
@@ -254,15 +254,13 @@ class Connection:
     def _batch(self, line: bytes) -> Event:
         try:
             parts: list[bytes] = [bytes(raw) for raw in _decode_batch(line)]
-        except RecursionError:
-            # One item nests too deep: split the array by the scan, so that every other item is
-            # taken and the deep one is answered with its own id.
-            spans = scan_top_level(line)
-            if not spans:
-                return self._reply(None, nesting_error())
-            parts = [line[start:end].strip() for start, end in spans]
-        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-            return self._reply(None, error_of(exc, line))
+        except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
+            # One item cannot be decoded (too deep, a lone surrogate): split the array by the scan, so
+            # that every other item is taken and the broken one is answered with its own id.
+            scanned = scan_top_level(line)
+            if scanned is None or not scanned[1] or not scanned[0]:
+                return self._reply(None, error_of(exc, line))
+            parts = [line[start:end].strip() for start, end in scanned[0]]
         if not parts:
             return self._reply(None, InvalidRequestError(detail="an empty batch is not a request"))
         items = [self._one(part) for part in parts]

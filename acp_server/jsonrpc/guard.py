@@ -96,10 +96,10 @@ def error_of(exc: Exception, data: bytes | None = None) -> AcpError:
 def decode_failure(line: bytes, exc: Exception) -> DecodeFailure:
     """The failure of decoding ``line`` as one message, addressed by the id the scan finds."""
     failure = DecodeFailure(error_of(exc, line))
-    members = scan_top_level(line)
-    if members is None or line.lstrip()[:1] != b"{":
+    scanned = scan_top_level(line)
+    if scanned is None or line.lstrip()[:1] != b"{":
         return failure
-    for start, end in members:
+    for start, end in scanned[0]:
         key = _KEY.match(line, start, end)
         if key is None:
             continue
@@ -120,8 +120,9 @@ def _small_value(data: bytes) -> Any:
         return None
 
 
-def scan_top_level(line: bytes, max_tokens: int = SCAN_TOKENS) -> list[tuple[int, int]] | None:
-    """The ``(start, end)`` spans of the members of the object or array that ``line`` holds.
+def scan_top_level(line: bytes, max_tokens: int = SCAN_TOKENS) -> tuple[list[tuple[int, int]], bool] | None:
+    """The ``(start, end)`` spans of the members of the object or array that ``line`` holds, and whether
+    its closing bracket was found.
 
     An object's members are ``"key": value`` spans, an array's its items; nested values are skipped
     without being parsed. A line that ends early (truncated, or past ``max_tokens``) gets its last
@@ -144,7 +145,7 @@ def scan_top_level(line: bytes, max_tokens: int = SCAN_TOKENS) -> list[tuple[int
                 end = m.start() + depth - 1  # the bracket that closes the top level
                 if line[start:end].strip():
                     spans.append((start, end))
-                return spans
+                return spans, True
             depth -= len(tok)
         elif depth == 0:
             if first == _QUOTE or tok.strip():
@@ -160,7 +161,7 @@ def scan_top_level(line: bytes, max_tokens: int = SCAN_TOKENS) -> list[tuple[int
         return None
     if line[start:].strip():
         spans.append((start, len(line)))
-    return spans
+    return spans, False
 
 
 def safe_decode(data: bytes, decode: Callable[[bytes], T] | None = None) -> T | DecodeFailure:
