@@ -6,6 +6,7 @@ prompt's text picks what it writes before its ``ok `` chunk and ``end_turn`` ans
 deep-update    a ``session/update`` nested 5,000 levels deep
 bad-utf8       a ``session/update`` whose text holds a byte that is not UTF-8
 truncated      half of a ``session/update`` line
+nested-N       a chunk ``n `` whose ``_meta`` nests N levels deep
 deep-answer    no chunk: the prompt's answer itself is nested 5,000 levels deep
 anything else  nothing more
 """
@@ -60,6 +61,9 @@ def main() -> None:
                     b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"' + sid.encode()
                     + b'","update":' + b'{"a":' * DEPTH + b"1" + b"}" * DEPTH + b"}}"
                 )
+            elif text.startswith("nested-"):
+                depth = int(text.removeprefix("nested-"))
+                write(update(sid, "n ").replace(b'"text":"n "}', b'"text":"n "},"_meta":' + b"[" * depth + b"]" * depth))
             elif text == "bad-utf8":
                 write(update(sid, "X").replace(b'"X"', b'"\xff\xfe"'))
             elif text == "truncated":
