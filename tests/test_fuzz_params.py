@@ -196,3 +196,25 @@ async def test_a_1mb_client_id_is_cut_in_log_lines(caplog: pytest.LogCaptureFixt
     refused = [r for r in caplog.records if "session/cancel refused" in r.getMessage()]
     assert refused and "_meta.clientId" in refused[0].getMessage()
     assert max(len(r.getMessage()) for r in caplog.records) < 1000
+
+
+async def test_params_nested_to_max_depth_are_served() -> None:
+    """``data.maxDepth`` is a depth that decodes: a prompt whose block nests that deep is answered."""
+    from acp_server.jsonrpc import MAX_DEPTH
+
+    async with running_server() as (server, nursery):
+        client = await connect(server, nursery)
+        session_id, _ = await client.new_session()
+        # params -> prompt -> [0] -> annotations -> ... : MAX_DEPTH levels in all, the line one more
+        block = {"type": "text", "text": "deep", "annotations": {"a": _deep(MAX_DEPTH - 5)}}
+        result = await client.call("session/prompt", {"sessionId": session_id, "prompt": [block]})
+        assert result["stopReason"] == "end_turn"
+        nursery.cancel_scope.cancel()
+
+
+def test_max_connections_config_key() -> None:
+    from acp_server.config import ConfigError, parse_config
+
+    assert parse_config("max_connections = 12").max_connections == 12
+    with pytest.raises(ConfigError, match="max_connections"):
+        parse_config("max_connections = -1")
