@@ -40,13 +40,20 @@ def _signal_burst(pid: int, count: int, gap_s: float) -> None:
         os.kill(pid, signal.SIGINT)
 
 
-@pytest.mark.parametrize("count", [2, 3], ids=["two", "three"])
-async def test_sigint_burst_during_a_prompt_exits_0_without_traceback(count: int) -> None:
+@pytest.mark.parametrize(
+    ("count", "store", "gap_s"),
+    [(2, False, 0.002), (3, False, 0.002), (3, True, 0.002), (3, False, 0.2)],
+    ids=["two", "three", "three-store", "three-spaced"],
+)
+async def test_sigint_burst_during_a_prompt_exits_0_without_traceback(
+    count: int, store: bool, gap_s: float, tmp_path: Any
+) -> None:
     """SIGINTs 2 ms apart (as a process group's Ctrl-C or ``timeout`` send them) while a prompt runs:
     exit 0 and no traceback; with two, the prompt is still answered ``cancelled`` (the second is absorbed).
     (trio folds signals that arrive before its receiver runs into one, so the count seen may be lower.)"""
     with trio.fail_after(30):
-        args = ("--listen", "tcp://127.0.0.1:0", "--echo-delay-ms", "5000", "--ephemeral")
+        durable = ("--state-dir", str(tmp_path / "state")) if store else ("--ephemeral",)
+        args = ("--listen", "tcp://127.0.0.1:0", "--echo-delay-ms", "5000", *durable)
         async with server_process(*args) as (server, (url,)), raw_clients() as open_raw:
             client = await open_raw(url)
             session_id, _ = await client.new_session()
@@ -61,8 +68,10 @@ async def test_sigint_burst_during_a_prompt_exits_0_without_traceback(count: int
 
                 nursery.start_soon(prompt)
                 await wait_for(client, lambda: bool(client.agent_text(session_id)))  # the turn is running
-                await trio.to_thread.run_sync(_signal_burst, server.proc.pid, count, 0.002)
+                signalled = time.monotonic()
+                await trio.to_thread.run_sync(_signal_burst, server.proc.pid, count, gap_s)
                 returncode = await trio.to_thread.run_sync(server.proc.wait, 10.0)
+                elapsed = time.monotonic() - signalled
                 await client.eof.wait()
                 nursery.cancel_scope.cancel()
             stderr = "\n".join(await trio.to_thread.run_sync(server.rest_of_stderr))
@@ -70,6 +79,7 @@ async def test_sigint_burst_during_a_prompt_exits_0_without_traceback(count: int
             assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
             if count == 2:
                 assert outcome.get("stopReason") == "cancelled", (outcome, stderr)
+            assert elapsed < 5.0
 
 
 # --- nesting too deep ---------------------------------------------------------------------------------
@@ -264,3 +274,41 @@ def test_max_connections_refuses_the_next_connection_with_evicted(tmp_path: Any)
         proc.kill()
         proc.wait(10)
         err.close()
+
+
+# --- the signal counting itself ----------------------------------------------------------------------
+
+
+class _signals:
+    """A stand-in for trio's signal receiver: yields ``nums``, then waits forever."""
+
+    def __init__(self, *nums: int) -> None:
+        self.nums = list(nums)
+
+    def __aiter__(self) -> _signals:
+        return self
+
+    async def __anext__(self) -> int:
+        await trio.lowlevel.checkpoint()
+        if not self.nums:
+            await trio.sleep_forever()
+        return self.nums.pop(0)
+
+
+async def test_second_signal_is_absorbed_and_the_third_forces(caplog: pytest.LogCaptureFixture) -> None:
+    from acp_server.signals import ShutdownSignals
+
+    two = ShutdownSignals(_signals(signal.SIGINT, signal.SIGTERM))
+    assert await two.first() == signal.SIGINT
+    with trio.CancelScope() as force:
+        with trio.move_on_after(0.2):
+            await two.absorb(force)
+    assert two.count == 2 and not force.cancel_called
+    three = ShutdownSignals(_signals(signal.SIGINT, signal.SIGINT, signal.SIGINT))
+    await three.first()
+    with trio.CancelScope() as force:
+        with trio.fail_after(1):
+            await three.absorb(force)
+    assert three.count == 3 and force.cancel_called
+    text = caplog.text
+    assert "already shutting down" in text and "a third time" in text
