@@ -49,6 +49,7 @@ from ..jsonrpc import (
     TooLarge,
     encode_error,
 )
+from ..logtext import clip
 from ..parking import ParkingSpot
 from ..types.acp import CancelRequestParams
 from .timing import LatencyHistogram
@@ -388,12 +389,12 @@ class ConnectionShell:
     def _cancel_request(self, note: Notification) -> None:
         try:
             params = _decode_cancel(note.params or b"{}")
-        except msgspec.ValidationError as exc:
-            log.warning("%s: ignoring malformed $/cancel_request: %s", self.name, exc)
+        except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
+            log.warning("%s: ignoring malformed $/cancel_request: %s", self.name, clip(str(exc)))
             return
         slot = self._slots.get(params.request_id)
         if slot is None:
-            log.debug("%s: $/cancel_request for %r, which is not in flight", self.name, params.request_id)
+            log.debug("%s: $/cancel_request for %s, which is not in flight", self.name, clip(params.request_id))
             return
         slot.cancelled = True
         if slot.scope is not None:
