@@ -419,6 +419,22 @@ class SessionBridge:
             session.history[:0] = [(e.event_id, e if e.method is not None else e.body) for e in events]
             session.stored_upto = 0
 
+    async def transcript(self, session: Session, upto: int) -> list[tuple[str | None, Any]]:
+        """The session's transcript up to event ``upto``, decoded: ``(None, update)`` for each
+        ``session/update`` payload, ``(method, params)`` for each extension notification kept."""
+        await self._load_transcript(session)
+        out: list[tuple[str | None, Any]] = []
+        for event_id, entry in session.history:
+            if event_id > upto:
+                break
+            if isinstance(entry, StoredEvent):
+                out.append((entry.method or TURN_STATE, msgspec.json.decode(entry.body)))
+            elif isinstance(entry, bytes | msgspec.Raw):
+                out.append((None, msgspec.json.decode(entry)))
+            else:
+                out.append((None, msgspec.to_builtins(entry)))
+        return out
+
     def _unload(self, session: Session) -> None:
         meta = self.stored.get(session.session_id)
         if meta is not None:
@@ -1070,6 +1086,9 @@ class SessionBridge:
             lambda u: self._emit_for(ticket, u),
             _TurnChannel(self, channel, ticket) if channel is not None else None,
             ticket.meta,
+            permit=ticket.lease,
+            deadline=ticket.deadline if ticket.deadline_ms else None,
+            transcript=partial(self.transcript, session, session.next_event_id - 1),
         )
         lease = ticket.lease
         result: PromptResult | None = None
@@ -1084,7 +1103,7 @@ class SessionBridge:
                 stop_reason = await session.backend.prompt(turn)
             finally:
                 ticket.call_scope = None  # the call is over: settling now abandons nothing
-            result = PromptResult(stop_reason=stop_reason, meta={"promptId": ticket.prompt_id})
+            result = PromptResult(stop_reason=stop_reason, meta={**turn.result_meta, "promptId": ticket.prompt_id})
         except AcpError as exc:
             result, error = None, exc
         except trio.Cancelled:
