@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import aclosing
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -441,12 +442,8 @@ class OpenAIBackend(BaseBackend):
             async with self._http().stream("POST", self._url, content=payload, headers=headers) as response:
                 status = response.status_code
                 if not 200 <= status < 300:
-                    raw = bytearray()
-                    async for piece in response.aiter_bytes():
-                        raw += piece
-                        if len(raw) >= _ERROR_BODY_LIMIT:
-                            break
-                    message = self._redact(_error_message(bytes(raw), status))
+                    raw = await response.aread()
+                    message = self._redact(_error_message(raw[:_ERROR_BODY_LIMIT], status))
                     if 400 <= status < 500 and status not in RETRY_STATUSES:
                         self.stats.failures += 1
                         raise AgentError(backend_id=self.name, agent_code=status, agent_message=message)
@@ -466,12 +463,14 @@ class OpenAIBackend(BaseBackend):
     async def _read_stream(self, turn: Turn, response: httpx.Response, reply: _Reply) -> None:
         parser = SseParser()
         reader = ChunkReader()
-        async for text in response.aiter_text():
-            for data in parser.feed(text):
-                self._events(turn, reader, data, reply)
-            if reader.done:
-                break
-        else:
+        # Read to the end of the body even after [DONE] (which ends it in practice): leaving httpx's
+        # iterators half-way leaves its inner async generators to the garbage collector.
+        async with aclosing(response.aiter_text()) as pieces:
+            async for text in pieces:
+                if not reader.done:
+                    for data in parser.feed(text):
+                        self._events(turn, reader, data, reply)
+        if not reader.done:
             for data in parser.close():
                 self._events(turn, reader, data, reply)
         reply.finish = reader.finish_reason
