@@ -22,7 +22,7 @@ from acp_server.metrics import render_metrics
 from acp_server.server import Server
 
 from .helpers import RawClient, RpcError, connect
-from .openai_server import ScriptedModel, Step, serve_model
+from .openai_server import ScriptedModel, Step, ToolCallSpec, serve_model
 
 API_KEY = "sk-test-key-4f1c9b2e-never-in-logs"
 TIMEOUT_S = 30
@@ -333,3 +333,71 @@ async def test_the_api_key_is_in_no_log_line(caplog: pytest.LogCaptureFixture) -
     assert all(API_KEY not in m for m in messages)
     assert all(API_KEY not in str(e) for e in client.errors)
     assert API_KEY not in repr(s.backend)
+
+
+async def test_the_permit_is_not_held_across_a_backoff() -> None:
+    """max_active = 1: while one prompt backs off after a 429, another prompt's call goes through."""
+    with trio.fail_after(TIMEOUT_S):
+        async with stack(max_active=1) as s:
+            s.model.push(Step(status=429, headers={"retry-after-ms": "600"}))
+            a, b = await s.client(), await s.client()
+            sid_a, sid_b = (await a.new_session())[0], (await b.new_session())[0]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.prompt, sid_a, "first")
+                await s.model.arrived.wait()
+                await b.prompt(sid_b, "second")  # during a's backoff
+                assert len(s.model.requests) == 2
+            assert len(s.model.requests) == 3
+            assert s.model.started_at[1] - s.model.started_at[0] < 0.6 <= s.model.started_at[2] - s.model.started_at[0]
+
+
+async def test_the_permit_is_released_while_a_permission_is_asked() -> None:
+    """max_active = 1: a prompt waiting on the client's answer to a permission holds no permit, so
+    another session's prompt runs meanwhile; the answer (reject) goes back to the model."""
+    with trio.fail_after(TIMEOUT_S):
+        async with stack(max_active=1) as s:
+            call = ToolCallSpec("call_1", "run_command", '{"command": "rm", "args": ["-rf", "build"]}')
+            s.model.push(Step(text=[], tool_calls=[call], finish_reason="tool_calls"))
+            a = await connect(s.server, s.nursery, initialize=False)
+            await a.call("initialize", {"protocolVersion": 1, "clientCapabilities": {"terminal": True}})
+            b = await s.client()
+            sid_a, sid_b = (await a.new_session())[0], (await b.new_session())[0]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.prompt, sid_a, "clean up")
+                while not a.requests_from_server:
+                    await a.notified.wait()
+                asked = a.requests_from_server[0]
+                assert asked["method"] == "session/request_permission"
+                schema.RequestPermissionRequest.model_validate(asked["params"])
+                assert (await b.prompt(sid_b, "meanwhile"))["stopReason"] == "end_turn"
+                outcome = {"outcome": {"outcome": "selected", "optionId": "reject"}}
+                await a.send({"jsonrpc": "2.0", "id": asked["id"], "result": outcome})
+            tool_result = s.model.requests[2]["messages"][2]
+            assert tool_result == {"role": "tool", "tool_call_id": "call_1", "content": "the user rejected this tool call"}
+            statuses = [u.get("status") for u in checked_updates(a, sid_a) if u["sessionUpdate"] == "tool_call_update"]
+            assert statuses[-1] == "failed"
+
+
+async def test_cancel_closes_the_model_stream_and_answers_cancelled() -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with stack() as s:
+            s.model.push(Step(text=["a ", "b "], hold_after=2))
+            client = await s.client()
+            sid, _ = await client.new_session()
+            async with trio.open_nursery() as nursery:
+                results: list[Any] = []
+
+                async def run() -> None:
+                    results.append(await client.prompt(sid, "hold"))
+
+                nursery.start_soon(run)
+                while not client.agent_text(sid):
+                    await client.notified.wait()
+                await client.notify("session/cancel", {"sessionId": sid})
+                while 0 not in s.model.closed_at:
+                    await s.model.closed.wait()
+            assert checked_result(results[0])["stopReason"] == "cancelled"
+            assert s.model.in_flight == 0
+            # the next prompt runs normally on the same session
+            assert (await client.prompt(sid, "again"))["stopReason"] == "end_turn"
+            assert s.model.requests[1]["messages"][1] == {"role": "assistant", "content": "a "}

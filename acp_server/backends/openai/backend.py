@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import aclosing
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import httpx
 import msgspec
@@ -317,7 +317,15 @@ class OpenAIBackend(BaseBackend):
                 if dropped:
                     log.info("backend %s: prompt %s: %d oldest turns left out of the request", self.name,
                              turn.prompt_id, dropped)
-                reply = await self._call(turn, request_body(self.model, messages, tools, self.extra_body))
+                attempts: list[_Reply] = []
+                try:
+                    reply = await self._call(turn, request_body(self.model, messages, tools, self.extra_body), attempts)
+                except BaseException:
+                    # What the client saw of a call that did not finish (cancelled, cut) stays in the
+                    # conversation, as it stays in the transcript: its text, never a half-streamed tool call.
+                    if attempts and attempts[-1].text:
+                        messages_turn.append({"role": "assistant", "content": "".join(attempts[-1].text)})
+                    raise
                 if reply.usage is not None:
                     usage[0] += reply.usage.prompt_tokens
                     usage[1] += reply.usage.completion_tokens
@@ -381,8 +389,9 @@ class OpenAIBackend(BaseBackend):
 
     # --- one model call, with its retries ------------------------------------------------------------
 
-    async def _call(self, turn: Turn, body: dict[str, Any]) -> _Reply:
-        """One model call: HTTP attempts under the permit, backoffs without it, as :func:`next_delay` says."""
+    async def _call(self, turn: Turn, body: dict[str, Any], attempts: list[_Reply]) -> _Reply:
+        """One model call: HTTP attempts under the permit, backoffs without it, as :func:`next_delay` says;
+        each attempt's reply is appended to ``attempts`` as it begins."""
         payload = _encode(body)
         permit = turn.permit
         attempt = 0
@@ -392,8 +401,10 @@ class OpenAIBackend(BaseBackend):
                 await permit.acquire_permit()
             self.stats.requests += 1
             failed: _AttemptFailed | None = None
+            reply = _Reply()
+            attempts.append(reply)
             try:
-                reply = await self._attempt(turn, payload)
+                await self._attempt(turn, payload, reply)
             except _AttemptFailed as exc:
                 failed = exc
             finally:
@@ -433,10 +444,9 @@ class OpenAIBackend(BaseBackend):
         key = self._api_key
         return text.replace(key, "[redacted]") if key and key in text else text
 
-    async def _attempt(self, turn: Turn, payload: bytes) -> _Reply:
-        """One HTTP attempt, streamed to the client as it arrives."""
+    async def _attempt(self, turn: Turn, payload: bytes, reply: _Reply) -> None:
+        """One HTTP attempt, streamed to the client as it arrives and gathered into ``reply``."""
         headers = {"content-type": "application/json", "accept": "text/event-stream", **self.call_headers(turn)}
-        reply = _Reply()
         status: int | None = None
         try:
             async with self._http().stream("POST", self._url, content=payload, headers=headers) as response:
@@ -458,14 +468,13 @@ class OpenAIBackend(BaseBackend):
             else:
                 detail = self._redact(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             raise _AttemptFailed(Failure(None, None, reply.output_sent), status, detail) from None
-        return reply
 
     async def _read_stream(self, turn: Turn, response: httpx.Response, reply: _Reply) -> None:
         parser = SseParser()
         reader = ChunkReader()
         # Read to the end of the body even after [DONE] (which ends it in practice): leaving httpx's
         # iterators half-way leaves its inner async generators to the garbage collector.
-        async with aclosing(response.aiter_text()) as pieces:
+        async with aclosing(cast(AsyncGenerator[str, None], response.aiter_text())) as pieces:
             async for text in pieces:
                 if not reader.done:
                     for data in parser.feed(text):

@@ -269,7 +269,8 @@ class _Rebuild:
         if not isinstance(call_id, str) or not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
             return
         message = self._assistant(for_tools=True)
-        entry = {"id": call_id, "type": "function", "function": {"name": meta["name"], "arguments": ""}}
+        # arguments None until the update that carries them: a call cut before it is dropped at the end
+        entry = {"id": call_id, "type": "function", "function": {"name": meta["name"], "arguments": None}}
         message.setdefault("tool_calls", []).append(entry)
         self.calls[call_id] = entry
 
@@ -288,7 +289,15 @@ class _Rebuild:
         if self.user_parts is not None:
             self._turn()
         if self.open and self.turns:
-            close_turn(self.turns[-1])
+            turn = self.turns[-1]
+            for message in turn:
+                calls = message.get("tool_calls")
+                if calls:
+                    calls[:] = [c for c in calls if c["function"]["arguments"] is not None]
+                    if not calls:
+                        del message["tool_calls"]
+            turn[:] = [m for m in turn if m.get("role") != "assistant" or m.get("content") or m.get("tool_calls")]
+            close_turn(turn)
         self.open = False
         self.calls = {}
 
