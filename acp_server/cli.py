@@ -404,7 +404,9 @@ def backends_from(
             shorthand = openai_shorthand(command)
         except ConfigError as exc:
             parser.error(str(exc))
-        if shorthand is not None:
+        if shorthand is not None and base is not None and base.kind == "openai":
+            backends[name] = msgspec.structs.replace(base, base_url=shorthand.base_url, model=shorthand.model)
+        elif shorthand is not None:
             backends[name] = shorthand
         elif base is not None and base.kind == "acp":
             backends[name] = msgspec.structs.replace(base, command=command)
