@@ -58,6 +58,8 @@ class Step:
         cut_after: close the connection abruptly after this many deltas (``None``: never).
         hold_after: after this many deltas, keep the stream open until the client closes it.
         done: send ``data: [DONE]`` at the end.
+        role_chunk: open with a chunk that carries only the role (as OpenAI's server does); without it
+            the first byte is the first content delta.
     """
 
     status: int = 200
@@ -73,6 +75,7 @@ class Step:
     cut_after: int | None = None
     hold_after: int | None = None
     done: bool = True
+    role_chunk: bool = True
 
 
 class _Cut(Exception):
@@ -125,6 +128,10 @@ class ScriptedModel:
         self.closed = trio.Event()
         self.arrived = trio.Event()
 
+    def default(self) -> Step:
+        """The step answered when the script is empty (the default reply; the benchmark sets its own)."""
+        return Step()
+
     def push(self, *steps: Step) -> None:
         self.script.extend(steps)
 
@@ -155,7 +162,7 @@ class ScriptedModel:
         self.started_at.append(trio.current_time())
         self.arrived.set()
         self.arrived = trio.Event()
-        step = self.script.popleft() if self.script else Step()
+        step = self.script.popleft() if self.script else self.default()
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
         try:
@@ -189,7 +196,7 @@ class ScriptedModel:
             return
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        chunks: list[bytes] = [_chunk({"role": "assistant", "content": ""})]
+        chunks: list[bytes] = [_chunk({"role": "assistant", "content": ""})] if step.role_chunk else []
         chunks += [_chunk({"reasoning_content": piece}) for piece in step.reasoning]
         text = step.text
         if text is None:
