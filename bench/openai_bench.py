@@ -3,10 +3,13 @@
 The scripted server (``tests/openai_server.py``) runs in this process under trio, acp-server in its
 own (``--agent bench=openai:URL#scripted``), and a minimal NDJSON client here measures:
 
-- server CPU per prompt and per streamed token (sequential prompts, each streaming ``tokens`` content
-  deltas; the server's CPU from ``/proc``, divided by the prompts and by the deltas);
+- server CPU per prompt and per streamed token: sequential prompts, each streaming ``tokens`` content
+  deltas, then as many streaming a tenth of that; the server's CPU from ``/proc``. Per token is the
+  difference between the two runs per delta (the marginal cost), per prompt the long run's average;
 - the added latency to the first ``agent_message_chunk``: from the model server sending its first
-  byte (a content delta) to this client reading the chunk (same process, same clock);
+  byte (a content delta) to this client reading the chunk (same process, same clock). The model
+  pauses 20 ms after that byte, so that sending the rest (in this same process) does not delay the
+  client's read and count as the server's latency;
 - the time from ``session/cancel`` to the model server seeing its stream closed (the stream is held
   open after a few deltas until the client goes).
 """
@@ -36,6 +39,7 @@ class OpenAISizes:
     prompts: int  # sequential prompts timed for CPU and first-chunk latency
     tokens: int  # content deltas per reply
     cancels: int  # prompts cancelled mid-stream
+    latency_prompts: int  # prompts timed for the first chunk
     warmup: int
 
 
@@ -96,12 +100,15 @@ class _Client:
 
 
 async def _run(sizes: OpenAISizes, out: dict[str, Any]) -> None:
-    words = [f"w{i} " for i in range(sizes.tokens)]
+    short = max(1, sizes.tokens // 10)
+    reply = {"tokens": sizes.tokens}
 
     class Model(ScriptedModel):
         def default(self) -> Step:
-            return Step(text=words, role_chunk=False, usage=(sizes.tokens, sizes.tokens))
+            n = reply["tokens"]
+            return Step(text=[f"w{i} " for i in range(n)], role_chunk=False, usage=(n, n))
 
+    words = [f"w{i} " for i in range(sizes.tokens)]
     model = Model()
     async with trio.open_nursery() as nursery:
         url = await nursery.start(serve_model, model)
@@ -120,24 +127,33 @@ async def _run(sizes: OpenAISizes, out: dict[str, Any]) -> None:
             # measured prompts run on a second session reset for each (session/new is not timed).
             for _ in range(sizes.warmup):
                 await client.call("session/prompt", prompt)
+            cpu = {}
+            for n in (sizes.tokens, short):
+                reply["tokens"] = n
+                spent = 0.0
+                chunks = 0
+                for _ in range(sizes.prompts):
+                    sid = (await client.call("session/new", {"cwd": "/tmp", "mcpServers": []}))["sessionId"]
+                    client.reset()
+                    before = cpu_seconds(server.pid)
+                    await client.call("session/prompt", {**prompt, "sessionId": sid})
+                    spent += cpu_seconds(server.pid) - before
+                    chunks += client.chunks
+                assert chunks == n * sizes.prompts, (chunks, n)
+                cpu[n] = spent / sizes.prompts
+            out["prompts"] = sizes.prompts
+            out["cpu_per_prompt_us"] = cpu[sizes.tokens] * 1e6
+            out["cpu_per_short_prompt_us"] = cpu[short] * 1e6
+            out["cpu_per_token_us"] = (cpu[sizes.tokens] - cpu[short]) / (sizes.tokens - short) * 1e6
             added: list[float] = []
-            cpu = 0.0
-            chunks = 0
-            for _ in range(sizes.prompts):
+            for _ in range(sizes.latency_prompts):
+                model.push(Step(text=words[:3], role_chunk=False, trickle_s=0.02))
                 sid = (await client.call("session/new", {"cwd": "/tmp", "mcpServers": []}))["sessionId"]
                 client.reset()
                 index = len(model.requests)
-                before = cpu_seconds(server.pid)
                 await client.call("session/prompt", {**prompt, "sessionId": sid})
-                cpu += cpu_seconds(server.pid) - before
-                chunks += client.chunks
                 assert client.first_chunk_at is not None
                 added.append(client.first_chunk_at - model.first_byte_at[index])
-            out["prompts"] = sizes.prompts
-            out["chunks"] = chunks
-            out["cpu_s"] = cpu
-            out["cpu_per_prompt_us"] = cpu / sizes.prompts * 1e6
-            out["cpu_per_token_us"] = cpu / chunks * 1e6
             out["first_chunk_added_ms_p50"] = statistics.median(added) * 1e3
             out["first_chunk_added_ms_p99"] = (percentile(added, 0.99) or 0) * 1e3
             cancel: list[float] = []
@@ -164,6 +180,6 @@ async def _run(sizes: OpenAISizes, out: dict[str, Any]) -> None:
 
 def run_openai(sizes: OpenAISizes) -> dict[str, Any]:
     """Run the scenario; returns its raw figures (see the module docstring)."""
-    out: dict[str, Any] = {"tokens_per_reply": sizes.tokens}
+    out: dict[str, Any] = {"tokens_per_reply": sizes.tokens, "tokens_per_short_reply": max(1, sizes.tokens // 10)}
     trio.run(_run, sizes, out)
     return out

@@ -41,6 +41,29 @@ __all__ = [
 _decode = msgspec.json.Decoder().decode
 
 
+class _TextDelta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: None = None
+
+
+class _TextChoice(msgspec.Struct):
+    delta: _TextDelta | None = None
+    finish_reason: None = None
+
+
+class _TextChunk(msgspec.Struct):
+    """The common chunk, a text or reasoning delta and nothing else, decoded without building dicts."""
+
+    choices: list[_TextChoice]
+    usage: None = None
+    error: None = None
+
+
+_decode_text = msgspec.json.Decoder(_TextChunk).decode
+
+
 class SseParser:
     """The ``data`` of each complete event in a ``text/event-stream`` body, fed as it arrives."""
 
@@ -181,6 +204,21 @@ class ChunkReader:
         if data.strip() == "[DONE]":
             self.done = True
             return [Done()]
+        try:
+            fast = _decode_text(data)
+        except msgspec.DecodeError:  # anything else (tool calls, finish, usage): the general reading below
+            pass
+        else:
+            if not fast.choices or fast.choices[0].delta is None:
+                return []
+            delta = fast.choices[0].delta
+            text: list[ChunkEvent] = []
+            reasoning = delta.reasoning_content or delta.reasoning
+            if reasoning:
+                text.append(ReasoningDelta(reasoning))
+            if delta.content:
+                text.append(TextDelta(delta.content))
+            return text
         try:
             chunk = _decode(data)
         except msgspec.DecodeError as exc:
