@@ -6,6 +6,7 @@ and the API key kept out of logs and errors. Errors are checked against ``schema
 from __future__ import annotations
 
 import logging
+import pathlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from acp_server.admission.pool import CapacityManager, PoolLimits
 from acp_server.backends.openai import OpenAIBackend
 from acp_server.metrics import render_metrics
 from acp_server.server import Server
+from acp_server.store import SessionStore
 
 from .helpers import RawClient, RpcError, connect
 from .openai_server import ScriptedModel, Step, ToolCallSpec, serve_model
@@ -41,19 +43,30 @@ class Stack:
 
 @asynccontextmanager
 async def stack(
-    *, max_active: int | None = None, limits: Limits | None = None, **backend_kw: Any
+    *,
+    max_active: int | None = None,
+    limits: Limits | None = None,
+    state_dir: pathlib.Path | None = None,
+    model: ScriptedModel | None = None,
+    **backend_kw: Any,
 ) -> AsyncIterator[Stack]:
-    """The scripted model, an openai backend on it (key ``API_KEY``) and a server with its bridge."""
-    model = ScriptedModel()
-    async with trio.open_nursery() as nursery:
-        url = await nursery.start(serve_model, model)
-        backend = OpenAIBackend("local", base_url=url, model="scripted", api_key=API_KEY, **backend_kw)
-        await nursery.start(backend.run)
-        capacity = CapacityManager({"local": PoolLimits(max_active=max_active)})
-        server = Server(limits, {"local": backend}, default_backend="local", capacity=capacity)
-        await nursery.start(server.bridge.run)
-        yield Stack(model, backend, server, nursery)
-        nursery.cancel_scope.cancel()
+    """The scripted model, an openai backend on it (key ``API_KEY``) and a server with its bridge (and
+    its store in ``state_dir``, closed on exit)."""
+    model = model or ScriptedModel()
+    store = SessionStore(state_dir) if state_dir is not None else None
+    try:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(serve_model, model)
+            backend = OpenAIBackend("local", base_url=url, model="scripted", api_key=API_KEY, **backend_kw)
+            await nursery.start(backend.run)
+            capacity = CapacityManager({"local": PoolLimits(max_active=max_active)})
+            server = Server(limits, {"local": backend}, default_backend="local", capacity=capacity, store=store)
+            await nursery.start(server.bridge.run)
+            yield Stack(model, backend, server, nursery)
+            nursery.cancel_scope.cancel()
+    finally:
+        if store is not None:
+            store.close()
 
 
 def checked_result(result: Any) -> dict[str, Any]:
@@ -401,3 +414,36 @@ async def test_cancel_closes_the_model_stream_and_answers_cancelled() -> None:
             # the next prompt runs normally on the same session
             assert (await client.prompt(sid, "again"))["stopReason"] == "end_turn"
             assert s.model.requests[1]["messages"][1] == {"role": "assistant", "content": "a "}
+
+
+async def test_a_restart_rebuilds_tool_rounds_from_the_store(tmp_path: pathlib.Path) -> None:
+    """A tool round, then a new server on the same store: the next request carries the assistant's tool
+    call (name and arguments) and its result, read back from the transcript on disk."""
+    read = ToolCallSpec("call_r", "read_text_file", '{"path": "a.txt"}', 2)
+    with trio.fail_after(TIMEOUT_S):
+        async with stack(state_dir=tmp_path) as s:
+            s.model.push(Step(text=["Reading. "], tool_calls=[read], finish_reason="tool_calls"), Step(text=["It is x."]))
+            client = await connect(s.server, s.nursery, initialize=False)
+            caps = {"fs": {"readTextFile": True}}
+            await client.call("initialize", {"protocolVersion": 1, "clientCapabilities": caps})
+            sid, _ = await client.new_session("/work")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.prompt, sid, "what is in a.txt?")
+                while not client.requests_from_server:
+                    await client.notified.wait()
+                asked = client.requests_from_server[0]
+                assert asked["method"] == "fs/read_text_file" and asked["params"]["path"] == "/work/a.txt"
+                await client.send({"jsonrpc": "2.0", "id": asked["id"], "result": {"content": "x"}})
+            before = s.model.requests[1]["messages"]
+        model = ScriptedModel()
+        async with stack(state_dir=tmp_path, model=model) as s:
+            client = await s.client()
+            await client.call("session/load", {"sessionId": sid, "cwd": "/work", "mcpServers": []})
+            await client.prompt(sid, "thanks")
+            assert model.requests[0]["messages"] == [
+                *before,
+                {"role": "assistant", "content": "It is x."},
+                {"role": "user", "content": "thanks"},
+            ]
+            assert before[1]["tool_calls"][0]["function"] == {"name": "read_text_file", "arguments": '{"path": "a.txt"}'}
+            assert before[2] == {"role": "tool", "tool_call_id": "call_r", "content": "x"}

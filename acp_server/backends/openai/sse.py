@@ -76,6 +76,11 @@ class SseParser:
 
     def feed(self, text: str) -> list[str]:
         """Take the next piece of the body (decoded text); return the events it completed."""
+        if (
+            not self._buf and not self._data and not self._cr
+            and text.startswith("data: ") and text.endswith("\n\n") and text.count("\n") == 2 and "\r" not in text
+        ):
+            return [text[6:-2]]  # the usual piece: one whole single-line event
         if self._cr and text.startswith("\n"):
             text = text[1:]
         self._cr = text.endswith("\r")
