@@ -105,7 +105,7 @@ async def test_429_with_retry_after_is_retried_after_about_that_long() -> None:
             assert result["stopReason"] == "end_turn"
             assert client.agent_text(sid) == "you said: hello"
             waited = s.model.started_at[1] - s.model.started_at[0]
-            assert 1.0 <= waited < 1.5  # the hint plus at most 10% jitter (and the machine's own delay)
+            assert 1.0 <= waited < 2.5  # the hint plus at most 10% jitter (and a loaded machine's delay)
             assert s.backend.stats.retries == 1
 
 
@@ -151,7 +151,7 @@ async def test_retry_after_ms_wins_and_an_http_date_is_understood() -> None:
             sid, _ = await client.new_session()
             assert (await client.prompt(sid, "hi"))["stopReason"] == "end_turn"
             first, second, third = s.model.started_at
-            assert 0.3 <= second - first < 0.8 and third - second < 0.5  # a date in the past: no wait
+            assert 0.3 <= second - first < 1.5 and third - second < 1.0  # a date in the past: no wait
 
 
 async def test_a_cut_after_output_is_not_retried_but_one_before_it_is() -> None:
@@ -171,7 +171,7 @@ async def test_a_cut_after_output_is_not_retried_but_one_before_it_is() -> None:
 
 async def test_a_stall_before_the_first_byte_times_out_and_is_retried() -> None:
     with trio.fail_after(TIMEOUT_S):
-        async with stack(request_timeout_s=0.3) as s:
+        async with stack(request_timeout_s=0.5) as s:
             s.model.push(Step(stall_s=3))
             client = await s.client()
             sid, _ = await client.new_session()
@@ -180,9 +180,9 @@ async def test_a_stall_before_the_first_byte_times_out_and_is_retried() -> None:
 
 
 async def test_a_slow_trickle_is_not_a_timeout() -> None:
-    """The timeout bounds silence, not the whole answer: deltas every 0.1 s outlast a 0.3 s timeout."""
+    """The timeout bounds silence, not the whole answer: deltas every 0.1 s outlast a 0.5 s timeout."""
     with trio.fail_after(TIMEOUT_S):
-        async with stack(request_timeout_s=0.3) as s:
+        async with stack(request_timeout_s=0.5) as s:
             s.model.push(Step(text=[f"w{i} " for i in range(8)], trickle_s=0.1))
             client = await s.client()
             sid, _ = await client.new_session()
