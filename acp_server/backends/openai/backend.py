@@ -126,6 +126,7 @@ class OpenAIStatistics:
     dropped_turns: int = 0
 
     def snapshot(self) -> dict[str, int]:
+        """The counters with the stats snapshot's camelCase names."""
         return {
             "modelRequestsTotal": self.requests,
             "modelRetriesTotal": self.retries,
@@ -270,6 +271,7 @@ class OpenAIBackend(BaseBackend):
         self._sessions.setdefault(session_id, _Conversation(cwd, None))
 
     async def close_session(self, session_id: str) -> None:
+        """Forget the session's conversation (its transcript stays in the store)."""
         self._sessions.pop(session_id, None)
         await trio.lowlevel.checkpoint()
 
@@ -303,6 +305,13 @@ class OpenAIBackend(BaseBackend):
         return max(1, self.context_tokens - reserve)
 
     async def prompt(self, turn: Turn) -> StopReason:
+        """Run one prompt: model calls and the tool rounds between them, at most ``max_tool_rounds`` calls.
+
+        Raises:
+            InvalidParamsError: a content block the model cannot take (before any call).
+            BackendUnavailableError: a model call failed after its last attempt.
+            AgentError: the model server refused the request (a 4xx other than 408, 409, 429).
+        """
         user = user_message(turn.prompt, images=self.images)  # refuses what the model cannot take first
         conv, turns = await self._conversation(turn)
         messages_turn: list[Message] = [user]

@@ -250,6 +250,7 @@ class _Rebuild:
         return last
 
     def user(self, content: Any) -> None:
+        """A ``user_message_chunk``: a new user message unless one is being gathered."""
         part = _content_part(content, self.images)
         if part is None:
             return
@@ -259,11 +260,13 @@ class _Rebuild:
         self.user_parts.append(part)
 
     def text(self, content: Any) -> None:
+        """An ``agent_message_chunk``: text of the current assistant message."""
         if isinstance(content, dict) and content.get("type") == "text" and isinstance(content.get("text"), str):
             message = self._assistant(for_tools=False)
             message["content"] = (message["content"] or "") + content["text"]
 
     def tool_call(self, update: Mapping[str, Any]) -> None:
+        """A ``tool_call`` the backend announced (its ``_meta.openai.name``): a call of the assistant."""
         call_id = update.get("toolCallId")
         meta = (update.get("_meta") or {}).get(META_KEY) if isinstance(update.get("_meta"), dict) else None
         if not isinstance(call_id, str) or not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
@@ -275,6 +278,7 @@ class _Rebuild:
         self.calls[call_id] = entry
 
     def tool_update(self, update: Mapping[str, Any]) -> None:
+        """A ``tool_call_update``: the call's arguments, or its result (a tool message)."""
         call_id = update.get("toolCallId")
         meta = (update.get("_meta") or {}).get(META_KEY) if isinstance(update.get("_meta"), dict) else None
         if not isinstance(call_id, str) or not isinstance(meta, dict) or call_id not in self.calls:
