@@ -447,3 +447,24 @@ async def test_a_restart_rebuilds_tool_rounds_from_the_store(tmp_path: pathlib.P
             ]
             assert before[1]["tool_calls"][0]["function"] == {"name": "read_text_file", "arguments": '{"path": "a.txt"}'}
             assert before[2] == {"role": "tool", "tool_call_id": "call_r", "content": "x"}
+
+
+async def test_a_fork_continues_the_same_conversation_on_its_own() -> None:
+    """``_acp_server/fork``: the branch's first request carries the source's conversation, and the
+    two go on separately."""
+    with trio.fail_after(TIMEOUT_S):
+        async with stack() as s:
+            client = await s.client()
+            sid, _ = await client.new_session()
+            await client.prompt(sid, "one")
+            branch = (await client.call("_acp_server/fork", {"sessionId": sid}))["sessionId"]
+            await client.prompt(branch, "two on the branch")
+            await client.prompt(sid, "two on the source")
+            assert s.model.requests[1]["messages"] == [
+                {"role": "user", "content": "one"},
+                {"role": "assistant", "content": "you said: one"},
+                {"role": "user", "content": "two on the branch"},
+            ]
+            assert [m["content"] for m in s.model.requests[2]["messages"]] == [
+                "one", "you said: one", "two on the source"
+            ]
