@@ -56,7 +56,8 @@ class Step:
         stall_s: wait this long before the response starts.
         trickle_s: wait this long between deltas.
         cut_after: close the connection abruptly after this many deltas (``None``: never).
-        hold_after: after this many deltas, keep the stream open until the client closes it.
+        hold_after: after this many chunks (or after the last), keep the stream open until the client
+            closes it.
         done: send ``data: [DONE]`` at the end.
         role_chunk: open with a chunk that carries only the role (as OpenAI's server does); without it
             the first byte is the first content delta.
@@ -227,6 +228,8 @@ class ScriptedModel:
             await send({"type": "http.response.body", "body": data, "more_body": True})
             if n == 0:
                 self.first_byte_at[index] = trio.current_time()
+        if step.hold_after is not None:  # past the last chunk: the body never ends
+            await trio.sleep_forever()
         await send({"type": "http.response.body", "body": b""})
 
 

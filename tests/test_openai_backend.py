@@ -468,3 +468,17 @@ async def test_a_fork_continues_the_same_conversation_on_its_own() -> None:
             assert [m["content"] for m in s.model.requests[2]["messages"]] == [
                 "one", "you said: one", "two on the source"
             ]
+
+
+async def test_a_body_left_open_after_done_ends_the_turn_soon() -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with stack() as s:
+            s.model.push(Step(text=["all ", "here"], hold_after=1000))
+            client = await s.client()
+            sid, _ = await client.new_session()
+            start = trio.current_time()
+            assert (await client.prompt(sid, "hi"))["stopReason"] == "end_turn"
+            assert trio.current_time() - start < 5
+            assert client.agent_text(sid) == "all here"
+            while 0 not in s.model.closed_at:
+                await s.model.closed.wait()

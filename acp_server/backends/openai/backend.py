@@ -73,6 +73,8 @@ __all__ = ["OpenAIBackend", "stop_reason_of"]
 log = logging.getLogger("acp_server.backends.openai")
 
 _FINISH: Final[Mapping[str, StopReason]] = {"stop": "end_turn", "length": "max_tokens", "content_filter": "refusal"}
+#: how long the end of the body may take after ``[DONE]`` before the connection is dropped
+_AFTER_DONE_S: Final = 1.0
 #: the most of an error answer's body read (for its message)
 _ERROR_BODY_LIMIT: Final = 64 * 1024
 _encode = msgspec.json.Encoder().encode
@@ -493,11 +495,14 @@ class OpenAIBackend(BaseBackend):
         encoding = response.headers.get("content-encoding", "identity").strip().lower()
         source = response.aiter_raw() if encoding in ("", "identity") else response.aiter_bytes()
         decode = codecs.getincrementaldecoder("utf-8")("replace").decode
-        async with aclosing(cast(AsyncGenerator[bytes, None], source)) as pieces:
-            async for raw in pieces:
-                if not reader.done:
-                    for data in parser.feed(decode(raw)):
-                        self._events(turn, reader, data, reply)
+        with trio.CancelScope() as tail:
+            async with aclosing(cast(AsyncGenerator[bytes, None], source)) as pieces:
+                async for raw in pieces:
+                    if not reader.done:
+                        for data in parser.feed(decode(raw)):
+                            self._events(turn, reader, data, reply)
+                        if reader.done:  # a server that keeps the body open after [DONE] is left soon
+                            tail.deadline = trio.current_time() + _AFTER_DONE_S
         if not reader.done:
             for data in parser.close():
                 self._events(turn, reader, data, reply)
