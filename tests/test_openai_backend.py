@@ -482,3 +482,48 @@ async def test_a_body_left_open_after_done_ends_the_turn_soon() -> None:
             assert client.agent_text(sid) == "all here"
             while 0 not in s.model.closed_at:
                 await s.model.closed.wait()
+
+
+async def test_run_command_asks_then_runs_on_the_clients_terminal() -> None:
+    """run_command: permission, terminal/create, wait_for_exit, output, release, in that order; the
+    model is given the output and the exit status."""
+    call = ToolCallSpec("call_t", "run_command", '{"command": "make", "args": ["test"], "cwd": "src"}', 5)
+    answers: dict[str, Any] = {
+        "session/request_permission": {"outcome": {"outcome": "selected", "optionId": "allow"}},
+        "terminal/create": {"terminalId": "term-1"},
+        "terminal/wait_for_exit": {"exitCode": 2, "signal": None},
+        "terminal/output": {"output": "1 failed", "truncated": False},
+        "terminal/release": {},
+    }
+    with trio.fail_after(TIMEOUT_S):
+        async with stack() as s:
+            s.model.push(Step(text=[], tool_calls=[call], finish_reason="tool_calls"), Step(text=["It failed."]))
+            client = await connect(s.server, s.nursery, initialize=False)
+            await client.call("initialize", {"protocolVersion": 1, "clientCapabilities": {"terminal": True}})
+            sid, _ = await client.new_session("/repo")
+            done: list[Any] = []
+            async with trio.open_nursery() as nursery:
+
+                async def answer() -> None:
+                    answered = 0
+                    while True:
+                        while answered < len(client.requests_from_server):
+                            asked = client.requests_from_server[answered]
+                            answered += 1
+                            result = answers[asked["method"]]
+                            await client.send({"jsonrpc": "2.0", "id": asked["id"], "result": result})
+                        await client.notified.wait()
+
+                nursery.start_soon(answer)
+                done.append(await client.prompt(sid, "run the tests"))
+                nursery.cancel_scope.cancel()
+            methods = [r["method"] for r in client.requests_from_server]
+            assert methods == list(answers)
+            created = client.requests_from_server[1]["params"]
+            assert (created["command"], created["args"], created["cwd"]) == ("make", ["test"], "/repo/src")
+            assert s.model.requests[1]["messages"][2] == {
+                "role": "tool", "tool_call_id": "call_t", "content": "1 failed\n[exit code 2]"
+            }
+            updates = [u for u in checked_updates(client, sid) if u["sessionUpdate"] == "tool_call_update"]
+            assert updates[-1]["status"] == "failed"  # a non-zero exit
+            assert done[0]["stopReason"] == "end_turn"
