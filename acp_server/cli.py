@@ -25,7 +25,7 @@ from . import __version__
 from .admission import Limits
 from .admission.policy import PolicyLimits
 from .client import cli as client_cli
-from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config
+from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config, openai_shorthand
 from .server import ListenAddress, ServerConfig, serve
 from .store import StoreVersionError, StoreWriterError, default_state_dir
 from .transports.relay import relay_stdio
@@ -214,7 +214,8 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         type=_agent_arg,
         default=[],
         metavar="NAME=CMD",
-        help="an ACP agent backend: NAME and the command that starts it (shell-quoted); repeatable",
+        help="an ACP agent backend: NAME and the command that starts it (shell-quoted), or"
+        " NAME=openai:BASE_URL#MODEL for an OpenAI-compatible endpoint; repeatable",
     )
     s.add_argument(
         "--default-backend",
@@ -407,7 +408,15 @@ def backends_from(
     default = file_config.default_backend or "echo"
     for name, command in args.agent:
         base = backends.get(name)
-        if base is not None and base.kind == "acp":
+        try:
+            shorthand = openai_shorthand(command)
+        except ConfigError as exc:
+            parser.error(str(exc))
+        if shorthand is not None and base is not None and base.kind == "openai":
+            backends[name] = msgspec.structs.replace(base, base_url=shorthand.base_url, model=shorthand.model)
+        elif shorthand is not None:
+            backends[name] = shorthand
+        elif base is not None and base.kind == "acp":
             backends[name] = msgspec.structs.replace(base, command=command)
         else:
             backends[name] = BackendConfig(kind="acp", command=command)

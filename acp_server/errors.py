@@ -264,8 +264,19 @@ class BackendUnavailableError(BackendError):
     code = -32007
     kind = "backend_unavailable"
     template = 'Backend "{backend_id}" is unavailable ({reason}, exit code {exit_code})'
+    #: the message of a model endpoint's failure (``attempts`` given instead of ``exit_code``)
+    model_template: ClassVar[str] = 'Backend "{backend_id}" is unavailable ({reason} after {attempts} attempt(s){more})'
     retryable = True
     data_type = data.BackendUnavailableData
+
+    def __init__(self, **fields: Any) -> None:
+        if "attempts" not in fields:
+            super().__init__(**fields)
+            return
+        self.payload = self.data = self.data_type(**fields)
+        status, detail = fields.get("status"), fields.get("detail")
+        more = (f", last status {status}" if status is not None else "") + (f": {detail}" if detail else "")
+        self.message = self.model_template.format(more=more, **fields)
 
 
 class AuthRequiredError(BackendError):

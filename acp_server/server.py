@@ -124,6 +124,8 @@ class Server:
             "admission": msgspec.to_builtins(self.policy.statistics()),
             "connections": {"open": len(self.connections), "evictionsTotal": self.evictions},
             "refusals": self.refusal_latency.snapshot(),
+            # backends that count their own work (a model endpoint: requests, retries, tokens)
+            "backends": {n: b.statistics() for n, b in bridge.backends.items() if hasattr(b, "statistics")},
         }
 
     def limits_capability(self) -> LimitsCapability:

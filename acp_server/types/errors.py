@@ -137,10 +137,18 @@ class IdempotencyKeyConflictData(ErrorData, tag="idempotency_key_conflict"):
 
 
 class BackendUnavailableData(ErrorData, tag="backend_unavailable", omit_defaults=True):
+    # An agent process failed (spawn_failed, exited, initialize_failed: exit_code is set, null when the
+    # process gave none), or a model endpoint did (model_unreachable: no HTTP answer or a broken
+    # stream; model_error: an HTTP error status), after ``attempts`` attempts, ``status`` the last
+    # HTTP status when there was one.
     backend_id: str
     session_id: str | None
-    reason: Literal["spawn_failed", "exited", "initialize_failed"]
-    exit_code: int | None
+    reason: Literal["spawn_failed", "exited", "initialize_failed", "model_unreachable", "model_error"]
+    exit_code: int | None | msgspec.UnsetType = msgspec.UNSET
+    attempts: int | None = None
+    status: int | None = None
+    #: what went wrong, in a few words (model endpoints)
+    detail: str | None = None
     #: set when the error ends an admitted prompt
     prompt_id: str | None = None
 
