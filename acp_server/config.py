@@ -1,6 +1,7 @@
 """The typed configuration file (``--config acp-server.toml``) and the backend table it describes.
 
     default_backend = "claude"
+    turn_states = true                # _acp_server/turn_state for clients that do not say (--turn-states)
 
     [backends.claude]
     command = ["claude-code-acp"]     # program and arguments
@@ -101,6 +102,7 @@ class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_backend: str | None = None
+    turn_states: bool = True
     backends: dict[str, BackendConfig] = msgspec.field(default_factory=dict)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)

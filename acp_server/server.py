@@ -75,6 +75,8 @@ class ServerConfig:
     metrics_listen: ListenAddress | None = None
     #: label tenant series with tenant ids (unbounded, possibly sensitive: off by default)
     metrics_tenant_labels: bool = False
+    #: send ``_acp_server/turn_state`` to connections whose ``initialize`` does not say (``--turn-states``)
+    turn_states: bool = True
 
 
 class Server:
@@ -84,6 +86,7 @@ class Server:
         limits: every bound of this instance.
         backend: the agent behind the bridge (default: the echo agent).
         store: the durable store, already opened (default: none, every session in memory only).
+        turn_states: whether a connection gets turn states when its ``initialize`` does not say.
     """
 
     version = __version__
@@ -97,8 +100,10 @@ class Server:
         capacity: CapacityManager | None = None,
         store: SessionStore | None = None,
         policy: PolicyLimits | None = None,
+        turn_states: bool = True,
     ) -> None:
         self.limits = limits or Limits()
+        self.turn_states = turn_states
         self.policy = PolicyEngine(policy)
         stored, prompt_seq = store.open() if store is not None else ({}, 0)
         self.store = store
@@ -212,6 +217,7 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         capacity=capacity,
         store=store,
         policy=config.policy,
+        turn_states=config.turn_states,
     )
     try:
         await _serve(server, config, backends, task_status)
