@@ -35,7 +35,7 @@ __all__ = ["HumanView", "JsonView", "PermissionAsker", "View", "pick_option"]
 PROGRESS_INTERVAL_S = 0.1
 _SPINNER = "|/-\\"
 #: Turn states shown as progress (the prompt waits); any other state ends the progress line.
-_WAITING = {"accepted": "accepted", "queued": "queued", "waiting_for_dependency": "waiting for the backend"}
+_WAITING = {"queued": "queued", "waiting_for_dependency": "waiting for the backend"}
 _ALLOW = ("allow_once", "allow_always")
 _REJECT = ("reject_once", "reject_always")
 
@@ -205,6 +205,8 @@ class HumanView:
             return
         position = params.get("positionHint")
         position = position if isinstance(position, int) and not isinstance(position, bool) else None
+        if state == "accepted":
+            return  # running or queued follows at once
         if state not in _WAITING:
             self._progress = None
             self._clear()
@@ -213,7 +215,7 @@ class HumanView:
             since = self._progress[2] if self._progress is not None else time.monotonic()
             self._progress = (state, position, since)
             self._draw()
-        elif state != "accepted" and (state, position) != self._shown_state:
+        elif (state, position) != self._shown_state:
             where = f" (position {position})" if position is not None else ""
             self._line(f"{_WAITING[state]}{where}")
         self._shown_state = (state, position)
