@@ -350,3 +350,26 @@ def test_views_without_a_terminal_print_one_line_per_waiting_state() -> None:
     buf = io.StringIO()
     JsonView(buf).turn_state({"state": "queued", "positionHint": 3})
     assert json.loads(buf.getvalue()) == {"type": "turn_state", "state": "queued", "positionHint": 3}
+
+
+def test_wait_buffered_leaves_the_update_in_the_stream() -> None:
+    """``wait_buffered`` returns once an update is buffered, without taking it; at once when closed."""
+    import trio.testing
+
+    from acp_server.client.updates import Update, UpdateStream
+
+    async def main() -> None:
+        stream = UpdateStream("s", max_buffered=10)
+        with trio.move_on_after(0.05) as idle:
+            await stream.wait_buffered()
+        assert idle.cancelled_caught  # nothing buffered: it waits
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream.wait_buffered)
+            await trio.testing.wait_all_tasks_blocked()
+            stream.push(Update(session_id="s", update={"sessionUpdate": "plan"}))
+        assert [u.kind for u in stream.drain_nowait()] == ["plan"]
+        stream.close()
+        with trio.fail_after(1):
+            await stream.wait_buffered()
+
+    trio.run(main)

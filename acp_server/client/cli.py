@@ -284,8 +284,12 @@ async def _prompt_once(args: argparse.Namespace, interrupt: _Interrupt, view: Vi
         view.retry(error, attempt, args.max_attempts, wait_s)
 
     async def show(session: SessionClient) -> None:
-        async for update in session.updates:
-            view.update(update)
+        # Drained with no checkpoint between taking and showing, so that an update never waits in a
+        # task while a turn state or a permission question (shown by the reader) overtakes it.
+        updates = session.updates
+        while not (updates.closed and not len(updates)):
+            await updates.wait_buffered()
+            tracker.flush()
 
     try:
         async with connect(args.connect, hooks=hooks) as client:

@@ -130,6 +130,8 @@ class HumanView:
         self._tick = 0
         self._tools: dict[str, str] = {}
         self._shown_state: tuple[str, int | None] | None = None
+        #: a question waits on the current line for its answer (the typed newline ends it)
+        self.question_open = False
 
     # --- output primitives ---------------------------------------------------------------------------
 
@@ -141,6 +143,9 @@ class HumanView:
 
     def _line(self, text: str) -> None:
         self._clear()
+        if self.question_open:
+            self.err.write("\n")
+            self.question_open = False
         if self.same_screen and self._last != "\n":
             self.out.write("\n")
             self.out.flush()
@@ -255,6 +260,7 @@ class HumanView:
         self._clear()
         self.err.write(f"acp-server: {text} ")
         self.err.flush()
+        self.question_open = True
 
     def result(self, result: dict[str, Any]) -> None:
         self._line(f"stop {result.get('stopReason')}")
@@ -382,8 +388,8 @@ class PermissionAsker:
             view.question(f"allow? [{choices}]")
             line = await trio.to_thread.run_sync(self.read_line, abandon_on_cancel=True)
             if not line:  # end of input: nobody will answer
-                view.err.write("\n")
                 return _selected(None)
+            view.question_open = False  # the terminal echoed the answer and its newline
             text = line.strip().lower()
             if text in ("y", "yes"):
                 return _selected(pick_option(options, True))
