@@ -89,3 +89,21 @@ def test_load_session_only_when_sessions_outlive_the_process(tmp_path: pathlib.P
     assert caps.list is not None and caps.resume is not None and caps.close is not None
     durable, _, _ = asyncio.run(_session("--state-dir", str(tmp_path / "state")))
     assert durable.agent_capabilities.load_session is True
+
+
+def test_the_prompt_command_asks_for_turn_states_on_a_server_with_them_off() -> None:
+    """``acp-server prompt`` needs them for its progress line: it sends ``_meta.turnStates: true``."""
+    import json
+    import subprocess
+
+    from .test_e2e_sdk import ServerProcess
+
+    with ServerProcess("--listen", "tcp://127.0.0.1:0", "--ephemeral", "--turn-states", "off") as server:
+        (url,) = server.wait_listening()
+        run = subprocess.run(
+            [sys.executable, "-m", "acp_server", "prompt", "--connect", url, "--json", "x"],
+            capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+        )
+    assert run.returncode == 0, run.stderr
+    states = [e["state"] for e in map(json.loads, run.stdout.splitlines()) if e["type"] == "turn_state"]
+    assert states == ["accepted", "running", "completed"]

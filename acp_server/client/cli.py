@@ -292,7 +292,7 @@ async def _prompt_once(args: argparse.Namespace, interrupt: _Interrupt, view: Vi
             tracker.flush()
 
     try:
-        async with connect(args.connect, hooks=hooks) as client:
+        async with connect(args.connect, hooks=hooks, turn_states=True) as client:  # for the progress line
             session = await _hold(client, args, args.cwd)
             tracker.session = session
             view.session(session.session_id, session.client_id)
