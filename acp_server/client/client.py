@@ -147,13 +147,13 @@ class Client:
             "clientCapabilities": self.connection.hooks.capabilities(),
             "clientInfo": self._client_info,
         }
-        meta: dict[str, Any] = {}
+        asked: dict[str, Any] = {}
         if self.tenant_id is not None:
-            meta["tenantId"] = self.tenant_id
+            asked["tenantId"] = self.tenant_id
         if self.turn_states is not None:
-            meta["turnStates"] = self.turn_states
-        if meta:
-            params["_meta"] = meta
+            asked["turnStates"] = self.turn_states
+        if asked:
+            params["_meta"] = asked
         result = await self.connection.call("initialize", params)
         if not isinstance(result, dict):
             raise ProtocolError(f"the initialize result is not an object: {result!r}")
