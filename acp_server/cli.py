@@ -1,7 +1,7 @@
 """The ``acp-server`` command line.
 
 Exit codes: 0 clean exit, 1 a runtime failure (port in use, a live Unix socket), 2 a bad command line
-(the message names the flag and what it accepts).
+(the message names the flag and what it accepts, under the subcommand's own usage).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import gc
 import ipaddress
 import logging
 import math
+import pathlib
 import shlex
 import socket
 import sqlite3
@@ -27,7 +28,8 @@ from .admission.policy import PolicyLimits
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config, openai_shorthand
 from .server import ListenAddress, ServerConfig, serve
-from .store import StoreVersionError, StoreWriterError, default_state_dir
+from .statedir import adopt_legacy, keyed_state_dir
+from .store import StoreVersionError, StoreWriterError
 from .transports.relay import relay_stdio
 
 __all__ = ["build_parser", "main", "parse_listen", "policy_from"]
@@ -133,6 +135,27 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser.add_argument("--version", action="version", version=f"acp-server {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     s = sub.add_parser("serve", help="serve ACP over stdio, TCP and Unix sockets", description="Serve ACP clients.")
+    _add_serve_arguments(s)
+    client_cli.add_commands(sub)  # prompt, sessions: after serve, which --help lists first
+    c = sub.add_parser(
+        "connect",
+        help="relay stdio to a running acp-server (for editors that spawn their agent)",
+        description="Relay stdin/stdout to a running acp-server, byte for byte, until it closes the connection.",
+    )
+    c.add_argument("url", metavar="URL", help="tcp://HOST:PORT or unix:/path of a running acp-server")
+    d = sub.add_parser(
+        "doctor",
+        help="check what `serve` with these flags needs: the state directory, agent commands, ports",
+        description="Check the setup `acp-server serve` would use with the same flags (state directory and "
+        "who holds it, the configured agents' commands, the listeners' ports) and say what to do about each "
+        "problem. Exit 0 when all is well, 1 when a check failed.",
+    )
+    _add_serve_arguments(d)
+    return parser, s
+
+
+def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
+    """The flags of ``serve`` (``doctor`` takes the same ones, to check what ``serve`` would use)."""
     s.add_argument("--stdio", action="store_true", help="serve one client on stdin/stdout (logs go to stderr)")
     s.add_argument(
         "--listen",
@@ -230,8 +253,9 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     s.add_argument(
         "--state-dir",
         metavar="DIR",
-        help="where durable sessions live (one SQLite database; one server per directory; default "
-        "$XDG_STATE_HOME/acp-server, else ~/.local/state/acp-server; with --stdio: none unless given)",
+        help="where durable sessions live (one SQLite database; one server per directory; default: one "
+        "directory per --listen set and --config file under $XDG_STATE_HOME/acp-server, else "
+        "~/.local/state/acp-server, e.g. .../tcp-127.0.0.1-4170; with --stdio: none unless given)",
     )
     s.add_argument(
         "--ephemeral", action="store_true", help="keep sessions in memory only: nothing is written to disk"
@@ -251,6 +275,14 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="sockets of every listener together; a later connection is sent _acp_server/evicted "
         "(too_many_connections) and closed (default: the fd limit less an eighth, at least 64, of head-room)",
     )
+    s.add_argument(
+        "--turn-states",
+        type=_on_off("--turn-states"),
+        default=None,  # None: not given, so the config file's turn_states stands
+        metavar="on|off",
+        help="send _acp_server/turn_state notifications to clients that do not say (initialize "
+        "_meta.turnStates overrides it per connection; default on)",
+    )
     _add_policy_flags(s)
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="stderr log level (default warning)")
     s.add_argument(
@@ -259,14 +291,6 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="-- CMD ARGS",
         help="after --: one ACP agent command, served as the backend named 'agent' (and the default)",
     )
-    client_cli.add_commands(sub)  # prompt, sessions: after serve, which --help lists first
-    c = sub.add_parser(
-        "connect",
-        help="relay stdio to a running acp-server (for editors that spawn their agent)",
-        description="Relay stdin/stdout to a running acp-server, byte for byte, until it closes the connection.",
-    )
-    c.add_argument("url", metavar="URL", help="tcp://HOST:PORT or unix:/path of a running acp-server")
-    return parser, s
 
 
 def _add_policy_flags(s: argparse.ArgumentParser) -> None:
@@ -332,6 +356,16 @@ def _add_policy_flags(s: argparse.ArgumentParser) -> None:
         default=None,
         help="add per-tenant series labelled with tenant ids (unbounded and possibly sensitive; default off)",
     )
+
+
+def _on_off(flag: str) -> Callable[[str], bool]:
+    def parse(text: str) -> bool:
+        value = {"on": True, "off": False}.get(text.strip().lower())
+        if value is None:
+            raise argparse.ArgumentTypeError(f"{flag} must be on or off; got {text!r}")
+        return value
+
+    return parse
 
 
 def _agent_arg(text: str) -> tuple[str, list[str]]:
@@ -453,18 +487,58 @@ def _check_loopback(parser: argparse.ArgumentParser, addr: ListenAddress, flag: 
             )
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse, naming a stray flag under its subcommand's own usage (``serve --bogus`` shows serve's)."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser, serve_parser = _build()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if args.command in client_cli.COMMANDS:
         return client_cli.run(args)
     if args.command == "connect":
         return _connect(args.url)
+    if args.command == "doctor":
+        from .doctor import run_doctor  # only the doctor needs it
+
+        doctor_parser = _subparser(parser, "doctor")
+        return run_doctor(server_config(args, doctor_parser), args)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    config = server_config(args, serve_parser)
+    if config.state_dir is not None and args.state_dir is None:
+        moved = adopt_legacy(pathlib.Path(config.state_dir))
+        if moved is not None:
+            print(f"acp-server: {moved}", file=sys.stderr, flush=True)
+    tune_gc()
+    try:
+        trio.run(serve, config)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:
+        failure = _os_error(exc)
+        if failure is None:
+            raise
+        print(f"acp-server: {failure.strerror or failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub: argparse.ArgumentParser = subparsers.choices.get(name, parser)
+    return sub
+
+
+def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> ServerConfig:
+    """What ``serve`` runs with these parsed flags (bad values exit 2 through ``serve_parser``)."""
     listen = list(args.listen)
     if not args.stdio and not listen:
         listen = [parse_listen(DEFAULT_LISTEN)]
@@ -486,12 +560,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         serve_parser.error("--ephemeral and --state-dir exclude each other: choose memory only or a directory")
     state_dir: str | None = args.state_dir
     if state_dir is None and not args.ephemeral and not args.stdio:
-        state_dir = str(default_state_dir())  # stdio alone is one editor window's own process: ephemeral
+        # One directory per address set (and config file); stdio alone is one editor window's own
+        # process: ephemeral.
+        state_dir = str(keyed_state_dir(listen, args.config))
     file_config = _file_config(args, serve_parser)
     backends, default_backend = backends_from(args, serve_parser, file_config)
     policy = policy_from(args, serve_parser, file_config)
     metrics_listen, metrics_tenant_labels = metrics_from(args, serve_parser, file_config)
-    config = ServerConfig(
+    return ServerConfig(
         stdio=args.stdio,
         listen=listen,
         echo_delay_ms=args.echo_delay_ms or 0,
@@ -503,19 +579,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics_listen=metrics_listen,
         metrics_tenant_labels=metrics_tenant_labels,
         max_connections=args.max_connections if args.max_connections is not None else file_config.max_connections or 0,
+        turn_states=args.turn_states if args.turn_states is not None else file_config.turn_states,
     )
-    tune_gc()
-    try:
-        trio.run(serve, config)
-    except KeyboardInterrupt:
-        return 0
-    except Exception as exc:
-        failure = _os_error(exc)
-        if failure is None:
-            raise
-        print(f"acp-server: {failure.strerror or failure}", file=sys.stderr)
-        return 1
-    return 0
 
 
 #: Allocations between young-generation collections for a serving process (CPython's default is 700).

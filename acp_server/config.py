@@ -2,6 +2,7 @@
 
     default_backend = "claude"
     max_connections = 1000            # sockets of every listener together (0: from the fd limit)
+    turn_states = true                # _acp_server/turn_state for clients that do not say (--turn-states)
 
     [backends.claude]
     command = ["claude-code-acp"]     # program and arguments
@@ -150,6 +151,7 @@ class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_backend: str | None = None
     #: ``--max-connections`` (0: from the fd limit)
     max_connections: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    turn_states: bool = True
     backends: dict[str, BackendConfig] = msgspec.field(default_factory=dict)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)

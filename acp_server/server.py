@@ -64,6 +64,8 @@ class ServerConfig:
     metrics_tenant_labels: bool = False
     #: sockets of every listener together (0: from the fd limit, see ``default_max_connections``)
     max_connections: int = 0
+    #: send ``_acp_server/turn_state`` to connections whose ``initialize`` does not say (``--turn-states``)
+    turn_states: bool = True
 
 
 class Server:
@@ -73,6 +75,7 @@ class Server:
         limits: every bound of this instance.
         backend: the agent behind the bridge (default: the echo agent).
         store: the durable store, already opened (default: none, every session in memory only).
+        turn_states: whether a connection gets turn states when its ``initialize`` does not say.
     """
 
     version = __version__
@@ -86,8 +89,10 @@ class Server:
         capacity: CapacityManager | None = None,
         store: SessionStore | None = None,
         policy: PolicyLimits | None = None,
+        turn_states: bool = True,
     ) -> None:
         self.limits = limits or Limits()
+        self.turn_states = turn_states
         self.policy = PolicyEngine(policy)
         stored, prompt_seq = store.open() if store is not None else ({}, 0)
         self.store = store
@@ -206,6 +211,7 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         capacity=capacity,
         store=store,
         policy=config.policy,
+        turn_states=config.turn_states,
     )
     with shutdown_signals() as signals:
         try:

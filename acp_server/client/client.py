@@ -102,11 +102,14 @@ class Client:
         on_self_heal: Callable[[str | None, str], None] | None = None,
         client_info: Mapping[str, Any] | None = None,
         tenant_id: str | None = None,
+        turn_states: bool | None = None,
     ) -> None:
         if tenant_id is not None and (not isinstance(tenant_id, str) or not tenant_id):
             raise ValueError(f"tenant_id must be a non-empty string or None; got {tenant_id!r}")
         #: the tenant named at ``initialize`` (``_meta.tenantId``); ``None``: the server's ``default``
         self.tenant_id = tenant_id
+        #: ``initialize`` ``_meta.turnStates`` (``None``: not sent, the server's ``--turn-states`` decides)
+        self.turn_states = turn_states
         self.connection = connection
         self.init_result: dict[str, Any] = {}
         self.limits: dict[str, Any] | None = None
@@ -144,8 +147,13 @@ class Client:
             "clientCapabilities": self.connection.hooks.capabilities(),
             "clientInfo": self._client_info,
         }
+        asked: dict[str, Any] = {}
         if self.tenant_id is not None:
-            params["_meta"] = {"tenantId": self.tenant_id}
+            asked["tenantId"] = self.tenant_id
+        if self.turn_states is not None:
+            asked["turnStates"] = self.turn_states
+        if asked:
+            params["_meta"] = asked
         result = await self.connection.call("initialize", params)
         if not isinstance(result, dict):
             raise ProtocolError(f"the initialize result is not an object: {result!r}")
@@ -352,6 +360,7 @@ async def connect(
     max_buffered_updates: int = 10_000,
     initialize: bool = True,
     tenant_id: str | None = None,
+    turn_states: bool | None = None,
 ) -> AsyncIterator[Client]:
     """Connect to a server and ``initialize``; the connection closes when the block ends.
 
@@ -367,6 +376,8 @@ async def connect(
         initialize: send ``initialize`` before handing the client out.
         tenant_id: the tenant this connection acts for (``initialize`` ``_meta.tenantId``); sessions
             belong to their tenant, and the server's admission policy caps and shares seats by it.
+        turn_states: ask for ``_acp_server/turn_state`` notifications (``True``) or not (``False``) at
+            ``initialize``; ``None`` (default) leaves it to the server's ``--turn-states``.
 
     Raises:
         ValueError, TypeError: a bad argument (a limit negative or fractional, a malformed URL).
@@ -384,6 +395,7 @@ async def connect(
             on_self_heal=on_self_heal,
             client_info=client_info,
             tenant_id=tenant_id,
+            turn_states=turn_states,
         )
         raised: BaseException | None = None
         try:

@@ -29,8 +29,8 @@ def initialize(ctx: ConnContext, params: InitializeParams) -> InitializeResult:
             path="_meta.tenantId", detail=f"this connection is already initialized as tenant {ctx.tenant!r}"
         )
     ctx.tenant = tenant
-    # Turn states are on unless the client opts out (a client that cannot use them saves their cost).
-    ctx.bridge.clients.set_turn_states(ctx.peer, meta_bool(params.meta, "turnStates", True))
+    # The client's word wins; else the server's --turn-states (a client that cannot use them saves their cost).
+    ctx.bridge.clients.set_turn_states(ctx.peer, meta_bool(params.meta, "turnStates", ctx.server.turn_states))
     ctx.client_capabilities = params.client_capabilities
     ctx.client_info = params.client_info
     ctx.initialized = True
@@ -38,7 +38,8 @@ def initialize(ctx: ConnContext, params: InitializeParams) -> InitializeResult:
     return InitializeResult(
         protocol_version=PROTOCOL_VERSION,
         agent_capabilities=AgentCapabilities(
-            load_session=True,
+            # session/load replays a session kept in the store; without one nothing outlives the process.
+            load_session=server.store is not None,
             # The echo agent takes every content block (it describes what is not text).
             prompt_capabilities=PromptCapabilities(image=True, audio=True, embedded_context=True),
             session_capabilities=SessionCapabilities(list={}, close={}, resume={}, delete={}),
