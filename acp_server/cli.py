@@ -24,6 +24,7 @@ import trio
 from . import __version__
 from .admission import Limits
 from .admission.policy import PolicyLimits
+from .auth import cli as auth_cli
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config
 from .server import ListenAddress, ServerConfig, serve
@@ -251,6 +252,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="after --: one ACP agent command, served as the backend named 'agent' (and the default)",
     )
     client_cli.add_commands(sub)  # prompt, sessions: after serve, which --help lists first
+    auth_cli.add_commands(sub)  # token
     c = sub.add_parser(
         "connect",
         help="relay stdio to a running acp-server (for editors that spawn their agent)",
@@ -441,6 +443,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in client_cli.COMMANDS:
         return client_cli.run(args)
+    if args.command in auth_cli.COMMANDS:
+        return auth_cli.run(args)
     if args.command == "connect":
         return _connect(args.url)
     logging.basicConfig(
