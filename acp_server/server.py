@@ -22,12 +22,14 @@ from . import __version__
 from .admission import Limits
 from .admission.policy import PolicyEngine, PolicyLimits
 from .admission.pool import CapacityManager, PoolLimits
+from .auth.gate import Authenticator, PeerInfo, describe_stream
 from .backends import Backend, EchoBackend
 from .backends.registry import build_backends
 from .bridge import SessionBridge
 from .config import BackendConfig
 from .errors import AcpError
 from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
+from .handlers.gate import gated
 from .jsonrpc import Dispatcher
 from .store import SessionStore
 from .transports import ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
@@ -97,8 +99,11 @@ class Server:
         capacity: CapacityManager | None = None,
         store: SessionStore | None = None,
         policy: PolicyLimits | None = None,
+        auth: Authenticator | None = None,
     ) -> None:
         self.limits = limits or Limits()
+        #: the token checks (``None``: no tokens configured, every connection is the owner's)
+        self.auth = auth
         self.policy = PolicyEngine(policy)
         stored, prompt_seq = store.open() if store is not None else ({}, 0)
         self.store = store
@@ -112,7 +117,10 @@ class Server:
             prompt_seq=prompt_seq,
             policy=self.policy,
         )
-        self.dispatcher = Dispatcher(REQUESTS, NOTIFICATIONS)
+        if auth is None:
+            self.dispatcher = Dispatcher(REQUESTS, NOTIFICATIONS)
+        else:
+            self.dispatcher = Dispatcher(gated(REQUESTS), gated(NOTIFICATIONS))
         self.connections: set[ConnectionShell] = set()
         self._running = 0
         self._all_done = trio.Event()
@@ -156,13 +164,30 @@ class Server:
         self.connections.discard(shell)
         self.bridge.peer_closed(shell)
 
-    async def handle_stream(self, stream: trio.abc.Stream, name: str = "connection") -> None:
-        """Serve one connection until it ends (its failures stay its own)."""
+    def _context(self, shell: ConnectionShell, info: PeerInfo | None) -> ConnContext:
+        ctx = ConnContext(self, shell)
+        if info is not None:  # tokens are configured: only the owner's transports skip them
+            ctx.peer_info = info
+            if not info.trusted:
+                ctx.identity = None
+        return ctx
+
+    async def handle_stream(self, stream: trio.abc.Stream, name: str = "connection", *, trusted: bool = False) -> None:
+        """Serve one connection until it ends (its failures stay its own).
+
+        ``trusted``: the stream is the owner's (stdio) whatever it looks like; Unix sockets are found
+        out by themselves. With tokens configured, every other peer must prove one.
+        """
         lim = self.limits
+        info = None
+        if self.auth is not None:
+            info = describe_stream(stream)
+            if trusted:
+                info = PeerInfo("stdio", trusted=True)
         shell = ConnectionShell(
             stream,
             self.dispatcher,
-            lambda sh: ConnContext(self, sh),
+            lambda sh: self._context(sh, info),
             max_message_bytes=lim.max_message_bytes,
             max_outbound_bytes=lim.outbound_bytes,
             max_inflight_requests=lim.max_inflight_requests,
@@ -257,7 +282,7 @@ async def _serve(
                 )
 
             async def stdio_then_exit() -> None:
-                await server.handle_stream(stdio_stream(), "stdio")
+                await server.handle_stream(stdio_stream(), "stdio", trusted=True)
                 if not config.listen:
                     log.info("stdin closed and no listeners: exiting")
                     listeners.cancel_scope.cancel()
