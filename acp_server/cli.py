@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import ipaddress
 import logging
 import math
 import shlex
@@ -25,6 +24,8 @@ from . import __version__
 from .admission import Limits
 from .admission.policy import PolicyLimits
 from .auth import cli as auth_cli
+from .auth.binds import RemoteBindError, check_remote_bind
+from .auth.settings import add_serve_flags, settings_from
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config
 from .server import ListenAddress, ServerConfig, serve
@@ -88,11 +89,11 @@ def _non_negative_seconds_arg(flag: str, zero: str) -> Callable[[str], float]:
 
 
 def parse_listen(text: str, flag: str = "--listen") -> ListenAddress:
-    """``tcp://HOST:PORT`` (port 0: any free port) or ``unix:/path`` (also ``unix:///path``).
+    """``tcp://HOST:PORT`` or ``tls://HOST:PORT`` (port 0: any free port) or ``unix:/path`` (also ``unix:///path``).
 
     ``flag`` names the flag (or config key) in the error message.
     """
-    accepted = "tcp://HOST:PORT (PORT 0-65535, 0 = any free port) or unix:/absolute/path"
+    accepted = "tcp://HOST:PORT or tls://HOST:PORT (PORT 0-65535, 0 = any free port) or unix:/absolute/path"
     if text.startswith("unix:"):
         path = text[len("unix:") :]
         if path.startswith("//"):
@@ -100,7 +101,7 @@ def parse_listen(text: str, flag: str = "--listen") -> ListenAddress:
         if not path.startswith("/"):
             raise argparse.ArgumentTypeError(f"{flag} {text!r}: a Unix socket needs an absolute path; accepted: {accepted}")
         return ListenAddress("unix", path=path)
-    if text.startswith("tcp://"):
+    if text.startswith(("tcp://", "tls://")):
         parts = urlsplit(text)
         try:
             port = parts.port
@@ -109,7 +110,7 @@ def parse_listen(text: str, flag: str = "--listen") -> ListenAddress:
         host = parts.hostname
         if not host or port is None or parts.path not in ("", "/"):
             raise argparse.ArgumentTypeError(f"{flag} {text!r} is not of the form {accepted}")
-        return ListenAddress("tcp", host=host, port=port)
+        return ListenAddress(parts.scheme, host=host, port=port)
     raise argparse.ArgumentTypeError(f"{flag} {text!r}: unknown scheme; accepted: {accepted}")
 
 
@@ -141,7 +142,8 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         type=parse_listen,
         default=[],
         metavar="URL",
-        help=f"tcp://HOST:PORT (loopback only; port 0 = any free port) or unix:/path; repeatable "
+        help=f"tcp://HOST:PORT or tls://HOST:PORT (beyond loopback: tls:// with --auth-tokens only; port 0 = "
+        f"any free port) or unix:/path; repeatable "
         f"(default without --stdio: {DEFAULT_LISTEN})",
     )
     s.add_argument(
@@ -244,6 +246,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="live (in-memory) sessions at once; more get session_limit_exceeded (default 1000)",
     )
     _add_policy_flags(s)
+    add_serve_flags(s)
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="stderr log level (default warning)")
     s.add_argument(
         "agent_command",
@@ -386,7 +389,7 @@ def metrics_from(
     if tenant_labels and address is None:
         parser.error("--metrics-tenant-labels needs --metrics-listen (or [metrics] listen in --config)")
     if address is not None:
-        _check_loopback(parser, address, "--metrics-listen")
+        _check_loopback(parser, address, "--metrics-listen", tokens=bool(getattr(args, "auth_tokens", None)))
     return address, tenant_labels
 
 
@@ -424,18 +427,18 @@ def backends_from(
     return backends, default
 
 
-def _check_loopback(parser: argparse.ArgumentParser, addr: ListenAddress, flag: str = "--listen") -> None:
+def _check_loopback(
+    parser: argparse.ArgumentParser, addr: ListenAddress, flag: str = "--listen", *, tokens: bool = False
+) -> None:
+    """Refuse a bind beyond loopback unless the listener speaks TLS and tokens are on (exit 2)."""
     try:
         infos = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         parser.error(f"{flag} {addr}: cannot resolve {addr.host!r}: {exc.strerror}")
-    for info in infos:
-        ip = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
-        if not ip.is_loopback:
-            parser.error(
-                f"{flag} {addr}: {ip} is not a loopback address; acp-server has no authentication yet, "
-                "so it only listens on loopback (127.0.0.1, ::1, localhost) or Unix sockets"
-            )
+    try:
+        check_remote_bind(flag, str(addr), [str(i[4][0]) for i in infos], tls=addr.kind == "tls", tokens=tokens)
+    except RemoteBindError as exc:
+        parser.error(str(exc))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -455,9 +458,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     listen = list(args.listen)
     if not args.stdio and not listen:
         listen = [parse_listen(DEFAULT_LISTEN)]
-    for addr in listen:
-        if addr.kind == "tcp":
-            _check_loopback(serve_parser, addr)
     limits = Limits(
         max_pending_prompts_per_session=args.max_pending_prompts_per_session,
         prompt_deadline_ms=args.prompt_deadline_ms,
@@ -475,6 +475,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if state_dir is None and not args.ephemeral and not args.stdio:
         state_dir = str(default_state_dir())  # stdio alone is one editor window's own process: ephemeral
     file_config = _file_config(args, serve_parser)
+    auth = settings_from(
+        args, serve_parser, file_config.auth, file_config.tls, tls_listeners=any(a.kind == "tls" for a in listen)
+    )
+    for addr in listen:
+        if addr.kind in ("tcp", "tls"):
+            _check_loopback(serve_parser, addr, tokens=auth.tokens is not None)
     backends, default_backend = backends_from(args, serve_parser, file_config)
     policy = policy_from(args, serve_parser, file_config)
     metrics_listen, metrics_tenant_labels = metrics_from(args, serve_parser, file_config)
@@ -489,6 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         policy=policy,
         metrics_listen=metrics_listen,
         metrics_tenant_labels=metrics_tenant_labels,
+        auth=auth,
     )
     tune_gc()
     try:

@@ -23,6 +23,8 @@ from .admission import Limits
 from .admission.policy import PolicyEngine, PolicyLimits
 from .admission.pool import CapacityManager, PoolLimits
 from .auth.gate import Authenticator, PeerInfo, describe_stream
+from .auth.settings import AuthSettings
+from .auth.tls import tls_handler
 from .backends import Backend, EchoBackend
 from .backends.registry import build_backends
 from .bridge import SessionBridge
@@ -30,7 +32,7 @@ from .config import BackendConfig
 from .errors import AcpError
 from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
 from .handlers.gate import gated
-from .jsonrpc import Dispatcher
+from .jsonrpc import Connection, Dispatcher
 from .store import SessionStore
 from .transports import ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
 from .transports.timing import LatencyHistogram
@@ -46,7 +48,7 @@ SHUTDOWN_GRACE_S = 3.0
 
 @dataclass(frozen=True)
 class ListenAddress:
-    """Where to listen: ``kind`` is ``"tcp"`` (host, port) or ``"unix"`` (path)."""
+    """Where to listen: ``kind`` is ``"tcp"`` or ``"tls"`` (host, port) or ``"unix"`` (path)."""
 
     kind: str
     host: str = ""
@@ -57,7 +59,7 @@ class ListenAddress:
         if self.kind == "unix":
             return f"unix:{self.path}"
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
+        return f"{self.kind}://{host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class ServerConfig:
     metrics_listen: ListenAddress | None = None
     #: label tenant series with tenant ids (unbounded, possibly sensitive: off by default)
     metrics_tenant_labels: bool = False
+    #: tokens, audit log, rate limit and TLS (``None``: none of them)
+    auth: AuthSettings | None = None
 
 
 class Server:
@@ -158,6 +162,42 @@ class Server:
             session_idle_timeout_s=lim.session_idle_timeout_s,
         )
 
+    def reload_credentials(self, tls: Any = None) -> None:
+        """SIGHUP: take the tokens file and the certificates again (each keeps what it has if its files
+        cannot be used), then evict the connections whose token is gone, changed or expired."""
+        if tls is not None:
+            error = tls.reload()
+            if error is not None:
+                log.error("TLS certificates not reloaded (the current ones stay): %s", error)
+        if self.auth is not None:
+            result = self.auth.reload()
+            if result.error is not None:
+                log.error("tokens file not reloaded (the tokens in force stay): %s", result.error)
+            self.evict_revoked()
+
+    def evict_revoked(self) -> int:
+        """Send ``_acp_server/evicted`` (``reason: "token_revoked"``) to every connection whose token no
+        longer holds, and close it; returns how many. Their admitted prompts end as on any disconnect."""
+        auth = self.auth
+        if auth is None:
+            return 0
+        gone: dict[str, list[ConnectionShell]] = {}
+        for shell in self.connections:
+            identity = shell.ctx.identity if isinstance(shell.ctx, ConnContext) else None
+            if identity is not None and identity.token_id is not None and not auth.valid(identity):
+                gone.setdefault(identity.token_id, []).append(shell)
+        for token_id, shells in gone.items():
+            for shell in shells:
+                assert isinstance(shell.ctx, ConnContext)
+                shell.ctx.identity = None  # what is still in flight from it meets auth_required
+                shell.send(Connection.send_notification("_acp_server/evicted", {"reason": "token_revoked"}))
+                shell.close()
+            if auth.store.get(token_id) is None:
+                auth.audit.token_revoked(token_id=token_id, evicted=len(shells))
+            else:
+                auth.audit.token_expired(token_id=token_id, evicted=len(shells))
+        return sum(len(s) for s in gone.values())
+
     def _closed(self, shell: ConnectionShell) -> None:
         if shell.evicted:
             self.evictions += 1
@@ -219,6 +259,26 @@ class Server:
                 await self._all_done.wait()
 
 
+#: How often connections are checked for tokens that expired (evicted within this much of the instant).
+EXPIRY_CHECK_S = 0.5
+
+
+async def _credentials_upkeep(server: Server, tls: Any) -> None:
+    """Reload tokens and certificates on SIGHUP; evict connections of expired tokens as they expire."""
+
+    async def on_hangup() -> None:
+        with trio.open_signal_receiver(signal.SIGHUP) as signals:
+            async for _ in signals:
+                log.info("SIGHUP: reloading the tokens file and the certificates")
+                server.reload_credentials(tls)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(on_hangup)
+        while server.auth is not None:
+            await trio.sleep(EXPIRY_CHECK_S)
+            server.evict_revoked()
+
+
 async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
     """Run a server until SIGINT/SIGTERM, or until stdin ends when stdio is the only transport.
 
@@ -230,6 +290,10 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         {name: PoolLimits(max_active=c.max_active, max_waiting=c.max_waiting) for name, c in configs.items()}
     )
     store = SessionStore(config.state_dir) if config.state_dir is not None else None
+    settings = config.auth or AuthSettings()
+    auth = None
+    if settings.tokens is not None:
+        auth = Authenticator(settings.tokens, audit=settings.audit, rate_limit_rps=settings.rate_limit_rps)
     server = Server(
         config.limits,
         backends,
@@ -237,6 +301,7 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         capacity=capacity,
         store=store,
         policy=config.policy,
+        auth=auth,
     )
     try:
         await _serve(server, config, backends, task_status)
@@ -248,6 +313,7 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
 async def _serve(
     server: Server, config: ServerConfig, backends: Mapping[str, Backend], task_status: trio.TaskStatus[Server]
 ) -> None:
+    tls = config.auth.tls if config.auth is not None else None
     async with trio.open_nursery() as nursery:
         for backend in backends.values():
             run = getattr(backend, "run", None)
@@ -266,12 +332,19 @@ async def _serve(
                 try:
                     if addr.kind == "tcp":
                         bound = await listeners.start(partial(serve_tcp, host=addr.host), server.handle_stream, addr.port)
+                    elif addr.kind == "tls":
+                        assert tls is not None  # the command line checked it
+                        handler = tls_handler(server.handle_stream, tls, f"tls {addr}")
+                        bound = await listeners.start(partial(serve_tcp, host=addr.host), handler, addr.port)
                     else:
                         bound = await listeners.start(serve_unix, server.handle_stream, addr.path)
                 except OSError as exc:
                     raise OSError(exc.errno, f"cannot listen on {addr}: {exc.strerror or exc}") from exc
                 for listener in bound:
-                    print(f"acp-server: listening on {listener_url(listener)}", file=sys.stderr, flush=True)
+                    url = listener_url(listener)
+                    if addr.kind == "tls":
+                        url = "tls" + url.removeprefix("tcp")
+                    print(f"acp-server: listening on {url}", file=sys.stderr, flush=True)
             if config.metrics_listen is not None:
                 from .metrics import serve_metrics  # hypercorn and prometheus_client load only when asked
 
@@ -300,5 +373,7 @@ async def _serve(
                 listeners.cancel_scope.cancel()
 
             listeners.start_soon(on_signals)
+            if server.auth is not None or tls is not None:
+                listeners.start_soon(_credentials_upkeep, server, tls)
             task_status.started(server)
         nursery.cancel_scope.cancel()
