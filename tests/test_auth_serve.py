@@ -256,3 +256,38 @@ def test_the_auth_and_tls_config_tables() -> None:
     assert (cfg.tls.cert, cfg.tls.key, cfg.tls.handshake_timeout_s) == ("/c", "/k", 2)
     with pytest.raises(ConfigError, match="auth.secret: unknown key"):
         parse_config('[auth]\nsecret = "x"\n')
+
+
+async def test_our_sdk_over_tls_with_a_token(setup: Setup, server: tuple[ServerProcess, str, str]) -> None:
+    from acp_server.client import connect
+    from acp_server.client.errors import RpcError as ClientRpcError
+
+    _, tls_url, tcp_url = server
+    async with connect(tls_url, token=setup.secrets["acme"], ca_file=setup.ca) as client:
+        session = await client.new_session("/tmp")
+        result = await session.prompt("hello")
+        assert result.stop_reason == "end_turn"
+    with pytest.raises(ClientRpcError) as info:
+        async with connect(tcp_url, token="wrong"):
+            pass
+    assert info.value.kind == "auth_required"
+    other = setup.dir / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other))
+    for ca in (str(other), None):  # another CA; the system store
+        with pytest.raises(ConnectionError) as refused:
+            async with connect(tls_url, token=setup.secrets["acme"], ca_file=ca):
+                pass
+        assert "the server's certificate is not trusted" in str(refused.value) and "--ca-file" in str(refused.value)
+
+
+def test_the_sessions_command_takes_the_token_from_the_environment(
+    setup: Setup, server: tuple[ServerProcess, str, str]
+) -> None:
+    _, tls_url, _ = server
+    base = [sys.executable, "-m", "acp_server", "sessions", "--connect", tls_url, "--ca-file", setup.ca]
+    env = {**os.environ, "ACP_SERVER_TOKEN": setup.secrets["beta"]}
+    run = subprocess.run(base, capture_output=True, text=True, timeout=30, env=env)
+    assert run.returncode == 0, run.stderr
+    env["ACP_SERVER_TOKEN"] = "wrong"
+    run = subprocess.run(base, capture_output=True, text=True, timeout=30, env=env)
+    assert run.returncode == 1 and "auth_required" in run.stderr and "wrong" not in run.stderr

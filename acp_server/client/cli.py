@@ -1,5 +1,8 @@
 """``acp-server prompt`` and ``acp-server sessions``: the client SDK as a command line for people.
 
+Both take ``--token`` (default ``$ACP_SERVER_TOKEN``; prefer the variable: arguments show in ``ps``)
+and ``--ca-file`` for ``tls://`` servers.
+
 ``prompt`` prints the agent's text to stdout as it streams; on stderr ``acp-server: session <id>
 client <id>`` once it holds the session (again after a self-heal), then ``acp-server: stop <reason>``
 or ``acp-server: error <errorKind>: <message>``. Exit codes: 0 for any stop reason but ``cancelled``,
@@ -21,6 +24,7 @@ from typing import Any
 
 import trio
 
+from ..auth.tls import TlsConfigError
 from ..types.acp import PromptResult
 from .client import Client, connect, parse_url
 from .errors import ClientError
@@ -53,7 +57,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="send one prompt to a running acp-server and stream the answer",
         description="Send one prompt; the agent's text goes to stdout, the session and stop lines to stderr.",
     )
-    p.add_argument("--connect", required=True, type=_url, metavar="URL", help="tcp://HOST:PORT or unix:/path")
+    p.add_argument("--connect", required=True, type=_url, metavar="URL", help="tcp://HOST:PORT, tls://HOST:PORT or unix:/path")
+    _add_auth_flags(p)
     which = p.add_mutually_exclusive_group()
     which.add_argument("--session", metavar="ID", help="prompt this existing session")
     which.add_argument("--new", action="store_true", help="open a new session (the default)")
@@ -67,8 +72,19 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     s = subparsers.add_parser(
         "sessions", help="list the sessions of a running acp-server", description="List sessions, one per line."
     )
-    s.add_argument("--connect", required=True, type=_url, metavar="URL", help="tcp://HOST:PORT or unix:/path")
+    s.add_argument("--connect", required=True, type=_url, metavar="URL", help="tcp://HOST:PORT, tls://HOST:PORT or unix:/path")
+    _add_auth_flags(s)
     s.add_argument("--cwd", metavar="DIR", help="only the sessions in this working directory")
+
+
+def _add_auth_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--token",
+        default=os.environ.get("ACP_SERVER_TOKEN"),
+        metavar="SECRET",
+        help="the secret of an acp-server token, sent with authenticate (default: $ACP_SERVER_TOKEN)",
+    )
+    p.add_argument("--ca-file", metavar="FILE", help="PEM CAs to verify a tls:// server with (default: system store)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,7 +184,7 @@ async def _prompt_once(args: argparse.Namespace, interrupt: _Interrupt) -> int:
     result: PromptResult | None = None
     failure: ClientError | None = None
     try:
-        async with connect(args.connect) as client:
+        async with connect(args.connect, token=args.token, ca_file=args.ca_file) as client:
             session = await _hold(client, args, args.cwd)
             _say(f"session {session.session_id} client {session.client_id}")
             session.on_self_heal = lambda old, new: _say(f"session {session.session_id} client {new}")
@@ -187,6 +203,9 @@ async def _prompt_once(args: argparse.Namespace, interrupt: _Interrupt) -> int:
     except OSError as exc:
         _say(f"error connection_failed: cannot connect to {args.connect}: {exc.strerror or exc}")
         return EXIT_ERROR
+    except TlsConfigError as exc:  # --ca-file cannot be used
+        _say(f"error {exc}")
+        return EXIT_ERROR
     finally:
         text.end()  # before any stderr line, so the text's last line is whole
     if failure is not None or result is None:
@@ -198,13 +217,16 @@ async def _prompt_once(args: argparse.Namespace, interrupt: _Interrupt) -> int:
 
 async def _sessions(args: argparse.Namespace) -> int:
     try:
-        async with connect(args.connect) as client:
+        async with connect(args.connect, token=args.token, ca_file=args.ca_file) as client:
             sessions = await client.list_sessions(args.cwd)
     except ClientError as exc:
         _error(exc)
         return EXIT_ERROR
     except OSError as exc:
         _say(f"error connection_failed: cannot connect to {args.connect}: {exc.strerror or exc}")
+        return EXIT_ERROR
+    except TlsConfigError as exc:  # --ca-file cannot be used
+        _say(f"error {exc}")
         return EXIT_ERROR
     for info in sessions:
         fields = [info.session_id, info.cwd, info.updated_at or "-"]
