@@ -259,9 +259,11 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c = sub.add_parser(
         "connect",
         help="relay stdio to a running acp-server (for editors that spawn their agent)",
-        description="Relay stdin/stdout to a running acp-server, byte for byte, until it closes the connection.",
+        description="Relay stdin/stdout to a running acp-server, byte for byte, until it closes the connection "
+        "(with --token, an authenticate is sent after the client's initialize and its answer kept back).",
     )
-    c.add_argument("url", metavar="URL", help="tcp://HOST:PORT or unix:/path of a running acp-server")
+    c.add_argument("url", metavar="URL", help="tcp://HOST:PORT, tls://HOST:PORT or unix:/path of a running acp-server")
+    auth_cli.add_connect_flags(c)
     return parser, s
 
 
@@ -449,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in auth_cli.COMMANDS:
         return auth_cli.run(args)
     if args.command == "connect":
-        return _connect(args.url)
+        return _connect(args.url, args.token, args.ca_file)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         stream=sys.stderr,
@@ -539,9 +541,9 @@ def _os_error(exc: BaseException) -> OSError | None:
     return exc if isinstance(exc, OSError) else None
 
 
-def _connect(url: str) -> int:
+def _connect(url: str, token: str | None = None, ca_file: str | None = None) -> int:
     try:
-        trio.run(relay_stdio, url)
+        trio.run(relay_stdio, url, token, ca_file)
     except KeyboardInterrupt:
         return 0
     except (OSError, ValueError) as exc:

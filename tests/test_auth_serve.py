@@ -291,3 +291,32 @@ def test_the_sessions_command_takes_the_token_from_the_environment(
     env["ACP_SERVER_TOKEN"] = "wrong"
     run = subprocess.run(base, capture_output=True, text=True, timeout=30, env=env)
     assert run.returncode == 1 and "auth_required" in run.stderr and "wrong" not in run.stderr
+
+
+def test_the_official_sdk_over_tls_through_connect(setup: Setup) -> None:
+    """The official SDK's whole scenario through ``acp-server connect tls://...``: the relay wraps the
+    stream in TLS (the CA via ``SSL_CERT_FILE``, read by the system trust store) and authenticates with
+    ``ACP_SERVER_TOKEN`` after the SDK's ``initialize``, keeping that answer from the SDK."""
+    from .test_e2e_sdk import DRIVER
+
+    admin = new_secret()
+    records = load_tokens(setup.tokens)
+    records["ops"] = TokenRecord("ops", bytes.fromhex(hash_secret(admin)), "ops", frozenset({"admin"}))
+    write_tokens(setup.tokens, records.values())
+    with ServerProcess(
+        "--ephemeral", "--listen", "tls://127.0.0.1:0", "--echo-delay-ms", "500", "--auth-tokens", setup.tokens,
+        "--tls-cert", setup.cert, "--tls-key", setup.key, "--audit-log", setup.audit,
+    ) as proc:
+        (url,) = proc.wait_listening()
+        env = {**os.environ, "ACP_SERVER_TOKEN": admin, "SSL_CERT_FILE": setup.ca}
+        run = subprocess.run(
+            [sys.executable, str(DRIVER), f"connect:{url.replace('127.0.0.1', 'localhost')}"],
+            capture_output=True, text=True, timeout=90, env=env,
+        )
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    context = f"summary: {json.dumps(summary, indent=1)}\ndriver stderr: {run.stderr}"
+    assert summary["failures"] == [] and summary["sdkErrors"] == [], context
+    assert summary["first"]["stopReason"] == "end_turn" and summary["cancelled"]["stopReason"] == "cancelled", context
+    assert admin not in run.stderr and admin not in run.stdout
+    assert any(e["event"] == "auth_ok" and e["tokenId"] == "ops" for e in _audit(setup))

@@ -33,7 +33,7 @@ from .tokens import (
     write_tokens,
 )
 
-__all__ = ["COMMANDS", "add_commands", "main", "run"]
+__all__ = ["COMMANDS", "add_commands", "add_connect_flags", "main", "run"]
 
 #: The subcommands this module owns.
 COMMANDS = ("token",)
@@ -96,6 +96,18 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "list", help="list tokens (never secrets)", description="One line per token: id, tenant, scopes, expiry."
     )
     ls.add_argument("--file", required=True, metavar="FILE", help="the tokens file")
+
+
+def add_connect_flags(p: argparse.ArgumentParser) -> None:
+    """``--token`` (default ``$ACP_SERVER_TOKEN``) and ``--ca-file`` for a command that connects to a server."""
+    p.add_argument(
+        "--token",
+        default=os.environ.get("ACP_SERVER_TOKEN"),
+        metavar="SECRET",
+        help="the secret of an acp-server token, sent with authenticate (default: $ACP_SERVER_TOKEN; prefer it: "
+        "arguments show in ps)",
+    )
+    p.add_argument("--ca-file", metavar="FILE", help="PEM CAs to verify a tls:// server with (default: system store)")
 
 
 def _existing(path: str) -> dict[str, TokenRecord]:

@@ -29,6 +29,7 @@ __all__ = [
     "accept_tls",
     "client_context",
     "describe_tls_failure",
+    "open_tls_stream",
     "server_context",
     "tls_handler",
 ]
@@ -178,6 +179,29 @@ def describe_tls_failure(exc: BaseException) -> str:
     if isinstance(cause, ssl.SSLError):
         return f"TLS handshake failed: {cause.reason or cause}"
     return f"TLS handshake failed: the server closed the connection ({exc!r})"
+
+
+async def open_tls_stream(host: str, port: int, ca_file: str | None = None) -> trio.SSLStream[trio.SocketStream]:
+    """Connect to ``host:port`` and complete a verified TLS handshake (what our SDK and relay use).
+
+    Raises:
+        TlsConfigError: ``ca_file`` cannot be used.
+        ConnectionError: the handshake failed; the message says why and, for an untrusted certificate,
+            names ``--ca-file``.
+        OSError: nothing listens there.
+    """
+    context = client_context(ca_file)
+    tcp = await trio.open_tcp_stream(host, port)
+    stream = trio.SSLStream(tcp, context, server_hostname=host)
+    try:
+        await stream.do_handshake()
+    except trio.BrokenResourceError as exc:
+        await trio.aclose_forcefully(tcp)
+        raise ConnectionError(f"tls://{host}:{port}: {describe_tls_failure(exc)}") from exc
+    except BaseException:
+        await trio.aclose_forcefully(tcp)
+        raise
+    return stream
 
 
 async def accept_tls(

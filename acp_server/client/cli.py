@@ -78,13 +78,9 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _add_auth_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--token",
-        default=os.environ.get("ACP_SERVER_TOKEN"),
-        metavar="SECRET",
-        help="the secret of an acp-server token, sent with authenticate (default: $ACP_SERVER_TOKEN)",
-    )
-    p.add_argument("--ca-file", metavar="FILE", help="PEM CAs to verify a tls:// server with (default: system store)")
+    from ..auth.cli import add_connect_flags
+
+    add_connect_flags(p)
 
 
 def run(args: argparse.Namespace) -> int:

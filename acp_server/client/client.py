@@ -22,7 +22,7 @@ import trio
 
 from .. import __version__
 from ..auth import TOKEN_METHOD_ID
-from ..auth.tls import client_context, describe_tls_failure
+from ..auth.tls import open_tls_stream
 from ..errors import MethodNotFoundError
 from ..types.acp import PROTOCOL_VERSION, ListSessionsResult, SessionInfo
 from .connection import RpcConnection
@@ -312,7 +312,7 @@ async def _open_stream(target: Target, ca_file: str | None = None) -> AsyncItera
         if kind == "tcp":
             stream = await trio.open_tcp_stream(where, port)
         elif kind == "tls":
-            stream = await _open_tls(where, port, ca_file)
+            stream = await open_tls_stream(where, port, ca_file)
         else:
             stream = await trio.open_unix_socket(where)
         async with _open_stream(stream) as opened:
@@ -320,21 +320,6 @@ async def _open_stream(target: Target, ca_file: str | None = None) -> AsyncItera
         return
     async with _spawn(list(target)) as opened:
         yield opened
-
-
-async def _open_tls(host: str, port: int, ca_file: str | None) -> trio.SSLStream[trio.SocketStream]:
-    context = client_context(ca_file)
-    tcp = await trio.open_tcp_stream(host, port)
-    stream = trio.SSLStream(tcp, context, server_hostname=host)
-    try:
-        await stream.do_handshake()
-    except trio.BrokenResourceError as exc:
-        await trio.aclose_forcefully(tcp)
-        raise ConnectionError(f"tls://{host}:{port}: {describe_tls_failure(exc)}") from exc
-    except BaseException:
-        await trio.aclose_forcefully(tcp)
-        raise
-    return stream
 
 
 @asynccontextmanager
