@@ -134,6 +134,19 @@ async def test_the_token_binds_the_tenant() -> None:
             await beta.call("session/load", {"sessionId": session_id, "cwd": "/tmp", "mcpServers": []})
         assert info.value.kind == "session_not_found"
         assert session_id in json.dumps(await acme.call("session/list", {}))
+        for method, params in (
+            ("session/resume", {"sessionId": session_id, "cwd": "/tmp", "mcpServers": []}),
+            ("session/prompt", {"sessionId": session_id, "prompt": [{"type": "text", "text": "x"}]}),
+            ("session/close", {"sessionId": session_id}),
+            ("session/delete", {"sessionId": session_id}),
+            ("_acp_server/heartbeat", {"sessionId": session_id}),
+            ("_acp_server/fork", {"sessionId": session_id}),
+        ):
+            with pytest.raises(RpcError) as info:
+                await beta.call(method, params)
+            assert info.value.kind == "session_not_found", method
+            assert "acme" not in json.dumps(info.value.error)
+        await acme.prompt(session_id)  # untouched by all that
         # a client claiming another tenant is refused at authenticate
         liar = await connect(server, nursery, initialize=False)
         with pytest.raises(RpcError) as info:
