@@ -279,3 +279,44 @@ def test_fuzz_authenticate_params_only_documented_errors(params: Any, tenant: st
         assert message["result"] == {} and ctx.identity is not None
     for secret in (ACME, OLD):
         assert secret not in out.decode()
+
+
+async def test_revocation_while_a_prompt_runs_evicts_once_and_the_prompt_settles_once(tmp_path: Any) -> None:
+    from acp_server.auth.tokens import write_tokens
+    from acp_server.backends import EchoBackend
+
+    path = str(tmp_path / "tokens.toml")
+    store = _store()
+    write_tokens(path, [r for i in store.ids() if (r := store.get(i)) is not None])
+    audit = io.StringIO()
+    auth = Authenticator(TokenStore.from_file(path), audit=AuditLog(stream=audit))
+    server = Server(backend=EchoBackend(delay_ms=400), auth=auth)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.bridge.run)
+        client = await connect(server, nursery, initialize=False)
+        await _login(client, ACME)
+        bystander = await connect(server, nursery, initialize=False)
+        await _login(bystander, BETA)
+        session_id, _ = await client.new_session()
+        prompt_id, reply = client.start_request("session/prompt")
+        await client.send({"jsonrpc": "2.0", "id": prompt_id, "method": "session/prompt",
+                           "params": {"sessionId": session_id, "prompt": [{"type": "text", "text": "hi"}]}})
+        await trio.sleep(0.1)
+        assert server.bridge.statistics().running_prompts == 1
+        write_tokens(path, [r for i in store.ids() if i != "acme" and (r := store.get(i)) is not None])
+        server.reload_credentials()
+        with trio.fail_after(1):
+            await client.eof.wait()
+        assert [n["params"] for n in client.notifications if n["method"] == "_acp_server/evicted"] == [
+            {"reason": "token_revoked"}
+        ]
+        assert server.evict_revoked() == 0  # evicted once, not again
+        with trio.fail_after(5):
+            while server.bridge.statistics().settled_total < 1:  # noqa: ASYNC110 - a counter of the bridge, no event to wait on
+                await trio.sleep(0.05)
+        stats = server.bridge.statistics()
+        assert (stats.admitted_total, stats.settled_total, stats.running_prompts) == (1, 1, 0)
+        await bystander.call("session/list", {})  # another token's connection is untouched
+        events = [json.loads(line)["event"] for line in audit.getvalue().splitlines()]
+        assert events.count("token_revoked") == 1 and "tokens_reloaded" in events
+        nursery.cancel_scope.cancel()
