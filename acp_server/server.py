@@ -31,8 +31,8 @@ from .bridge import SessionBridge
 from .config import BackendConfig
 from .errors import AcpError
 from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
-from .handlers.gate import gated
-from .jsonrpc import Connection, Dispatcher
+from .handlers.gate import credentials_upkeep, gated
+from .jsonrpc import Dispatcher
 from .store import SessionStore
 from .transports import ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
 from .transports.timing import LatencyHistogram
@@ -162,42 +162,6 @@ class Server:
             session_idle_timeout_s=lim.session_idle_timeout_s,
         )
 
-    def reload_credentials(self, tls: Any = None) -> None:
-        """SIGHUP: take the tokens file and the certificates again (each keeps what it has if its files
-        cannot be used), then evict the connections whose token is gone, changed or expired."""
-        if tls is not None:
-            error = tls.reload()
-            if error is not None:
-                log.error("TLS certificates not reloaded (the current ones stay): %s", error)
-        if self.auth is not None:
-            result = self.auth.reload()
-            if result.error is not None:
-                log.error("tokens file not reloaded (the tokens in force stay): %s", result.error)
-            self.evict_revoked()
-
-    def evict_revoked(self) -> int:
-        """Send ``_acp_server/evicted`` (``reason: "token_revoked"``) to every connection whose token no
-        longer holds, and close it; returns how many. Their admitted prompts end as on any disconnect."""
-        auth = self.auth
-        if auth is None:
-            return 0
-        gone: dict[str, list[ConnectionShell]] = {}
-        for shell in self.connections:
-            identity = shell.ctx.identity if isinstance(shell.ctx, ConnContext) else None
-            if identity is not None and identity.token_id is not None and not auth.valid(identity):
-                gone.setdefault(identity.token_id, []).append(shell)
-        for token_id, shells in gone.items():
-            for shell in shells:
-                assert isinstance(shell.ctx, ConnContext)
-                shell.ctx.identity = None  # what is still in flight from it meets auth_required
-                shell.send(Connection.send_notification("_acp_server/evicted", {"reason": "token_revoked"}))
-                shell.close()
-            if auth.store.get(token_id) is None:
-                auth.audit.token_revoked(token_id=token_id, evicted=len(shells))
-            else:
-                auth.audit.token_expired(token_id=token_id, evicted=len(shells))
-        return sum(len(s) for s in gone.values())
-
     def _closed(self, shell: ConnectionShell) -> None:
         if shell.evicted:
             self.evictions += 1
@@ -257,26 +221,6 @@ class Server:
             self._all_done = trio.Event()
             with trio.move_on_after(SHUTDOWN_GRACE_S):
                 await self._all_done.wait()
-
-
-#: How often connections are checked for tokens that expired (evicted within this much of the instant).
-EXPIRY_CHECK_S = 0.5
-
-
-async def _credentials_upkeep(server: Server, tls: Any) -> None:
-    """Reload tokens and certificates on SIGHUP; evict connections of expired tokens as they expire."""
-
-    async def on_hangup() -> None:
-        with trio.open_signal_receiver(signal.SIGHUP) as signals:
-            async for _ in signals:
-                log.info("SIGHUP: reloading the tokens file and the certificates")
-                server.reload_credentials(tls)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(on_hangup)
-        while server.auth is not None:
-            await trio.sleep(EXPIRY_CHECK_S)
-            server.evict_revoked()
 
 
 async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
@@ -374,6 +318,6 @@ async def _serve(
 
             listeners.start_soon(on_signals)
             if server.auth is not None or tls is not None:
-                listeners.start_soon(_credentials_upkeep, server, tls)
+                listeners.start_soon(credentials_upkeep, server, tls)
             task_status.started(server)
         nursery.cancel_scope.cancel()

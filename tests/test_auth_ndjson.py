@@ -23,6 +23,7 @@ from acp_server import server as server_mod
 from acp_server.auth import AuditLog, TokenRecord, TokenStore, hash_secret
 from acp_server.auth.gate import Authenticator, PeerInfo
 from acp_server.handlers import ConnContext
+from acp_server.handlers.gate import evict_revoked, reload_credentials
 from acp_server.jsonrpc.connection import EncodedError, Request
 from acp_server.server import Server
 from acp_server.transports import serve_unix
@@ -304,13 +305,13 @@ async def test_revocation_while_a_prompt_runs_evicts_once_and_the_prompt_settles
         await trio.sleep(0.1)
         assert server.bridge.statistics().running_prompts == 1
         write_tokens(path, [r for i in store.ids() if i != "acme" and (r := store.get(i)) is not None])
-        server.reload_credentials()
+        reload_credentials(server)
         with trio.fail_after(1):
             await client.eof.wait()
         assert [n["params"] for n in client.notifications if n["method"] == "_acp_server/evicted"] == [
             {"reason": "token_revoked"}
         ]
-        assert server.evict_revoked() == 0  # evicted once, not again
+        assert evict_revoked(server) == 0  # evicted once, not again
         with trio.fail_after(5):
             while server.bridge.statistics().settled_total < 1:  # noqa: ASYNC110 - a counter of the bridge, no event to wait on
                 await trio.sleep(0.05)

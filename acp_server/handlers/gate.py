@@ -6,21 +6,44 @@ With tokens configured, a TCP or TLS connection proves a token before anything b
 method gets ``auth_required`` (:class:`~acp_server.errors.TokenRequiredError`), the same error a failed
 ``authenticate`` gets. The token's tenant becomes the connection's. Unix-socket and stdio peers are the
 owner's and skip all of this. :func:`gated` wraps the method table once, so a server without tokens
-pays nothing.
+pays nothing. :func:`credentials_upkeep` reloads tokens and certificates on SIGHUP and evicts the
+connections whose token is gone, changed or expired (:func:`evict_revoked`).
 """
 
 from __future__ import annotations
 
+import logging
+import signal
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import trio
 
 from ..auth import TOKEN_METHOD_ID
+from ..auth.tls import ServerTls
 from ..errors import InvalidParamsError, RateLimitedError, TokenRequiredError
-from ..jsonrpc import Method
+from ..jsonrpc import Connection, Method
 from ..types.acp import AuthenticateParams
 from .context import ConnContext
 
-__all__ = ["OPEN_METHODS", "TOKEN_AUTH_METHOD", "authenticate_token", "gated", "token_required"]
+if TYPE_CHECKING:
+    from ..server import Server
+
+__all__ = [
+    "OPEN_METHODS",
+    "TOKEN_AUTH_METHOD",
+    "authenticate_token",
+    "credentials_upkeep",
+    "evict_revoked",
+    "gated",
+    "reload_credentials",
+    "token_required",
+]
+
+log = logging.getLogger("acp_server.auth")
+
+#: How often connections are checked for tokens that expired (evicted within this much of the instant).
+EXPIRY_CHECK_S = 0.5
 
 #: What ``initialize`` lists first in ``authMethods`` when a connection must prove a token.
 TOKEN_AUTH_METHOD: dict[str, Any] = {
@@ -105,3 +128,57 @@ def authenticate_token(ctx: ConnContext, params: AuthenticateParams) -> Any:
     ctx.identity = identity
     ctx.tenant = tenant
     return {}
+
+
+def evict_revoked(server: Server) -> int:
+    """Send ``_acp_server/evicted`` (``reason: "token_revoked"``) to every connection whose token no
+    longer holds, and close it; returns how many. Their admitted prompts end as on any disconnect."""
+    auth = server.auth
+    if auth is None:
+        return 0
+    gone: dict[str, list[Any]] = {}
+    for shell in server.connections:
+        ctx = shell.ctx
+        identity = ctx.identity if isinstance(ctx, ConnContext) else None
+        if identity is not None and identity.token_id is not None and not auth.valid(identity):
+            gone.setdefault(identity.token_id, []).append(shell)
+    for token_id, shells in gone.items():
+        for shell in shells:
+            shell.ctx.identity = None  # what is still in flight from it meets auth_required
+            shell.send(Connection.send_notification("_acp_server/evicted", {"reason": "token_revoked"}))
+            shell.close()
+        if auth.store.get(token_id) is None:
+            auth.audit.token_revoked(token_id=token_id, evicted=len(shells))
+        else:
+            auth.audit.token_expired(token_id=token_id, evicted=len(shells))
+    return sum(len(s) for s in gone.values())
+
+
+def reload_credentials(server: Server, tls: ServerTls | None = None) -> None:
+    """Take the tokens file and the certificates again (each keeps what it has if its files cannot be
+    used), then evict the connections whose token no longer holds."""
+    if tls is not None:
+        error = tls.reload()
+        if error is not None:
+            log.error("TLS certificates not reloaded (the current ones stay): %s", error)
+    if server.auth is not None:
+        result = server.auth.reload()
+        if result.error is not None:
+            log.error("tokens file not reloaded (the tokens in force stay): %s", result.error)
+        evict_revoked(server)
+
+
+async def credentials_upkeep(server: Server, tls: ServerTls | None) -> None:
+    """Reload tokens and certificates on SIGHUP; evict connections of expired tokens as they expire."""
+
+    async def on_hangup() -> None:
+        with trio.open_signal_receiver(signal.SIGHUP) as signals:
+            async for _ in signals:
+                log.info("SIGHUP: reloading the tokens file and the certificates")
+                reload_credentials(server, tls)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(on_hangup)
+        while server.auth is not None:
+            await trio.sleep(EXPIRY_CHECK_S)
+            evict_revoked(server)
