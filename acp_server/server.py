@@ -90,6 +90,7 @@ class Server:
         limits: every bound of this instance.
         backend: the agent behind the bridge (default: the echo agent).
         store: the durable store, already opened (default: none, every session in memory only).
+        auth: the token checks of ``--auth-tokens`` (default: none; every connection is the owner's).
     """
 
     version = __version__

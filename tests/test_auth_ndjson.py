@@ -321,3 +321,43 @@ async def test_revocation_while_a_prompt_runs_evicts_once_and_the_prompt_settles
         events = [json.loads(line)["event"] for line in audit.getvalue().splitlines()]
         assert events.count("token_revoked") == 1 and "tokens_reloaded" in events
         nursery.cancel_scope.cancel()
+
+
+async def test_garbage_auth_traffic_over_tcp_never_disturbs_the_listener() -> None:
+    """Random authenticate/initialize lines and raw bytes over real TCP connections: each line gets an
+    answer or the connection closes, and a fresh connection still authenticates and works."""
+    import random
+    from functools import partial
+
+    from acp_server.transports import serve_tcp
+
+    rng = random.Random(18)
+    values: list[Any] = [None, 0, -1, 2**70, "", "x" * 3000, ACME, [ACME], {"token": ACME}, True, 1.5, "\u00e9\u4e2d"]
+
+    def line() -> bytes:
+        kind = rng.randrange(5)
+        if kind == 0:
+            return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 80))).replace(b"\n", b"") + b"\n"
+        params: Any = {"methodId": rng.choice(["acp-server-token", "other", 7, None]),
+                       "_meta": rng.choice([{"token": rng.choice(values)}, rng.choice(values)])}
+        if kind == 1:
+            params = rng.choice(values)
+        method = rng.choice(["authenticate", "initialize", "session/new", "session/list"])
+        return json.dumps({"jsonrpc": "2.0", "id": rng.randrange(100), "method": method, "params": params}).encode() + b"\n"
+
+    async with _server() as (server, nursery, _):
+        listeners = await nursery.start(partial(serve_tcp, host="127.0.0.1"), server.handle_stream, 0)
+        port = listeners[0].socket.getsockname()[1]
+        for _ in range(4):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"".join(line() for _ in range(60)))
+            await stream.send_eof()
+            with trio.fail_after(5):  # the server answers what it read, then closes at our end of input
+                while await stream.receive_some(65536):
+                    pass
+            await stream.aclose()
+        client = RawClient(await trio.open_tcp_stream("127.0.0.1", port))
+        nursery.start_soon(client.pump)
+        await _login(client, ACME)
+        await client.new_session()
+        await client.stream.aclose()
