@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from .audit import AuditLog
+from .http_rules import WS_SUBPROTOCOL, parse_bearer, parse_ws_subprotocols
 from .ratelimit import AuthFailureLimiter, RateLimiter
 from .tokens import MAX_SECRET_CHARS, Identity, ReloadResult, TokenStore
 
@@ -125,6 +126,36 @@ class Authenticator:
             token_id=identity.token_id or "", tenant=identity.tenant or "", transport=transport, source=source
         )
         return Outcome(identity)
+
+    def check_http(
+        self,
+        *,
+        authorization: str | Sequence[str] | None,
+        ws_protocols: str | Sequence[str] | None = None,
+        source: str | None,
+        transport: str = "http",
+    ) -> tuple[Outcome, str | None]:
+        """Check an HTTP request's (or WebSocket handshake's) credentials, as :meth:`check` does a secret.
+
+        ``Authorization: Bearer`` first, else the ``acp-bearer.`` subprotocol. A request with no credential
+        at all is audited (``missing``) but not counted against its address: it made no attempt.
+
+        Returns:
+            the outcome (no identity: answer 401 with the one body, or 429 when ``retry_after_ms``), and
+            the subprotocol to answer a WebSocket handshake with (``acp.v1``) when it succeeded.
+        """
+        offer = parse_ws_subprotocols(ws_protocols)
+        if authorization is not None:
+            secret: object = parse_bearer(authorization)
+            malformed = secret is None
+        else:
+            secret, malformed = offer.secret, offer.malformed
+        if secret is None and not malformed:
+            self.audit.auth_failed(reason="missing", transport=transport, source=source)
+            return Outcome(None), None
+        outcome = self.check(secret if not malformed else "", source=source, transport=transport)
+        answer = WS_SUBPROTOCOL if outcome.identity is not None and offer.acp else None
+        return outcome, answer
 
     def throttle(self, identity: Identity | None) -> int:
         """Count one request of ``identity``: 0 to proceed, else ``retryAfterMs`` (the owner is never limited)."""
