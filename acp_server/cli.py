@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import ipaddress
 import logging
 import math
 import pathlib
@@ -25,6 +24,9 @@ import trio
 from . import __version__
 from .admission import Limits
 from .admission.policy import PolicyLimits
+from .auth import cli as auth_cli
+from .auth.binds import RemoteBindError, check_remote_bind
+from .auth.settings import add_serve_flags, settings_from
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config, openai_shorthand
 from .server import ListenAddress, ServerConfig, serve
@@ -89,11 +91,11 @@ def _non_negative_seconds_arg(flag: str, zero: str) -> Callable[[str], float]:
 
 
 def parse_listen(text: str, flag: str = "--listen") -> ListenAddress:
-    """``tcp://HOST:PORT`` (port 0: any free port) or ``unix:/path`` (also ``unix:///path``).
+    """``tcp://HOST:PORT`` or ``tls://HOST:PORT`` (port 0: any free port) or ``unix:/path`` (also ``unix:///path``).
 
     ``flag`` names the flag (or config key) in the error message.
     """
-    accepted = "tcp://HOST:PORT (PORT 0-65535, 0 = any free port) or unix:/absolute/path"
+    accepted = "tcp://HOST:PORT or tls://HOST:PORT (PORT 0-65535, 0 = any free port) or unix:/absolute/path"
     if text.startswith("unix:"):
         path = text[len("unix:") :]
         if path.startswith("//"):
@@ -101,7 +103,7 @@ def parse_listen(text: str, flag: str = "--listen") -> ListenAddress:
         if not path.startswith("/"):
             raise argparse.ArgumentTypeError(f"{flag} {text!r}: a Unix socket needs an absolute path; accepted: {accepted}")
         return ListenAddress("unix", path=path)
-    if text.startswith("tcp://"):
+    if text.startswith(("tcp://", "tls://")):
         parts = urlsplit(text)
         try:
             port = parts.port
@@ -110,7 +112,7 @@ def parse_listen(text: str, flag: str = "--listen") -> ListenAddress:
         host = parts.hostname
         if not host or port is None or parts.path not in ("", "/"):
             raise argparse.ArgumentTypeError(f"{flag} {text!r} is not of the form {accepted}")
-        return ListenAddress("tcp", host=host, port=port)
+        return ListenAddress(parts.scheme, host=host, port=port)
     raise argparse.ArgumentTypeError(f"{flag} {text!r}: unknown scheme; accepted: {accepted}")
 
 
@@ -137,12 +139,15 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     s = sub.add_parser("serve", help="serve ACP over stdio, TCP and Unix sockets", description="Serve ACP clients.")
     _add_serve_arguments(s)
     client_cli.add_commands(sub)  # prompt, sessions: after serve, which --help lists first
+    auth_cli.add_commands(sub)  # token
     c = sub.add_parser(
         "connect",
         help="relay stdio to a running acp-server (for editors that spawn their agent)",
-        description="Relay stdin/stdout to a running acp-server, byte for byte, until it closes the connection.",
+        description="Relay stdin/stdout to a running acp-server, byte for byte, until it closes the connection "
+        "(with --token, an authenticate is sent after the client's initialize and its answer kept back).",
     )
-    c.add_argument("url", metavar="URL", help="tcp://HOST:PORT or unix:/path of a running acp-server")
+    c.add_argument("url", metavar="URL", help="tcp://HOST:PORT, tls://HOST:PORT or unix:/path of a running acp-server")
+    auth_cli.add_connect_flags(c)
     d = sub.add_parser(
         "doctor",
         help="check what `serve` with these flags needs: the state directory, agent commands, ports",
@@ -163,7 +168,8 @@ def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
         type=parse_listen,
         default=[],
         metavar="URL",
-        help=f"tcp://HOST:PORT (loopback only; port 0 = any free port) or unix:/path; repeatable "
+        help=f"tcp://HOST:PORT or tls://HOST:PORT (beyond loopback: tls:// with --auth-tokens only; port 0 = "
+        f"any free port) or unix:/path; repeatable "
         f"(default without --stdio: {DEFAULT_LISTEN})",
     )
     s.add_argument(
@@ -284,6 +290,7 @@ def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "_meta.turnStates overrides it per connection; default on)",
     )
     _add_policy_flags(s)
+    add_serve_flags(s)
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="stderr log level (default warning)")
     s.add_argument(
         "agent_command",
@@ -427,7 +434,7 @@ def metrics_from(
     if tenant_labels and address is None:
         parser.error("--metrics-tenant-labels needs --metrics-listen (or [metrics] listen in --config)")
     if address is not None:
-        _check_loopback(parser, address, "--metrics-listen")
+        _check_loopback(parser, address, "--metrics-listen", tokens=bool(getattr(args, "auth_tokens", None)))
     return address, tenant_labels
 
 
@@ -473,18 +480,18 @@ def backends_from(
     return backends, default
 
 
-def _check_loopback(parser: argparse.ArgumentParser, addr: ListenAddress, flag: str = "--listen") -> None:
+def _check_loopback(
+    parser: argparse.ArgumentParser, addr: ListenAddress, flag: str = "--listen", *, tokens: bool = False
+) -> None:
+    """Refuse a bind beyond loopback unless the listener speaks TLS and tokens are on (exit 2)."""
     try:
         infos = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         parser.error(f"{flag} {addr}: cannot resolve {addr.host!r}: {exc.strerror}")
-    for info in infos:
-        ip = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
-        if not ip.is_loopback:
-            parser.error(
-                f"{flag} {addr}: {ip} is not a loopback address; acp-server has no authentication yet, "
-                "so it only listens on loopback (127.0.0.1, ::1, localhost) or Unix sockets"
-            )
+    try:
+        check_remote_bind(flag, str(addr), [str(i[4][0]) for i in infos], tls=addr.kind == "tls", tokens=tokens)
+    except RemoteBindError as exc:
+        parser.error(str(exc))
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -500,8 +507,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(parser, argv)
     if args.command in client_cli.COMMANDS:
         return client_cli.run(args)
+    if args.command in auth_cli.COMMANDS:
+        return auth_cli.run(args)
     if args.command == "connect":
-        return _connect(args.url)
+        return _connect(args.url, args.token, args.ca_file)
     if args.command == "doctor":
         from .doctor import run_doctor  # only the doctor needs it
 
@@ -542,9 +551,6 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
     listen = list(args.listen)
     if not args.stdio and not listen:
         listen = [parse_listen(DEFAULT_LISTEN)]
-    for addr in listen:
-        if addr.kind == "tcp":
-            _check_loopback(serve_parser, addr)
     limits = Limits(
         max_pending_prompts_per_session=args.max_pending_prompts_per_session,
         prompt_deadline_ms=args.prompt_deadline_ms,
@@ -564,6 +570,12 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
         # process: ephemeral.
         state_dir = str(keyed_state_dir(listen, args.config))
     file_config = _file_config(args, serve_parser)
+    auth = settings_from(
+        args, serve_parser, file_config.auth, file_config.tls, tls_listeners=any(a.kind == "tls" for a in listen)
+    )
+    for addr in listen:
+        if addr.kind in ("tcp", "tls"):
+            _check_loopback(serve_parser, addr, tokens=auth.tokens is not None)
     backends, default_backend = backends_from(args, serve_parser, file_config)
     policy = policy_from(args, serve_parser, file_config)
     metrics_listen, metrics_tenant_labels = metrics_from(args, serve_parser, file_config)
@@ -580,6 +592,7 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
         metrics_tenant_labels=metrics_tenant_labels,
         max_connections=args.max_connections if args.max_connections is not None else file_config.max_connections or 0,
         turn_states=args.turn_states if args.turn_states is not None else file_config.turn_states,
+        auth=auth,
     )
 
 
@@ -611,9 +624,9 @@ def _os_error(exc: BaseException) -> OSError | None:
     return exc if isinstance(exc, OSError) else None
 
 
-def _connect(url: str) -> int:
+def _connect(url: str, token: str | None = None, ca_file: str | None = None) -> int:
     try:
-        trio.run(relay_stdio, url)
+        trio.run(relay_stdio, url, token, ca_file)
     except KeyboardInterrupt:
         return 0
     except (OSError, ValueError) as exc:

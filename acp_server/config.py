@@ -43,6 +43,16 @@
     listen = "tcp://127.0.0.1:9464"   # GET /metrics (Prometheus)
     tenant_labels = false
 
+    [auth]
+    tokens = "/etc/acp-server/tokens.toml"   # mode 0600; see acp-server token add
+    audit_log = "/var/log/acp-server/audit.log"
+    rate_limit_rps = 20               # per token, bursts of 40
+
+    [tls]
+    cert = "/etc/acp-server/cert.pem"
+    key = "/etc/acp-server/key.pem"
+    handshake_timeout_s = 5
+
 An unknown key or a bad value is a :class:`ConfigError` naming the key (``backends.claude.max_active``).
 """
 
@@ -59,10 +69,12 @@ from .types.base import validation_location
 
 __all__ = [
     "AdmissionConfig",
+    "AuthConfig",
     "BackendConfig",
     "ConfigError",
     "FileConfig",
     "MetricsConfig",
+    "TlsConfig",
     "load_config",
     "openai_shorthand",
     "parse_config",
@@ -147,6 +159,22 @@ class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tenant_labels: bool | None = None
 
 
+class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``[auth]`` table: ``--auth-tokens``, ``--audit-log``, ``--rate-limit-rps``."""
+
+    tokens: str | None = None
+    audit_log: str | None = None
+    rate_limit_rps: float | None = None
+
+
+class TlsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``[tls]`` table: ``--tls-cert``, ``--tls-key``, ``--tls-handshake-timeout-s``."""
+
+    cert: str | None = None
+    key: str | None = None
+    handshake_timeout_s: float | None = None
+
+
 class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_backend: str | None = None
     #: ``--max-connections`` (0: from the fd limit)
@@ -155,6 +183,8 @@ class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     backends: dict[str, BackendConfig] = msgspec.field(default_factory=dict)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
 
 
 def _path_of(exc: msgspec.ValidationError, prefix: str) -> tuple[str, str]:

@@ -113,7 +113,7 @@ def test_bad_url_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         client_cli.main(["prompt", "--connect", "http://x", "hi"])
     assert info.value.code == 2
-    assert "--connect 'http://x': unknown scheme; accepted: tcp://HOST:PORT or unix:/absolute/path" in capsys.readouterr().err
+    assert "--connect 'http://x': unknown scheme; accepted: tcp://HOST:PORT, tls://HOST:PORT or unix:/absolute/path" in capsys.readouterr().err
 
 
 def test_add_commands_mounts_on_another_parser() -> None:

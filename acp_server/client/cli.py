@@ -14,6 +14,15 @@ stopped with ``refusal``); 130 interrupted (a ``cancelled`` stop reason, or Ctrl
 
 ``--connect`` defaults to ``$ACP_SERVER_URL``, else ``tcp://127.0.0.1:4170`` (what ``make run`` serves).
 
+Both take ``--token`` (default ``$ACP_SERVER_TOKEN``; prefer the variable: arguments show in ``ps``)
+and ``--ca-file`` for ``tls://`` servers.
+
+``prompt`` prints the agent's text to stdout as it streams; on stderr ``acp-server: session <id>
+client <id>`` once it holds the session (again after a self-heal), then ``acp-server: stop <reason>``
+or ``acp-server: error <errorKind>: <message>``. Exit codes: 0 for any stop reason but ``cancelled``,
+130 when interrupted (the first Ctrl-C sends ``$/cancel_request`` and waits for the answer, a second
+one leaves at once), 1 for any other error, 2 for a bad command line.
+
 ``acp_server/cli.py`` mounts these with :func:`add_commands` and :func:`run`; :func:`main` runs them
 on their own.
 """
@@ -31,6 +40,7 @@ from typing import Any
 import msgspec
 import trio
 
+from ..auth.tls import TlsConfigError
 from ..errors import REGISTRY, OverloadError, SessionLimitExceededError
 from ..types.acp import PromptResult, SessionInfo
 from .client import Client, connect, parse_url
@@ -106,6 +116,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "(for capacity after every retry, or stop reason refusal), 130 interrupted or cancelled.",
     )
     _connect_flag(p)
+    _add_auth_flags(p)
     which = p.add_mutually_exclusive_group()
     which.add_argument("--session", metavar="ID", help="prompt this existing session")
     which.add_argument("--new", action="store_true", help="open a new session (the default)")
@@ -139,8 +150,15 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         description="List sessions as a table (id, title, cwd, updated, pending prompts).",
     )
     _connect_flag(s)
+    _add_auth_flags(s)
     s.add_argument("--cwd", metavar="DIR", help="only the sessions in this working directory")
     s.add_argument("--json", action="store_true", help="one JSON object per session and line")
+
+
+def _add_auth_flags(p: argparse.ArgumentParser) -> None:
+    from ..auth.cli import add_connect_flags
+
+    add_connect_flags(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,6 +178,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="acp-server", description="acp-server client commands.")
     add_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
     return run(parser.parse_args(argv))
+
+
+def _tls_failed(view: View, exc: TlsConfigError) -> None:
+    failure = ClientError(str(exc))
+    failure.kind = "tls_config"
+    view.error(failure, str(exc))
 
 
 def _connect_failed(view: View, url: str, exc: OSError) -> None:
@@ -292,7 +316,9 @@ async def _prompt_once(args: argparse.Namespace, interrupt: _Interrupt, view: Vi
             tracker.flush()
 
     try:
-        async with connect(args.connect, hooks=hooks, turn_states=True) as client:  # for the progress line
+        async with connect(
+            args.connect, hooks=hooks, turn_states=True, token=args.token, ca_file=args.ca_file
+        ) as client:  # turn states for the progress line
             session = await _hold(client, args, args.cwd)
             tracker.session = session
             view.session(session.session_id, session.client_id)
@@ -315,6 +341,10 @@ async def _prompt_once(args: argparse.Namespace, interrupt: _Interrupt, view: Vi
     except OSError as exc:
         view.close()
         _connect_failed(view, args.connect, exc)
+        return EXIT_ERROR
+    except TlsConfigError as exc:  # --ca-file cannot be used
+        view.close()
+        _tls_failed(view, exc)
         return EXIT_ERROR
     finally:
         view.close()  # before any last line, so the text's last line is whole
@@ -352,13 +382,16 @@ def format_table(sessions: Sequence[SessionInfo]) -> str:
 async def _sessions(args: argparse.Namespace) -> int:
     view = JsonView() if args.json else HumanView()
     try:
-        async with connect(args.connect) as client:
+        async with connect(args.connect, token=args.token, ca_file=args.ca_file) as client:
             sessions = await client.list_sessions(args.cwd)
     except ClientError as exc:
         view.error(exc)
         return EXIT_ERROR
     except OSError as exc:
         _connect_failed(view, args.connect, exc)
+        return EXIT_ERROR
+    except TlsConfigError as exc:  # --ca-file cannot be used
+        _tls_failed(view, exc)
         return EXIT_ERROR
     if args.json:
         for info in sessions:

@@ -31,6 +31,7 @@ __all__ = [
     "ParseErrorData",
     "PromptDeadlineExceededData",
     "PromptQueueFullData",
+    "RateLimitedData",
     "RequestCancelledData",
     "SessionLimitExceededData",
     "SessionNotFoundData",
@@ -153,8 +154,20 @@ class BackendUnavailableData(ErrorData, tag="backend_unavailable", omit_defaults
     prompt_id: str | None = None
 
 
-class AuthRequiredData(ErrorData, tag="auth_required"):
-    backend_id: str
+class AuthRequiredData(ErrorData, tag="auth_required", omit_defaults=True):
+    #: the agent that asks for ``authenticate`` (absent when the gateway itself asks)
+    backend_id: str | None = None
+    #: the auth method to call ``authenticate`` with (the gateway's: ``acp-server-token``)
+    method_id: str | None = None
+    #: what to do, in words
+    detail: str | None = None
+
+
+class RateLimitedData(ErrorData, tag="rate_limited"):
+    #: ``request_rate``: the token's ``--rate-limit-rps``; ``auth_failures``: too many failed
+    #: authentications from this address in a minute (the secret was not checked)
+    reason: Literal["request_rate", "auth_failures"]
+    retry_after_ms: int
 
 
 class AgentErrorData(ErrorData, tag="agent_error", omit_defaults=True):
