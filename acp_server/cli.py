@@ -29,7 +29,7 @@ from .auth.binds import RemoteBindError, check_remote_bind
 from .auth.settings import add_serve_flags, settings_from
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config, openai_shorthand
-from .server import ListenAddress, ServerConfig, serve
+from .server import CONNECTION_IDLE_TIMEOUT_S, DRAIN_TIMEOUT_S, ListenAddress, ServerConfig, serve
 from .statedir import adopt_legacy, keyed_state_dir
 from .store import StoreVersionError, StoreWriterError
 from .transports.relay import relay_stdio
@@ -280,6 +280,22 @@ def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
         metavar="N",
         help="sockets of every listener together; a later connection is sent _acp_server/evicted "
         "(too_many_connections) and closed (default: the fd limit less an eighth, at least 64, of head-room)",
+    )
+    s.add_argument(
+        "--drain-timeout-s",
+        type=_non_negative_seconds_arg("--drain-timeout-s", "0 cancels at once"),
+        default=None,
+        metavar="S",
+        help="after a connection's input ends (stdin EOF, a socket's shutdown), how long its accepted "
+        "requests may still run before they are cancelled (default 30)",
+    )
+    s.add_argument(
+        "--connection-idle-timeout-s",
+        type=_non_negative_seconds_arg("--connection-idle-timeout-s", "0 turns it off"),
+        default=None,
+        metavar="S",
+        help="close a socket connection that holds nothing (no request in flight, no attached session) "
+        "after S seconds without input (default 300; not stdio)",
     )
     s.add_argument(
         "--turn-states",
@@ -593,7 +609,16 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
         max_connections=args.max_connections if args.max_connections is not None else file_config.max_connections or 0,
         turn_states=args.turn_states if args.turn_states is not None else file_config.turn_states,
         auth=auth,
+        drain_timeout_s=_given(args.drain_timeout_s, file_config.drain_timeout_s, DRAIN_TIMEOUT_S),
+        connection_idle_timeout_s=_given(
+            args.connection_idle_timeout_s, file_config.connection_idle_timeout_s, CONNECTION_IDLE_TIMEOUT_S
+        ),
     )
+
+
+def _given(flag: float | None, key: float | None, default: float) -> float:
+    """The command line's value, else the config file's, else the default."""
+    return flag if flag is not None else key if key is not None else default
 
 
 #: Allocations between young-generation collections for a serving process (CPython's default is 700).

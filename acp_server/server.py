@@ -45,6 +45,12 @@ log = logging.getLogger("acp_server")
 
 #: How long shutdown waits for cancelled prompts to be answered and written.
 SHUTDOWN_GRACE_S = 3.0
+#: ``--drain-timeout-s``: how long accepted requests may still run once their input has ended
+DRAIN_TIMEOUT_S = 30.0
+#: ``--connection-idle-timeout-s``: a socket holding nothing is closed after this long without input
+CONNECTION_IDLE_TIMEOUT_S = 300.0
+#: a socket that has sent no complete line by then is closed
+FIRST_MESSAGE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,10 @@ class ServerConfig:
     turn_states: bool = True
     #: tokens, audit log, rate limit and TLS (``None``: none of them)
     auth: AuthSettings | None = None
+    #: ``--drain-timeout-s``: after a connection's input ends, how long its accepted requests may run
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
+    #: ``--connection-idle-timeout-s`` (0: off): a socket that holds nothing is closed after this long
+    connection_idle_timeout_s: float = CONNECTION_IDLE_TIMEOUT_S
 
 
 class Server:
@@ -83,6 +93,8 @@ class Server:
         store: the durable store, already opened (default: none, every session in memory only).
         turn_states: whether a connection gets turn states when its ``initialize`` does not say.
         auth: the token checks of ``--auth-tokens`` (default: none; every connection is the owner's).
+        drain_timeout_s: after a connection's input ends, how long its accepted requests may still run.
+        connection_idle_timeout_s: a socket holding nothing is closed after this long without input (0: never).
     """
 
     version = __version__
@@ -98,8 +110,12 @@ class Server:
         policy: PolicyLimits | None = None,
         turn_states: bool = True,
         auth: Authenticator | None = None,
+        drain_timeout_s: float = DRAIN_TIMEOUT_S,
+        connection_idle_timeout_s: float = CONNECTION_IDLE_TIMEOUT_S,
     ) -> None:
         self.limits = limits or Limits()
+        self.drain_timeout_s = drain_timeout_s
+        self.connection_idle_timeout_s = connection_idle_timeout_s
         self.turn_states = turn_states
         #: the token checks (``None``: no tokens configured, every connection is the owner's)
         self.auth = auth
@@ -173,11 +189,19 @@ class Server:
                 ctx.identity = None
         return ctx
 
-    async def handle_stream(self, stream: trio.abc.Stream, name: str = "connection", *, trusted: bool = False) -> None:
+    def _holds(self, shell: ConnectionShell) -> bool:
+        """Whether the bridge keeps something for ``shell`` (a session it is attached to)."""
+        state = self.bridge.clients.peers.get(shell)
+        return state is not None and bool(state.sessions)
+
+    async def handle_stream(
+        self, stream: trio.abc.Stream, name: str = "connection", *, trusted: bool = False, socket: bool = True
+    ) -> None:
         """Serve one connection until it ends (its failures stay its own).
 
         ``trusted``: the stream is the owner's (stdio) whatever it looks like; Unix sockets are found
-        out by themselves. With tokens configured, every other peer must prove one.
+        out by themselves. With tokens configured, every other peer must prove one. ``socket``: the
+        first-message and idle timeouts apply (not to stdio, the editor's own pipe).
         """
         lim = self.limits
         info = None
@@ -195,11 +219,18 @@ class Server:
             on_close=self._closed,
             name=name,
             refusal_latency=self.refusal_latency,
+            drain_timeout_s=self.drain_timeout_s,
+            first_message_timeout_s=FIRST_MESSAGE_TIMEOUT_S if socket else None,
+            idle_timeout_s=(self.connection_idle_timeout_s or None) if socket else None,
+            holds=lambda: self._holds(shell),
         )
         self.connections.add(shell)
         self._running += 1
         try:
             await shell.run()
+        except Exception:
+            # The frame every transport's connection runs in (stdio included): its defect is its own.
+            log.exception("%s: connection failed; closed", name)
         finally:
             self._running -= 1
             if not self._running:
@@ -247,6 +278,8 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         policy=config.policy,
         turn_states=config.turn_states,
         auth=auth,
+        drain_timeout_s=config.drain_timeout_s,
+        connection_idle_timeout_s=config.connection_idle_timeout_s,
     )
     with shutdown_signals() as signals:
         try:
@@ -308,9 +341,9 @@ async def _serve(
                 )
 
             async def stdio_then_exit() -> None:
-                await server.handle_stream(stdio_stream(), "stdio", trusted=True)
+                await server.handle_stream(stdio_stream(), "stdio", trusted=True, socket=False)
                 if not config.listen:
-                    log.info("stdin closed and no listeners: exiting")
+                    log.info("stdin closed, its requests answered, and no listeners: exiting")
                     listeners.cancel_scope.cancel()
 
             if config.stdio:

@@ -338,6 +338,11 @@ class AgentProcess:
                     return
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
+        except Exception:
+            # A defect met while reading this agent ends this agent (its prompts fail as at any exit,
+            # its sessions re-open on restart), never the backend's nursery and with it the server.
+            log.exception("agent pid %s: unexpected error while reading its output; killing it", self.pid)
+            self.kill()
         finally:
             done.set()
 

@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any, TypeAlias
 
 import msgspec
+import trio
 
 from ..store import TURN_STATE, StoredEvent
 from ..types.ext import TERMINAL_TURN_STATES
@@ -33,8 +34,8 @@ log = logging.getLogger("acp_server.bridge")
 _encoder = msgspec.json.Encoder()
 
 #: what a write round's commit lets out, in order: consecutive messages for the same connections
-#: (sent as one), or a settled prompt to answer
-_HeldBack: TypeAlias = "tuple[tuple[Peer, ...], list[bytes]] | PromptTicket"
+#: (sent as one), a settled prompt to answer, or an event to set once what precedes it is sent
+_HeldBack: TypeAlias = "tuple[tuple[Peer, ...], list[bytes]] | PromptTicket | trio.Event"
 
 
 class _ExtMsg(msgspec.Struct):
@@ -142,6 +143,13 @@ class FanOut:
             if peer is not exclude:
                 peer.send(data)
 
+    async def sent(self) -> None:
+        """Return once everything sent so far has left for its connections (here: at once).
+
+        A message that does not go through the fan-out (an agent's request relayed to a client) waits
+        for this first, so that it follows the updates the agent sent before it.
+        """
+
     def hold_answer(self, ticket: PromptTicket) -> None:
         """A prompt settled: its waiters may be answered (:meth:`answer_waiters`)."""
         ticket.done.set()
@@ -209,6 +217,14 @@ class CommitFanOut(FanOut):
                 return
         held.append((peers, [data]))
 
+    async def sent(self) -> None:
+        """Wait until what is held so far has been committed and sent (nothing held: return at once)."""
+        held = self._held
+        if held:  # cleared by _committed once its round is out
+            done = trio.Event()
+            held.append(done)
+            await done.wait()
+
     def hold_answer(self, ticket: PromptTicket) -> None:
         """The prompt's answer waits for the commit of its terminal record, in order with the updates."""
         self._round().append(ticket)
@@ -228,13 +244,16 @@ class CommitFanOut(FanOut):
             persistence.after_round(partial(self._committed, held))  # also covers what is appended later
         return held
 
-    @staticmethod
-    def _committed(held: list[_HeldBack]) -> None:
+    def _committed(self, held: list[_HeldBack]) -> None:
         """A write round is committed: send its messages and answer its prompts, in order."""
+        if held is self._held:
+            self._held = None  # nothing is held any more: sent() returns at once
         for entry in held:
             try:
                 if isinstance(entry, PromptTicket):
                     answer(entry)
+                elif isinstance(entry, trio.Event):
+                    entry.set()
                 else:
                     peers, parts = entry
                     data = parts[0] if len(parts) == 1 else b"".join(parts)

@@ -61,14 +61,16 @@ class _TurnChannel:
         return self._inner.capabilities
 
     async def request(self, method: str, params: Any) -> Any:
-        """Relay the agent's request to the prompt's sender."""
+        """Relay the agent's request to the prompt's sender, after the updates it sent before it."""
         if method != "session/request_permission":
+            await self._fanout.sent()
             return await self._inner.request(method, params)
         ticket = self._ticket
         self._open += 1
         if self._open == 1 and not ticket.settled:
             self._fanout.turn_state(ticket, "paused_for_approval")
         try:
+            await self._fanout.sent()
             return await self._inner.request(method, params)
         finally:
             self._open -= 1

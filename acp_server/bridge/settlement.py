@@ -211,6 +211,17 @@ class PromptWaiter(Deferred):
         if done is not None:
             done(result, error)
 
+    def stop(self) -> None:
+        """The connection's drain ran out: the prompt ends ``cancelled``, as at shutdown (a duplicate
+        only stops waiting)."""
+        ticket = self.ticket
+        if ticket.settled or self._done is None:
+            return
+        if self.owner:
+            self.settlement.settle(ticket, cancelled_result(ticket), None)
+        else:
+            self.cancel(connection_lost=False)
+
     def cancel(self, *, connection_lost: bool) -> None:
         """The request was cancelled (``$/cancel_request``) or its connection closed.
 

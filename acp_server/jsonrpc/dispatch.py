@@ -62,6 +62,11 @@ class Deferred:
         """The request was cancelled (``$/cancel_request``), or its connection is gone."""
         raise NotImplementedError
 
+    def stop(self) -> None:
+        """End the work now, as a shutdown would (a prompt: ``stopReason: "cancelled"``); by default,
+        as :meth:`cancel` for a connection that stays."""
+        self.cancel(connection_lost=False)
+
     def on_settled(self, settled: Callable[[], None]) -> None:
         """Call ``settled`` once if the work ends before its answer can go out (a prompt whose outcome
         waits for the store's commit): from then on the request no longer counts as running. By

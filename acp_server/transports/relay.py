@@ -23,7 +23,8 @@ from ..auth.tls import open_tls_stream
 __all__ = ["AUTH_REQUEST_ID", "open_url", "relay_stdio"]
 
 _CHUNK = 65536
-#: after stdin ends, how long to wait for the server to finish answering and close its side
+#: after stdin ends on a TLS connection (no half-close: the server cannot see the end), how long to
+#: wait for its last answers; over TCP and Unix sockets the server closes its side once it has answered
 DRAIN_TIMEOUT_S = 10.0
 #: the id of the relay's own ``authenticate`` (a string no client counter produces)
 AUTH_REQUEST_ID = "acp-server-connect-authenticate"
@@ -136,7 +137,8 @@ async def relay_stdio(url: str, token: str | None = None, ca_file: str | None = 
                 await sock.send_eof()
             except trio.BrokenResourceError:
                 pass
-            nursery.cancel_scope.deadline = trio.current_time() + DRAIN_TIMEOUT_S
+            if isinstance(sock, _TlsRelayStream):
+                nursery.cancel_scope.deadline = trio.current_time() + DRAIN_TIMEOUT_S
 
         async def downstream() -> None:
             waiting = token is not None  # for the answer to our authenticate, kept from the client

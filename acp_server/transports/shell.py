@@ -13,6 +13,17 @@ Notifications fanned out to this connection are queued up to ``max_outbound_byte
 that lets that overflow is sent ``_acp_server/evicted`` and closed, instead of slowing anyone else.
 Answers to the connection's own requests wait for the writer instead of overflowing.
 
+Half-close: at the end of the peer's input, the requests already read run to their outcome (each
+within its own deadline, all within ``drain_timeout_s``, after which they are cancelled and answered
+``cancelled``), their answers are written, then the connection closes. Our own requests to the peer
+fail at once then (nobody can answer them). A write that fails (the peer closed its read side too)
+ends the wait at once.
+
+Socket hygiene (not for stdio, the editor's own pipe): a connection that sends no complete line within
+``first_message_timeout_s`` is closed, and so is one that holds nothing (no request in flight, no
+request of ours open, nothing ``holds`` says it keeps, such as an attached session) and sends nothing
+for ``idle_timeout_s``.
+
 Refusal timing: given a :class:`~.timing.LatencyHistogram`, the shell records how long each overload
 refusal (an :class:`~acp_server.errors.OverloadError`: ``prompt_queue_full``, ``capacity_exceeded``,
 ``admission_deferred``, ``capacity_unavailable``) took from the moment the reader handed its request to
@@ -111,6 +122,12 @@ class ConnectionShell:
         name: for logs.
         refusal_latency: where to record each overload refusal's time from read to written (see the
             module docstring); ``None`` records nothing.
+        drain_timeout_s: after the end of input, how long the requests already read may still run (0: the
+            end of input is a disconnect: what runs is treated as its client leaving).
+        first_message_timeout_s: close the connection if no complete line arrived by then (``None``: never).
+        idle_timeout_s: close a connection that holds nothing after this long without input (``None``: never).
+        holds: whether the rest of the server keeps something for this connection (an attached
+            session): such a connection is not idle.
     """
 
     def __init__(
@@ -125,6 +142,10 @@ class ConnectionShell:
         on_close: Callable[[ConnectionShell], None] | None = None,
         name: str = "connection",
         refusal_latency: LatencyHistogram | None = None,
+        drain_timeout_s: float = 30.0,
+        first_message_timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        holds: Callable[[], bool] | None = None,
     ) -> None:
         self.peer_id = next(_ids)
         self.name = name
@@ -153,6 +174,15 @@ class ConnectionShell:
         self._outbound: dict[Any, trio.MemorySendChannel[Response]] = {}
         self._reader_scope = trio.CancelScope()
         self._handlers: trio.Nursery | None = None
+        self.drain_timeout_s = drain_timeout_s
+        self._first_message_timeout_s = first_message_timeout_s
+        self._idle_timeout_s = idle_timeout_s
+        self._holds = holds
+        self._input_ended = False  # the peer's input ended (EOF): nothing more will be read
+        self._got_line = False  # a complete line has arrived
+        self._last_input = 0.0  # trio.current_time() of the last bytes read
+        self._slots_gone = trio.Event()  # set when the last request in flight leaves _slots
+        self._drain_scope = trio.CancelScope()
         self.ctx = make_context(self)
 
     # --- the Peer interface of the bridge ----------------------------------------------------------
@@ -224,6 +254,7 @@ class ConnectionShell:
         """Stop reading; what is queued is flushed (for a short while) and the connection closes."""
         self._mark_closed()
         self._reader_scope.cancel()
+        self._drain_scope.cancel()
 
     def _mark_closed(self) -> None:
         if not self._closed:
@@ -242,7 +273,7 @@ class ConnectionShell:
         Raises:
             trio.EndOfChannel: the connection closed before the peer answered.
         """
-        if self._closed:
+        if self._closed or self._input_ended:
             raise trio.EndOfChannel
         send, receive = trio.open_memory_channel[Response](1)
         id, data = self.core.send_request(method, params)
@@ -266,13 +297,21 @@ class ConnectionShell:
         try:
             async with trio.open_nursery() as outer:
                 outer.start_soon(self._writer)
+                if self._first_message_timeout_s is not None or self._idle_timeout_s is not None:
+                    outer.start_soon(self._watchdog)
                 async with trio.open_nursery() as handlers:
                     self._handlers = handlers
+                    ended = False
                     try:
                         with self._reader_scope:
-                            await self._reader()
+                            ended = await self._reader()
+                        if ended:
+                            await self._drain()
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                         log.info("%s: read failed: %s", self.name, exc)
+                    except Exception:
+                        # A defect met while serving this peer ends this peer, never the server.
+                        log.exception("%s: unexpected error while reading; closing the connection", self.name)
                     finally:
                         self._mark_closed()
                         for slot in list(self._slots.values()):
@@ -286,6 +325,67 @@ class ConnectionShell:
             self._mark_closed()
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await self.stream.aclose()
+
+    async def _drain(self) -> None:
+        """The peer's input ended: let the requests read so far finish and their answers go out."""
+        self._input_ended = True
+        for channel in self._outbound.values():
+            channel.close()  # our requests to the peer: nobody can answer them now
+        self._outbound.clear()
+        with self._drain_scope:
+            if self._slots and self.drain_timeout_s > 0:
+                log.debug("%s: end of input with %d requests in flight: draining", self.name, len(self._slots))
+                with trio.move_on_after(self.drain_timeout_s) as timer:
+                    await self._wait_slots_gone()
+                if timer.cancelled_caught:
+                    log.warning(
+                        "%s: %d requests still running %.0f s after the end of input: cancelling them",
+                        self.name,
+                        len(self._slots),
+                        self.drain_timeout_s,
+                    )
+                    for slot in list(self._slots.values()):
+                        if slot.deferred is not None:
+                            slot.deferred.stop()  # a prompt: answered stopReason "cancelled"
+                        else:
+                            self._cancel_slot(slot)
+                    with trio.move_on_after(_FLUSH_TIMEOUT_S):
+                        await self._wait_slots_gone()
+        # What is queued by now is flushed by run() before the connection closes.
+
+    async def _wait_slots_gone(self) -> None:
+        while self._slots:
+            self._slots_gone = trio.Event()
+            await self._slots_gone.wait()
+
+    def _slot_done(self) -> None:
+        if not self._slots:
+            self._slots_gone.set()
+
+    def _holds_nothing(self) -> bool:
+        return not (self._slots or self._outbound or (self._holds is not None and self._holds()))
+
+    async def _watchdog(self) -> None:
+        """Close a socket that sent no complete line in time, or that idles holding nothing."""
+        opened = trio.current_time()
+        first, idle = self._first_message_timeout_s, self._idle_timeout_s
+        if first is not None:
+            await trio.sleep_until(opened + first)
+            if not self._got_line and not self._input_ended:
+                log.info("%s: no complete message within %.0f s; closing", self.name, first)
+                self.close()
+                return
+        if idle is None:
+            return
+        while not self._closed:
+            deadline = max(self._last_input, opened) + idle
+            if trio.current_time() >= deadline:
+                if self._holds_nothing() and not self._input_ended:
+                    log.info("%s: idle for %.0f s holding nothing; closing", self.name, idle)
+                    self.close()
+                    return
+                deadline = trio.current_time() + idle
+            await trio.sleep_until(deadline)
 
     async def _writer(self) -> None:
         stream = self.stream
@@ -307,8 +407,11 @@ class ConnectionShell:
                 await stream.send_all(data)
                 if refused is not None:
                     self._record_refusals(refused)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            log.info("%s: write failed: %s", self.name, exc)
+        except Exception as exc:
+            if isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, OSError)):
+                log.info("%s: write failed: %s", self.name, exc)
+            else:
+                log.exception("%s: unexpected error while writing; closing the connection", self.name)
             self._out = []
             self._out_bytes = 0
             self._refusals_queued = []
@@ -333,7 +436,8 @@ class ConnectionShell:
             self._refusals_queued.append(slot.read_ns)
         reply(data)
 
-    async def _reader(self) -> None:
+    async def _reader(self) -> bool:
+        """Read and dispatch until the input ends (``True``) or the connection must close (``False``)."""
         core = self.core
         limit_waiting = 4 * self.max_inflight
         while True:
@@ -345,16 +449,18 @@ class ConnectionShell:
             data = await self.stream.receive_some(_READ_SIZE)
             if not data:
                 log.debug("%s: end of input", self.name)
-                return
+                return True
+            self._last_input = trio.current_time()
             core.receive_data(data)
             while True:
                 event = core.next_event()
                 if event is NEED_DATA:
                     break
+                self._got_line = True
                 if isinstance(event, TooLarge):
                     log.warning("%s: message over %d bytes; closing", self.name, event.limit)
                     self.reply(event.data)
-                    return
+                    return False
                 self._handle(event, self.reply)
 
     def _handle(self, event: Any, reply: Callable[[bytes], None]) -> None:
@@ -396,6 +502,11 @@ class ConnectionShell:
         if slot is None:
             log.debug("%s: $/cancel_request for %s, which is not in flight", self.name, clip(params.request_id))
             return
+        self._cancel_slot(slot)
+
+    @staticmethod
+    def _cancel_slot(slot: _Slot) -> None:
+        """Cancel one request in flight: it is answered ``cancelled`` (or its outcome if it had one)."""
         slot.cancelled = True
         if slot.scope is not None:
             slot.scope.cancel()
@@ -409,6 +520,7 @@ class ConnectionShell:
             if method is None or not method.sees_cancel:
                 del self._slots[req.id]
                 reply(encode_error(req.id, RequestCancelledError()))
+                self._slot_done()
                 return
         ctx = self.ctx
         ctx.cancelled = slot.cancelled  # type: ignore[attr-defined]
@@ -422,6 +534,7 @@ class ConnectionShell:
                 reply(out)
             else:
                 self._reply_error(out, slot, reply)
+            self._slot_done()
             return
         self._inflight += 1
         slot.running = True
@@ -451,6 +564,7 @@ class ConnectionShell:
                 reply(data)
             else:
                 self._reply_error(data, slot, reply)
+        self._slot_done()
         self._start_waiting()
 
     def _start_waiting(self) -> None:
@@ -472,11 +586,15 @@ class ConnectionShell:
                 data = encode_error(req.id, RequestCancelledError())
         finally:
             self._inflight -= 1
-            self._slots.pop(req.id, None)
             self._start_waiting()
-        if data is not None and not self._closed:
-            await self._wait_for_room()
-            if type(data) is bytes:
-                reply(data)
-            else:
-                self._reply_error(data, slot, reply)
+        try:
+            if data is not None and not self._closed:
+                await self._wait_for_room()
+                if type(data) is bytes:
+                    reply(data)
+                else:
+                    self._reply_error(data, slot, reply)
+        finally:
+            # Its id stays in use until its answer is queued (a drain waits for exactly that).
+            self._slots.pop(req.id, None)
+            self._slot_done()
