@@ -132,6 +132,9 @@ class Server:
             prompt_seq=prompt_seq,
             policy=self.policy,
         )
+        for each in self.bridge.backends.values():
+            if hasattr(each, "relay_max_bytes"):  # an agent's messages obey the clients' size rule
+                each.relay_max_bytes = self.limits.max_message_bytes
         if auth is None:
             self.dispatcher = Dispatcher(REQUESTS, NOTIFICATIONS)
         else:

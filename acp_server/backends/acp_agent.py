@@ -108,6 +108,10 @@ class AcpAgentBackend(BaseBackend):
         self.cancel_grace_s = cancel_grace_s
         self.initialize_timeout_s = initialize_timeout_s
         self.max_message_bytes = max_message_bytes
+        #: set by the server to the clients' ``--max-message-bytes``: an update or a request of the
+        #: agent's longer than this fails its prompt (``agent_error``, reason ``message_too_large``) and
+        #: is not relayed, so no client is ever sent a line it would refuse itself (``None``: no bound)
+        self.relay_max_bytes: int | None = None
         #: set by the bridge: ``on_exit(backend_name, exit_code)``, once per death of an initialized child
         self.on_exit: Callable[[str, int | None], None] | None = None
         self._stderr_log = logging.getLogger(f"acp_server.agent.{name}")
@@ -432,7 +436,16 @@ class AcpAgentBackend(BaseBackend):
         call = child.start_request("session/prompt", params)
         try:
             try:
-                await call.done.wait()
+                with run.waiting:
+                    await call.done.wait()
+                if run.failure is not None:
+                    # The agent sent what cannot be relayed: the turn fails; the agent is asked to
+                    # stop, with the same short grace as a cancel, so it is idle before the next prompt.
+                    child.notify("session/cancel", {"sessionId": child_sid})
+                    run.end()
+                    with trio.move_on_after(self.cancel_grace_s):
+                        await call.done.wait()
+                    raise run.failure
             except trio.Cancelled:
                 # Ask the child to stop, answer what it still asks of the client, and give it a short
                 # grace to settle the prompt, so it is idle before the next one; never longer.
@@ -522,9 +535,47 @@ class AcpAgentBackend(BaseBackend):
 
     # --- what the child sends us -------------------------------------------------------------------
 
+    def _too_large(self, child: AgentProcess, method: str, params: Any) -> bool:
+        """Whether ``params`` exceed what a client accepts; if so its turn fails (see ``relay_max_bytes``)."""
+        limit = self.relay_max_bytes
+        if limit is None or params is None or len(params) <= limit:
+            return False
+        error = AgentError(
+            backend_id=self.name,
+            agent_code=-32600,
+            agent_message=f"the agent sent a {method} of {len(params)} bytes, over the {limit} bytes a client accepts",
+            reason="message_too_large",
+        )
+        session_id = self._session_id_in(params)
+        session = self._routes.get(session_id) if session_id is not None else None
+        run = session.run if session is not None else None
+        if session is not None and run is not None and run.child is child:
+            log.warning("backend %s: %s; failing the prompt of %s", self.name, error.message, session.id)
+            run.fail(error)
+        else:
+            log.warning("backend %s: %s outside a prompt turn; dropped", self.name, error.message)
+        return True
+
+    @staticmethod
+    def _session_id_in(params: Any) -> str | None:
+        """The ``sessionId`` of a large message, read without decoding all of it."""
+        head = bytes(memoryview(params)[:4096])
+        marker = head.find(b'"sessionId"')
+        if marker < 0:
+            decoded = decode_params(params)
+            sid = decoded.get("sessionId") if isinstance(decoded, dict) else None
+            return sid if isinstance(sid, str) else None
+        rest = head[marker + len(b'"sessionId"') :].lstrip(b" \t\r\n:")
+        if not rest.startswith(b'"'):
+            return None
+        end = rest.find(b'"', 1)
+        return rest[1:end].decode("utf-8", "replace") if end > 0 else None
+
     def _on_child_notification(self, child: AgentProcess, note: Notification) -> None:
         if note.method != "session/update":
             log.debug("backend %s: ignoring %s from the agent", self.name, note.method)
+            return
+        if self._too_large(child, note.method, note.params):
             return
         params = decode_params(note.params)
         if not isinstance(params, dict) or not isinstance(params.get("update"), dict):
@@ -547,6 +598,9 @@ class AcpAgentBackend(BaseBackend):
             log.exception("backend %s: emitting an update of %s failed", self.name, session.id)
 
     def _on_child_request(self, child: AgentProcess, req: Request) -> None:
+        if req.method in RELAYED_METHODS and self._too_large(child, req.method, req.params):
+            child.respond_error(req.id, {"code": -32600, "message": f"{req.method} is too large to relay"})
+            return
         refusal = self._take_request(child, req)
         if refusal is not None:
             code, message = refusal

@@ -74,7 +74,7 @@ class TurnRelay:
         nursery: where relay tasks run (the backend's, so a relay never blocks the reader).
     """
 
-    __slots__ = ("child", "closing", "nursery", "relays", "turn")
+    __slots__ = ("child", "closing", "failure", "nursery", "relays", "turn", "waiting")
 
     def __init__(self, turn: Turn, child: AgentProcess, nursery: trio.Nursery) -> None:
         self.turn = turn
@@ -82,6 +82,16 @@ class TurnRelay:
         self.nursery = nursery
         self.closing = False
         self.relays: set[trio.CancelScope] = set()
+        #: why the turn must fail although the agent has not answered (see :meth:`fail`)
+        self.failure: Exception | None = None
+        #: the wait for the agent's answer to the prompt, cancelled by :meth:`fail`
+        self.waiting = trio.CancelScope()
+
+    def fail(self, error: Exception) -> None:
+        """End the turn with ``error`` (the agent sent what cannot be relayed); the first one counts."""
+        if self.failure is None:
+            self.failure = error
+            self.waiting.cancel()
 
     def end(self) -> None:
         """The turn is over: answer every request still open for the client, and take no new one."""

@@ -177,6 +177,9 @@ class AgentErrorData(ErrorData, tag="agent_error", omit_defaults=True):
     agent_data: Any = None
     #: set when the error ends an admitted prompt
     prompt_id: str | None = None
+    #: why the server failed the prompt itself (absent: the agent's own error): ``message_too_large``
+    #: (the agent sent an update or request over ``--max-message-bytes``; it was not relayed)
+    reason: Literal["message_too_large"] | None = None
 
 
 class SessionLimitExceededData(ErrorData, tag="session_limit_exceeded"):

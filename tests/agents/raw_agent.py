@@ -7,6 +7,7 @@ deep-update    a ``session/update`` nested 5,000 levels deep
 bad-utf8       a ``session/update`` whose text holds a byte that is not UTF-8
 truncated      half of a ``session/update`` line
 nested-N       a chunk ``n `` whose ``_meta`` nests N levels deep
+big-N          a chunk of N bytes of text
 deep-answer    no chunk: the prompt's answer itself is nested 5,000 levels deep
 anything else  nothing more
 """
@@ -64,6 +65,8 @@ def main() -> None:
             elif text.startswith("nested-"):
                 depth = int(text.removeprefix("nested-"))
                 write(update(sid, "n ").replace(b'"text":"n "}', b'"text":"n "},"_meta":' + b"[" * depth + b"]" * depth))
+            elif text.startswith("big-"):
+                write(update(sid, "x" * int(text.removeprefix("big-"))))
             elif text == "bad-utf8":
                 write(update(sid, "X").replace(b'"X"', b'"\xff\xfe"'))
             elif text == "truncated":
