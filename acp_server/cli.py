@@ -274,6 +274,14 @@ def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="live (in-memory) sessions at once; more get session_limit_exceeded (default 1000)",
     )
     s.add_argument(
+        "--max-history-events",
+        type=_int_arg("--max-history-events", minimum=1, meaning="a positive integer"),
+        default=None,
+        metavar="N",
+        help="recent events of a session kept in memory (late joiners, replays); older ones are read "
+        "from the store in pages, or are gone with --ephemeral (default 10000)",
+    )
+    s.add_argument(
         "--max-connections",
         type=_int_arg("--max-connections", minimum=0, meaning="a non-negative integer (0: from the fd limit)"),
         default=None,
@@ -577,6 +585,7 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
         max_inflight_requests=args.max_inflight_requests,
         idempotency_ttl_s=args.idempotency_ttl_s,
         max_sessions=args.max_sessions,
+        max_history_events=_history_events(args, serve_parser),
     )
     if args.ephemeral and args.state_dir is not None:
         serve_parser.error("--ephemeral and --state-dir exclude each other: choose memory only or a directory")
@@ -614,6 +623,14 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
             args.connection_idle_timeout_s, file_config.connection_idle_timeout_s, CONNECTION_IDLE_TIMEOUT_S
         ),
     )
+
+
+def _history_events(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--max-history-events``, else the config file's ``max_history_events``, else the default."""
+    if args.max_history_events is not None:
+        return int(args.max_history_events)
+    value = _file_config(args, parser).max_history_events
+    return value if value is not None else Limits().max_history_events
 
 
 def _given(flag: float | None, key: float | None, default: float) -> float:

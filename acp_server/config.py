@@ -3,6 +3,7 @@
     default_backend = "claude"
     max_connections = 1000            # sockets of every listener together (0: from the fd limit)
     turn_states = true                # _acp_server/turn_state for clients that do not say (--turn-states)
+    max_history_events = 10000        # recent events of a session kept in memory (older: from the store)
     drain_timeout_s = 30              # accepted requests may run this long after their input ends
     connection_idle_timeout_s = 300   # a socket holding nothing is closed after this long (0: off)
 
@@ -182,6 +183,8 @@ class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: ``--max-connections`` (0: from the fd limit)
     max_connections: Annotated[int, msgspec.Meta(ge=0)] | None = None
     turn_states: bool = True
+    #: ``--max-history-events``
+    max_history_events: Annotated[int, msgspec.Meta(ge=1)] | None = None
     #: ``--drain-timeout-s``
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     #: ``--connection-idle-timeout-s`` (0: off)

@@ -188,9 +188,6 @@ class Served:
 @asynccontextmanager
 async def served(kind: str, backend: HoldingBackend, sock_dir: Path) -> AsyncIterator[Served]:
     async with running_server(backend=backend) as (server, nursery):
-        # These tests are about a client that leaves: with no drain, the end of its input is its leaving
-        # (test_half_close.py covers the drain).
-        server.drain_timeout_s = 0
         box = Served(server, nursery)
         box.connect = await listen(nursery, kind, box.handle, sock_dir)
         try:

@@ -49,6 +49,8 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
         idempotency_ttl_s: how long an admitted ``(sessionId, idempotencyKey)`` is remembered.
         max_idempotency_keys: the most keys remembered at once (the oldest expire first).
         max_sessions: live (in-memory) sessions at once; more get ``session_limit_exceeded`` (0: unlimited).
+        max_history_events: the most recent events of a session kept in memory (for late joiners and
+            replays); older ones are read from the store in pages, or are gone without a store.
     """
 
     max_pending_prompts_per_session: int = 5
@@ -61,6 +63,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     idempotency_ttl_s: float = 600.0
     max_idempotency_keys: int = 100_000
     max_sessions: int = 1000
+    max_history_events: int = 10_000
 
     def __post_init__(self) -> None:
         check_non_negative_int("max_pending_prompts_per_session", self.max_pending_prompts_per_session)
@@ -70,6 +73,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
         check_positive_int("max_inflight_requests", self.max_inflight_requests)
         check_positive_int("max_idempotency_keys", self.max_idempotency_keys)
         check_non_negative_int("max_sessions", self.max_sessions)
+        check_positive_int("max_history_events", self.max_history_events)
         for name in ("client_idle_timeout_s", "session_idle_timeout_s", "idempotency_ttl_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:

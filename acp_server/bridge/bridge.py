@@ -131,7 +131,9 @@ class SessionBridge:
             StorePersistence(store, stored or {}) if store is not None else NullPersistence()
         )
         self.clients = ClientRegistry()
-        self.fanout: FanOut = (CommitFanOut if self.persistence.durable else FanOut)(self.clients, self.persistence)
+        self.fanout: FanOut = (CommitFanOut if self.persistence.durable else FanOut)(
+            self.clients, self.persistence, limits.max_history_events
+        )
         self.settlement = Settlement(self.fanout, self.persistence)
         self.table = SessionTable(limits, self.backends, self.backend, self.persistence, self.fanout)
         self.runner = SessionRunner(self.table, self.settlement, self.fanout, self.persistence, self.policy)
@@ -257,9 +259,6 @@ class SessionBridge:
         for the connection's writer instead of overflowing; updates that arrive meanwhile are sent in
         order before the connection is attached to the live stream (no gap, no duplicate).
         """
-        if session.stored_upto:
-            # Always, even for a tail after it: the merge shifts ``history``, so nobody may be iterating it.
-            await self.table.load_transcript(session)
         await self.fanout.replay(session, peer, after_event_id)
         self.clients.attach(session, peer)
 

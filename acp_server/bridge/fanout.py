@@ -6,6 +6,14 @@ update's JSON (our session, client and prompt ids need no escaping, and these ru
 prompt). Every update takes the session's next ``eventId`` and goes to its history, and through the
 persistence seam to the store.
 
+Memory per session is bounded: ``history`` keeps the most recent ``max_history_events`` (what late
+joiners and short replays need); older events are read back from the store in pages of
+:data:`PAGE_EVENTS` ids (:meth:`FanOut.history_pages`), or, without a store, are gone: a replay that
+cannot start where it was asked begins with ``_acp_server/replay_truncated`` naming the first event it
+has. A replay is paced by the connection's writer (its ``send_reliably`` waits while a little is queued)
+and yields between pages, so other connections stay responsive and a client that reads is never
+evicted, whatever the transcript's size.
+
 :class:`FanOut` sends at once. :class:`CommitFanOut` (with a store) holds what it sends, and the
 answers of settled prompts, until the write round they follow is committed: durable before visible,
 and a round's updates and answers leave a connection in one write. Consecutive messages for the same
@@ -14,7 +22,10 @@ connections are joined into one send.
 
 from __future__ import annotations
 
+import bisect
 import logging
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from functools import partial
 from typing import Any, TypeAlias
 
@@ -27,9 +38,14 @@ from .clients import ClientRegistry, now_ms
 from .persistence import Persistence
 from .session import Peer, PromptTicket, Session
 
-__all__ = ["CommitFanOut", "FanOut", "encode_update"]
+__all__ = ["PAGE_EVENTS", "REPLAY_TRUNCATED", "CommitFanOut", "FanOut", "encode_update"]
 
 log = logging.getLogger("acp_server.bridge")
+
+#: event ids per read of a transcript from the store (one page of a replay, a fork or a rebuild)
+PAGE_EVENTS = 512
+#: the notification a replay begins with when its first events are gone (no store)
+REPLAY_TRUNCATED = "_acp_server/replay_truncated"
 
 _encoder = msgspec.json.Encoder()
 
@@ -75,20 +91,34 @@ class FanOut:
     Args:
         clients: who is attached, and who takes turn states.
         persistence: where updates are recorded.
+        max_history_events: the most recent events kept in each session's ``history``.
     """
 
-    def __init__(self, clients: ClientRegistry, persistence: Persistence) -> None:
+    def __init__(self, clients: ClientRegistry, persistence: Persistence, max_history_events: int = 10_000) -> None:
         self._clients = clients
         self._peer_states = clients.peers
         self._persistence = persistence
         self._add_event = persistence.add_event
+        self._keep = max_history_events
+        #: trimmed in steps (a quarter of the bound at a time), so appending stays O(1) amortized
+        self._trim_at = max_history_events + max(1, max_history_events // 4)
+
+    def _trim(self, session: Session) -> None:
+        """Drop the oldest events of ``history`` beyond the bound (on disk with a store, else gone)."""
+        history = session.history
+        cut = len(history) - self._keep
+        session.trimmed_upto = history[cut - 1][0]
+        del history[:cut]
 
     def emit(self, session: Session, update: Any, originator: str | None, *, exclude: Peer | None = None) -> None:
         """Record ``update`` in the session's history and send it to every attached connection but
         ``exclude``; ``originator`` is the client id whose prompt caused it."""
         event_id = session.next_event_id
         session.next_event_id = event_id + 1
-        session.history.append((event_id, update))
+        history = session.history
+        history.append((event_id, update))
+        if len(history) > self._trim_at:
+            self._trim(session)
         if not session.attached:
             self._add_event(session.session_id, event_id, update)
             return
@@ -119,6 +149,8 @@ class FanOut:
         if state in TERMINAL_TURN_STATES:
             text = ("{" + fields + "}").encode()
             session.history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
+            if len(session.history) > self._trim_at:
+                self._trim(session)
             self._add_event(session.session_id, event_id, text, TURN_STATE)
         attached = session.attached
         states = self._peer_states
@@ -160,40 +192,83 @@ class FanOut:
         for waiter in waiters:  # last: a callback may start the connection's next request
             waiter.notify(ticket.result, ticket.error)
 
+    async def history_pages(
+        self, session: Session, after_event_id: int, upto: int | None = None
+    ) -> AsyncGenerator[list[tuple[int, Any]], None]:
+        """The session's events after ``after_event_id`` (up to ``upto``, default all) in order, in
+        pages: read from the store below
+        what ``history`` holds, then from ``history``, including what is recorded meanwhile (each page
+        picks up after the last event of the one before, so nothing repeats or goes missing even if
+        ``history`` is trimmed in between). Without a store, events trimmed away are skipped (see
+        :meth:`first_kept`)."""
+        durable = self._persistence.durable
+        last = after_event_id
+        while True:
+            history = session.history
+            first = history[0][0] if history else session.next_event_id
+            if upto is not None and last >= upto:
+                return
+            if durable and last < first - 1:
+                end = min(first - 1, last + PAGE_EVENTS, upto if upto is not None else first - 1)
+                events = await self._persistence.read_events(session.session_id, last, end)
+                last = end
+                if events:
+                    yield [(e.event_id, e if e.method is not None else e.body) for e in events]
+                continue
+            index = bisect.bisect_right(history, last, key=_event_id)
+            page = history[index : index + PAGE_EVENTS]
+            if upto is not None and page and page[-1][0] > upto:
+                page = page[: bisect.bisect_right(page, upto, key=_event_id)]
+            if not page:
+                return
+            last = page[-1][0]
+            yield page
+
+    def first_kept(self, session: Session, after_event_id: int) -> int | None:
+        """Without a store: the first event a replay after ``after_event_id`` can send, when events it
+        should send first are gone (``None``: nothing is missing)."""
+        if self._persistence.durable or session.trimmed_upto <= after_event_id:
+            return None
+        return session.history[0][0] if session.history else session.next_event_id
+
     async def replay(self, session: Session, peer: Peer, after_event_id: int) -> None:
         """Send the session's history after ``after_event_id`` to ``peer`` alone (the caller attaches it).
 
-        Replayed updates keep their original ``eventId`` and carry no ``originatorClientId``. They wait
-        for the connection's writer instead of overflowing; entries recorded meanwhile are sent too, in
-        order (no gap, no duplicate once the caller attaches the connection without an ``await``).
+        Replayed updates keep their original ``eventId`` and carry no ``originatorClientId``. They are
+        paced by the connection's writer (see the module docstring); entries recorded meanwhile are sent
+        too, in order (no gap, no duplicate once the caller attaches the connection without an ``await``).
+        When events it should begin with are gone (no store), it begins with ``_acp_server/replay_truncated``.
         """
         turn_states = self._clients.turn_states(peer)
         session_id = session.session_id
-        history = session.history
-        index = 0
-        while index < len(history) and history[index][0] <= after_event_id:
-            index += 1
-        while True:
-            end = len(history)
-            for event_id, update in history[index:end]:
-                if isinstance(update, StoredEvent):
-                    if not turn_states and (update.method or TURN_STATE) == TURN_STATE:
-                        continue  # the connection opted out at initialize
-                    params = msgspec.json.decode(update.body)
-                    params.update(sessionId=session_id, _meta={"eventId": event_id})
-                    await peer.send_reliably(_encoder.encode(_ExtMsg("2.0", update.method or TURN_STATE, params)) + b"\n")
-                    continue
-                await peer.send_reliably(encode_update(session_id, event_id, _encoder.encode(update)))
-            index = end
-            if len(history) == index:
-                break
+        first = self.first_kept(session, after_event_id)
+        if first is not None:
+            params = {"sessionId": session_id, "firstEventId": first, "requestedAfterEventId": after_event_id}
+            await peer.send_reliably(_encoder.encode(_ExtMsg("2.0", REPLAY_TRUNCATED, params)) + b"\n")
+        async with aclosing(self.history_pages(session, after_event_id)) as pages:
+            async for page in pages:
+                for event_id, update in page:
+                    if isinstance(update, StoredEvent):
+                        if not turn_states and (update.method or TURN_STATE) == TURN_STATE:
+                            continue  # the connection opted out at initialize
+                        params = msgspec.json.decode(update.body)
+                        params.update(sessionId=session_id, _meta={"eventId": event_id})
+                        line = _encoder.encode(_ExtMsg("2.0", update.method or TURN_STATE, params)) + b"\n"
+                        await peer.send_reliably(line)
+                        continue
+                    await peer.send_reliably(encode_update(session_id, event_id, _encoder.encode(update)))
+                await trio.lowlevel.checkpoint()  # between pages, whatever the writer's pace: others run
+
+
+def _event_id(entry: tuple[int, Any]) -> int:
+    return entry[0]
 
 
 class CommitFanOut(FanOut):
     """With a store: messages and answers wait for the commit of the write round they follow."""
 
-    def __init__(self, clients: ClientRegistry, persistence: Persistence) -> None:
-        super().__init__(clients, persistence)
+    def __init__(self, clients: ClientRegistry, persistence: Persistence, max_history_events: int = 10_000) -> None:
+        super().__init__(clients, persistence, max_history_events)
         #: what the current write round's commit lets out, in order (see :meth:`_round`)
         self._held: list[_HeldBack] | None = None
         self._held_generation = 0

@@ -89,6 +89,10 @@ class Persistence(Protocol):
         """The stored transcript entries of ``session_id`` up to event ``upto``."""
         ...
 
+    async def read_events(self, session_id: str, after: int, upto: int) -> list[StoredEvent]:
+        """The stored transcript entries of ``session_id`` with ``after < eventId <= upto`` (one page)."""
+        ...
+
     def list_sessions(
         self, live: dict[str, Session], cwd: str | None, tenant: str | None
     ) -> list[Session | StoredSession]:
@@ -142,6 +146,10 @@ class NullPersistence:
         raise AssertionError("nothing waits for a commit without a store")
 
     async def read_transcript(self, session_id: str, upto: int) -> list[StoredEvent]:
+        """Never called: no session has a stored part."""
+        raise AssertionError("no transcript is stored without a store")
+
+    async def read_events(self, session_id: str, after: int, upto: int) -> list[StoredEvent]:
         """Never called: no session has a stored part."""
         raise AssertionError("no transcript is stored without a store")
 
@@ -247,6 +255,10 @@ class StorePersistence:
     async def read_transcript(self, session_id: str, upto: int) -> list[StoredEvent]:
         """Read the session's stored entries up to ``upto``."""
         return await self.store.read_events(session_id, 0, upto)
+
+    async def read_events(self, session_id: str, after: int, upto: int) -> list[StoredEvent]:
+        """Read one page of the session's stored entries."""
+        return await self.store.read_events(session_id, after, upto)
 
     def list_sessions(
         self, live: dict[str, Session], cwd: str | None, tenant: str | None

@@ -19,6 +19,7 @@ the head then fails at once (:meth:`Settlement.fail_head_forks`).
 from __future__ import annotations
 
 import logging
+from contextlib import aclosing
 from functools import partial
 from typing import Any
 
@@ -298,7 +299,8 @@ class SessionRunner:
         except AcpError as exc:
             item.fail(exc)
             return
-        await table.load_transcript(session)
+        async with aclosing(self._fanout.history_pages(session, 0)) as pages:
+            copied = [entry async for page in pages for entry in page]
         new = table.build(session.backend, session.cwd, list(session.mcp_servers), session.tenant)
         try:
             await session.backend.fork(session.session_id, new.session_id)
@@ -309,7 +311,7 @@ class SessionRunner:
             log.exception("backend fork of %s failed", session.session_id)
             item.fail(InternalError())
             return
-        new.history = list(session.history)
+        new.history = copied  # the whole transcript, for the store's copy; trimmed at the next event
         new.next_event_id = session.next_event_id
         new.mode_id = session.mode_id
         new.modes = session.modes

@@ -233,9 +233,9 @@ class Session:
         "runner_active",
         "runner_idle_epoch",
         "session_id",
-        "stored_upto",
         "tenant",
         "title",
+        "trimmed_upto",
         "updated_ms",
     )
 
@@ -273,12 +273,12 @@ class Session:
         self.clients: dict[str, ClientReg] = {}
         #: the connections that receive its updates (see ClientRegistry.attach)
         self.attached: set[Peer] = set()
-        #: (eventId, update) in order; a fork copies it, the store keeps it
+        #: the recent (eventId, update) in order, at most ``max_history_events`` of them; older ones
+        #: (and those of a session restored from the store) are on disk only (see FanOut.history_pages)
         self.history: list[tuple[int, Any]] = []
         self.next_event_id = 1
-        #: a session restored from the store: events up to this id are on disk only, not yet in
-        #: ``history`` (loaded lazily, for replay and fork); 0 once loaded
-        self.stored_upto = 0
+        #: the last eventId dropped from ``history`` (0: none): with a store it is on disk, without gone
+        self.trimmed_upto = 0
 
     @property
     def running_ticket(self) -> PromptTicket | None:

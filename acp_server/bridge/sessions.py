@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Mapping
+from contextlib import aclosing
 from typing import Any
 
 import msgspec
@@ -97,7 +98,6 @@ class SessionTable:
         session.updated_ms = meta.updated_ms
         session.title = meta.title
         session.next_event_id = meta.next_event_id
-        session.stored_upto = meta.next_event_id - 1
         restore = getattr(backend, "restore_session", None)
         if restore is not None:
             restore(session.session_id, session.cwd, session.mcp_servers,
@@ -106,29 +106,18 @@ class SessionTable:
         log.info("restored session %s from the store", session.session_id)
         return session
 
-    async def load_transcript(self, session: Session) -> None:
-        """Put the on-disk part of a restored session's transcript in front of its ``history``."""
-        upto = session.stored_upto
-        if not upto:
-            return
-        events = await self._persistence.read_transcript(session.session_id, upto)
-        if session.stored_upto == upto:  # not merged by a concurrent load meanwhile
-            session.history[:0] = [(e.event_id, e if e.method is not None else e.body) for e in events]
-            session.stored_upto = 0
-
     async def transcript(self, session: Session, upto: int) -> list[TranscriptEntry]:
         """The session's transcript up to event ``upto``, decoded: ``(None, update)`` for each
         ``session/update`` payload, ``(method, params)`` for each extension notification kept (a
         backend that keeps a conversation rebuilds it from this after a restart or a fork)."""
-        await self.load_transcript(session)
         out: list[TranscriptEntry] = []
-        for event_id, entry in session.history:
-            if event_id > upto:
-                break
-            if isinstance(entry, StoredEvent):
-                out.append((entry.method or TURN_STATE, msgspec.json.decode(entry.body)))
-            elif isinstance(entry, bytes | msgspec.Raw):
-                out.append((None, msgspec.json.decode(entry)))
-            else:
-                out.append((None, msgspec.to_builtins(entry)))
+        async with aclosing(self._fanout.history_pages(session, 0, upto)) as pages:
+            async for page in pages:
+                for _, entry in page:
+                    if isinstance(entry, StoredEvent):
+                        out.append((entry.method or TURN_STATE, msgspec.json.decode(entry.body)))
+                    elif isinstance(entry, bytes | msgspec.Raw):
+                        out.append((None, msgspec.json.decode(entry)))
+                    else:
+                        out.append((None, msgspec.to_builtins(entry)))
         return out

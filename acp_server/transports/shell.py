@@ -73,6 +73,9 @@ _ids = itertools.count(1)
 _decode_cancel = msgspec.json.Decoder(CancelRequestParams).decode
 _FLUSH_TIMEOUT_S = 2.0
 _READ_SIZE = 65536
+#: :meth:`ConnectionShell.send_reliably` waits while more than this is queued (a replay is paced by
+#: the writer, and never holds more than this of the connection's memory)
+RELIABLE_WATERMARK_BYTES = 1 << 20
 
 
 class _Slot:
@@ -209,8 +212,11 @@ class ConnectionShell:
             self._enqueue(data)
 
     async def send_reliably(self, data: bytes) -> None:
-        """Queue a message that must arrive (a replay): wait for the writer instead of overflowing."""
-        await self._wait_for_room()
+        """Queue a message that must arrive (a replay): paced by the writer, it waits while more than
+        :data:`RELIABLE_WATERMARK_BYTES` (or the outbound bound, if lower) are queued, instead of overflowing."""
+        mark = min(RELIABLE_WATERMARK_BYTES, self.max_outbound_bytes)
+        while self._out_bytes > mark and not self._closed:
+            await self._drained.wait()
         self.reply(data)
 
     def _enqueue(self, data: bytes) -> None:

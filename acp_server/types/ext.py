@@ -15,6 +15,7 @@ __all__ = [
     "CapabilitiesResult",
     "LimitsCapability",
     "TurnStateBody",
+    "ReplayTruncatedParams",
     "TurnStateParams",
 ]
 
@@ -84,3 +85,15 @@ class TurnStateParams(Wire):
     reason: str | None = None
     position_hint: int | None = None
     meta: dict[str, Any] | None = meta_field()
+
+
+class ReplayTruncatedParams(Wire):
+    """``_acp_server/replay_truncated``: the first message of a replay whose first events are gone (a
+    session without a store keeps only its last ``--max-history-events``); the replay goes on from
+    ``firstEventId``."""
+
+    session_id: str
+    #: the first event the replay has (what follows this notification)
+    first_event_id: int
+    #: where the replay was asked to begin after (0: from the start)
+    requested_after_event_id: int
