@@ -29,7 +29,7 @@ from .auth.binds import RemoteBindError, check_remote_bind
 from .auth.settings import add_serve_flags, settings_from
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config, openai_shorthand
-from .server import CONNECTION_IDLE_TIMEOUT_S, DRAIN_TIMEOUT_S, ListenAddress, ServerConfig, serve
+from .server import CONNECTION_IDLE_TIMEOUT_S, ListenAddress, ServerConfig, serve
 from .statedir import adopt_legacy, keyed_state_dir
 from .store import StoreVersionError, StoreWriterError
 from .transports.relay import relay_stdio
@@ -618,7 +618,7 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
         max_connections=args.max_connections if args.max_connections is not None else file_config.max_connections or 0,
         turn_states=args.turn_states if args.turn_states is not None else file_config.turn_states,
         auth=auth,
-        drain_timeout_s=_given(args.drain_timeout_s, file_config.drain_timeout_s, DRAIN_TIMEOUT_S),
+        drain_timeout_s=args.drain_timeout_s if args.drain_timeout_s is not None else file_config.drain_timeout_s,
         connection_idle_timeout_s=_given(
             args.connection_idle_timeout_s, file_config.connection_idle_timeout_s, CONNECTION_IDLE_TIMEOUT_S
         ),

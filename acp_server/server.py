@@ -78,8 +78,10 @@ class ServerConfig:
     turn_states: bool = True
     #: tokens, audit log, rate limit and TLS (``None``: none of them)
     auth: AuthSettings | None = None
-    #: ``--drain-timeout-s``: after a connection's input ends, how long its accepted requests may run
-    drain_timeout_s: float = DRAIN_TIMEOUT_S
+    #: ``--drain-timeout-s`` (config ``drain_timeout_s``): after a connection's input ends, how long its
+    #: accepted requests may run (``None``: not given, :data:`DRAIN_TIMEOUT_S`; shutdown on a signal
+    #: cancels at once unless it is given)
+    drain_timeout_s: float | None = None
     #: ``--connection-idle-timeout-s`` (0: off): a socket that holds nothing is closed after this long
     connection_idle_timeout_s: float = CONNECTION_IDLE_TIMEOUT_S
 
@@ -281,7 +283,7 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         policy=config.policy,
         turn_states=config.turn_states,
         auth=auth,
-        drain_timeout_s=config.drain_timeout_s,
+        drain_timeout_s=config.drain_timeout_s if config.drain_timeout_s is not None else DRAIN_TIMEOUT_S,
         connection_idle_timeout_s=config.connection_idle_timeout_s,
     )
     with shutdown_signals() as signals:

@@ -176,3 +176,32 @@ async def test_the_idle_timeout_can_be_turned_off(autojump_clock: trio.testing.M
         await idle.initialize()
         await trio.sleep(3600)
         assert not idle_ended.is_set()
+
+
+def test_the_new_flags_and_their_config_keys(tmp_path: Any) -> None:
+    """``--drain-timeout-s``, ``--connection-idle-timeout-s`` and ``--max-history-events``, each with its
+    config key; the command line wins; bad values exit 2 naming the flag."""
+    from acp_server.cli import _build, _parse, server_config
+    from acp_server.config import ConfigError, parse_config
+
+    def config(*argv: str) -> Any:
+        parser, serve = _build()
+        return server_config(_parse(parser, ["serve", "--ephemeral", *argv]), serve)
+
+    default = config()
+    assert default.drain_timeout_s is None  # not given: 30 s for half-close, SIGTERM cancels at once
+    assert default.connection_idle_timeout_s == 300 and default.limits.max_history_events == 10_000
+    toml = tmp_path / "c.toml"
+    toml.write_text("drain_timeout_s = 5\nconnection_idle_timeout_s = 0\nmax_history_events = 77\n")
+    from_file = config("--config", str(toml))
+    assert (from_file.drain_timeout_s, from_file.connection_idle_timeout_s) == (5, 0)
+    assert from_file.limits.max_history_events == 77
+    given = config("--config", str(toml), "--drain-timeout-s", "1.5", "--connection-idle-timeout-s", "9",
+                   "--max-history-events", "3")
+    assert (given.drain_timeout_s, given.connection_idle_timeout_s, given.limits.max_history_events) == (1.5, 9, 3)
+    for bad in (["--drain-timeout-s", "-1"], ["--connection-idle-timeout-s", "x"], ["--max-history-events", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            config(*bad)
+        assert exit_info.value.code == 2
+    with pytest.raises(ConfigError, match="max_history_events"):
+        parse_config("max_history_events = 0")

@@ -1,8 +1,8 @@
 """The table of live sessions: the one place a :class:`Session` is built, restored or counted.
 
 A stored session that is not live is made live synchronously (:meth:`SessionTable.restore`: metadata
-from the index, the transcript left on disk until a replay or a fork needs it,
-:meth:`SessionTable.load_transcript`).
+from the index, the transcript left on disk: replays, forks and :meth:`SessionTable.transcript` read
+it in pages, :meth:`~acp_server.bridge.fanout.FanOut.history_pages`).
 """
 
 from __future__ import annotations
