@@ -101,6 +101,7 @@ class RedisCoordinator:
         timeout_ms: a call unanswered for this long means Redis is away.
         failure: ``"closed"`` (refuse while away) or ``"local"`` (admit against a local share).
         expected_replicas: N of the local share (0: the live replicas last seen in Redis).
+        recheck_s: how often waiters re-check with no wake-up (the safety net under pub/sub).
     """
 
     def __init__(
@@ -113,6 +114,7 @@ class RedisCoordinator:
         timeout_ms: int = 500,
         failure: FailureMode = "closed",
         expected_replicas: int = 0,
+        recheck_s: float = RECHECK_S,
     ) -> None:
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--coordinator must be a redis:// or rediss:// URL; got {url!r}")
@@ -129,6 +131,7 @@ class RedisCoordinator:
         self._timeout_s = timeout_ms / 1000
         self._failure: FailureMode = failure
         self._expected = expected_replicas
+        self._recheck_s = recheck_s
         self._client: coredis.Redis[bytes] | None = None
         self._scripts: dict[str, Any] = {}
         self._up = False
@@ -142,6 +145,7 @@ class RedisCoordinator:
         self._release_wake = trio.Event()
         self._releases_idle = trio.Event()
         self._releases_idle.set()
+        self._release_lock = trio.Lock()
         self._live = 1
         self._acquired = self._refused = self._released = self._lost = 0
         self._failures = self._outages = self._reasserted = 0
@@ -158,6 +162,10 @@ class RedisCoordinator:
 
     def new_lease(self) -> Lease:
         return Lease(new_lease_id())
+
+    async def wait_up(self) -> None:
+        """Wait until Redis answers and every held lease was re-asserted."""
+        await self._up_event.wait()
 
     # --- calls ------------------------------------------------------------------------------------
 
@@ -379,9 +387,23 @@ class RedisCoordinator:
         tomb_ms = self._ttl_ms if item.tomb is not None else 0
         await self._call("release", keys, [item.lease_id, "1" if item.full else "0", tomb_ms, self.keys.freed])
 
+    async def _drain_releases(self) -> None:
+        """Send the queued releases in order (an item older than two TTLs is dropped: what it held
+        stopped counting long ago).
+
+        Raises:
+            _Down: a call failed; the item stays first in the queue.
+        """
+        async with self._release_lock:
+            while self._releases:
+                item = self._releases[0]
+                if trio.current_time() - item.queued_at <= 2 * self._ttl_ms / 1000:
+                    await self._send_release(item)
+                self._releases.popleft()
+            self._releases_idle.set()
+
     async def _releaser(self) -> None:
-        """Send queued releases in order; while Redis is away, wait for it (an item older than two TTLs
-        is dropped: its leases stopped counting long ago)."""
+        """Send queued releases as they come; while Redis is away, wait for it."""
         while True:
             if not self._releases:
                 self._releases_idle.set()
@@ -390,15 +412,10 @@ class RedisCoordinator:
                 continue
             if not self._up:
                 await self._up_event.wait()
-            item = self._releases[0]
-            if trio.current_time() - item.queued_at > 2 * self._ttl_ms / 1000:
-                self._releases.popleft()
-                continue
             try:
-                await self._send_release(item)
+                await self._drain_releases()
             except _Down:
                 continue
-            self._releases.popleft()
 
     async def flush(self) -> None:
         """See :meth:`~acp_server.coordinator.base.Coordinator.flush`."""
@@ -484,6 +501,8 @@ class RedisCoordinator:
             return False
         self._up = True  # calls may go out; nothing new is admitted until the re-assert is done
         try:
+            # Releases first: a compensation queued for a lease id must not undo its re-take.
+            await self._drain_releases()
             await self._reassert()
         except _Down:
             return False
@@ -520,7 +539,7 @@ class RedisCoordinator:
 
     async def _dispatcher(self) -> None:
         while True:
-            await self._queue.woken(RECHECK_S)
+            await self._queue.woken(self._recheck_s)
             if len(self._queue) and self._up:
                 await self._queue.run_pass(self._attempt)
 
