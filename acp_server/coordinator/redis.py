@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final
 
+import anyio
 import coredis
 import coredis.exceptions
 import trio
@@ -58,7 +59,7 @@ from .local import LocalCoordinator, default_replica_id
 from .scripts import SCRIPT_NAMES, Keys, script_source
 from .waiters import WaitQueue
 
-__all__ = ["RedisCoordinator"]
+__all__ = ["RedisCoordinator", "redis_now_ms"]
 
 log = logging.getLogger("acp_server.coordinator")
 
@@ -69,6 +70,17 @@ _BACKOFF_MIN_S: Final = 0.05
 _RENEW_BATCH: Final = 200
 
 _ERRORS: Final = (coredis.exceptions.RedisError, OSError, trio.TooSlowError)
+
+
+_NOW_LUA: Final = "local t = redis.call('TIME') return t[1] * 1000 + math.floor(t[2] / 1000)"
+
+
+async def redis_now_ms(client: coredis.Redis[bytes]) -> int:
+    """Redis' clock in ms, the one lease expiries are scored in (coredis' ``time()`` drops the
+    microseconds' leading digits, so it is read through a script)."""
+    value = await client.eval(_NOW_LUA)
+    assert isinstance(value, int), value
+    return value
 
 
 def _text(value: str | bytes) -> str:
@@ -255,33 +267,39 @@ class RedisCoordinator:
         keys, args = self._acquire_args(lease, options, leave, attempt, token)
         was_new = lease.state == "new"
         lease._inflight += 1
-        try:
-            result = await self._call("acquire", keys, args)
-        except trio.Cancelled:
-            lease._inflight -= 1
-            await self._compensate(lease, options, attempt, was_new)
-            raise
-        except _Down:
-            lease._inflight -= 1
-            self._queue_compensation(lease, options, attempt, was_new)
+        # Shielded and bounded by the timeout: a cancel is seen once the answer is known, so what the
+        # call took is given back exactly (a call torn mid-way would leave its outcome unknown).
+        with trio.CancelScope(shield=True):
+            try:
+                result = await self._call("acquire", keys, args)
+            except _Down:
+                # No answer: the call may still run on the server. Its attempt gets a tombstone, and
+                # whatever it may have taken is given back.
+                self._enqueue_release(self._compensation(lease, options, attempt, was_new))
+                result = None
+            finally:
+                lease._inflight -= 1
+        if result is None:
+            await trio.lowlevel.checkpoint_if_cancelled()
             if self._failure == "local" and was_new:
                 return self._local_acquire(lease, options, leave)
-            raise self._unavailable() from None
-        lease._inflight -= 1
+            raise self._unavailable()
         code = int(result[0])
-        if code == -1:
+        if code <= 0:
             self._refused += 1
-            raise LimitRefused("tombstone", 0, 0)  # a release of this lease came first
-        if code == 0:
-            self._refused += 1
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if code == -1:
+                raise LimitRefused("tombstone", 0, 0)  # a release of this lease came first
             name = self.keys.limit_name(keys[int(result[1]) - 1])
             raise LimitRefused(name, int(result[2]), int(result[3]), soft=bool(int(result[4])))
         option = options[code - 1]
         if not lease.active:
-            # Released while the call was on its way (the release may have reached Redis first, then
-            # the tombstone refused this; or it came after, and this takes back what the call took).
+            # Released while the call was on its way: give back what the call took (the release's
+            # tombstone refused it if the release came first).
             self._enqueue_release(_Release(lease.id, option.names(), True, None, trio.current_time()))
+            await trio.lowlevel.checkpoint_if_cancelled()
             raise RuntimeError(f"{lease!r} was released during its acquire")
+        taken = [n.name for n in option.needs if n.name not in lease.holds]
         for need in option.needs:
             lease.holds[need.name] = need.cap
         for name in leave:
@@ -293,6 +311,17 @@ class RedisCoordinator:
             lease.acquired_at = trio.current_time()
         self._leases[lease.id] = lease
         self._acquired += 1
+        try:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        except trio.Cancelled:
+            # Cancelled during the call: give back what it took.
+            if was_new:
+                self.release(lease)
+            else:
+                for name in taken:
+                    lease.holds.pop(name, None)
+                self._enqueue_release(_Release(lease.id, tuple(taken), False, None, trio.current_time()))
+            raise
         return code - 1
 
     def _compensation(self, lease: Lease, options: Sequence[Option], attempt: int, was_new: bool) -> _Release:
@@ -302,18 +331,6 @@ class RedisCoordinator:
                 if need.name not in lease.holds and need.name not in names:
                     names.append(need.name)
         return _Release(lease.id, tuple(names), was_new, attempt, trio.current_time())
-
-    async def _compensate(self, lease: Lease, options: Sequence[Option], attempt: int, was_new: bool) -> None:
-        """Give back what a cancelled acquire may have taken: shielded, bounded by the timeout."""
-        item = self._compensation(lease, options, attempt, was_new)
-        with trio.CancelScope(shield=True):
-            try:
-                await self._send_release(item)
-            except _Down:
-                self._enqueue_release(item)
-
-    def _queue_compensation(self, lease: Lease, options: Sequence[Option], attempt: int, was_new: bool) -> None:
-        self._enqueue_release(self._compensation(lease, options, attempt, was_new))
 
     async def wait_acquire(self, lease: Lease, option: Option, *, rank: int = 1, leave: Sequence[str] = ()) -> None:
         """See :meth:`~acp_server.coordinator.base.Coordinator.wait_acquire`."""
@@ -533,8 +550,9 @@ class RedisCoordinator:
                 async with self._client.pubsub(channels=[self.keys.freed], ignore_subscribe_messages=True) as ps:
                     async for _ in ps:
                         self._queue.wake()
-            except _ERRORS as exc:
-                log.debug("coordinator subscription ended (%s); resubscribing", exc)
+            except* (*_ERRORS, anyio.ClosedResourceError) as group:
+                # The subscription's own connection closes on a cancel too (then Cancelled follows).
+                log.debug("coordinator subscription ended (%r); resubscribing", group.exceptions[0])
             await trio.sleep(_BACKOFF_MIN_S)
 
     async def _dispatcher(self) -> None:
@@ -590,7 +608,7 @@ class RedisCoordinator:
         """See :meth:`~acp_server.coordinator.base.Coordinator.cluster`."""
         assert self._client is not None
         with trio.fail_after(max(self._timeout_s, 2.0)):
-            now = (await self._client.time()).timestamp() * 1000
+            now = await redis_now_ms(self._client)
             caps = await self._client.hgetall(self.keys.caps)
             limits = []
             for key, cap in sorted(caps.items()):
