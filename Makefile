@@ -29,10 +29,15 @@ lint: $(STAMP_DEV)
 	$(VENV)/bin/ruff check acp_server tests
 	$(VENV)/bin/mypy
 
-test: $(STAMP_DEV) lint
+# The coordinator's tests run against Debian's redis-server, installed here when missing.
+.PHONY: redis-server
+redis-server:
+	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
+
+test: $(STAMP_DEV) lint redis-server
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test-full: $(STAMP_DEV)
+test-full: $(STAMP_DEV) redis-server
 	ACP_SERVER_FULL=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 schemas: $(STAMP_DEV)
