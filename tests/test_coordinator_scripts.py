@@ -22,20 +22,20 @@ class Scripts:
         self.client = client
         self.s = {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
 
-    async def acquire(
-        self,
+    @staticmethod
+    def request(
         lease: str,
         options: list[dict[str, Any]],
         *,
         names: list[str],
-        ttl: int = 10_000,
         token: int = 0,
         leave: list[str] = (),  # type: ignore[assignment]
         attempt: int = 1,
-    ) -> list[Any]:
-        """options: [{"n": [[name, cap, soft]], "c": {...names...}}], names resolved to KEYS indexes."""
-        keys = [K.tomb(lease, attempt), K.lease(lease), K.fence, K.caps] + [K.limit(n) for n in names]
-        ix = {n: i + 5 for i, n in enumerate(names)}
+    ) -> tuple[list[str], list[Any]]:
+        """One request: options [{"n": [[name, cap, soft]], "c": {...names...}}], names numbered 1.. in
+        the order given."""
+        keys = [K.tomb(lease, attempt), K.lease(lease)] + [K.limit(n) for n in names]
+        ix = {n: i + 1 for i, n in enumerate(names)}
         spec_o = []
         for o in options:
             spec: dict[str, Any] = {"n": [[ix[n], cap, soft] for n, cap, soft in o["n"]]}
@@ -46,11 +46,23 @@ class Scripts:
         body: dict[str, Any] = {"o": spec_o}
         if leave:
             body["d"] = [ix[n] for n in leave]
-        return list(await self.s["acquire"](keys=keys, args=[lease, ttl, "r1", token, K.freed, json.dumps(body)]))
+        return keys, [lease, token, len(names), json.dumps(body)]
+
+    async def batch(self, requests: list[tuple[list[str], list[Any]]], *, ttl: int = 10_000) -> list[list[Any]]:
+        keys = [K.fence, K.caps]
+        args: list[Any] = [ttl, "r1", K.freed, len(requests)]
+        for k, a in requests:
+            keys.extend(k)
+            args.extend(a)
+        return [list(r) for r in await self.s["acquire"](keys=keys, args=args)]
+
+    async def acquire(self, lease: str, options: list[dict[str, Any]], *, ttl: int = 10_000, **kw: Any) -> list[Any]:
+        return (await self.batch([self.request(lease, options, **kw)], ttl=ttl))[0]
 
     async def release(self, lease: str, names: list[str], *, full: bool = True, tomb_ms: int = 0, attempt: int = 1) -> int:
         keys = [K.tomb(lease, attempt), K.lease(lease)] + [K.limit(n) for n in names]
-        return int(await self.s["release"](keys=keys, args=[lease, "1" if full else "0", tomb_ms, K.freed]))
+        args = [K.freed, 1, lease, "1" if full else "0", tomb_ms, len(names)]
+        return int(await self.s["release"](keys=keys, args=args))
 
     async def renew(self, leases: list[tuple[str, list[str]]], *, ttl: int = 10_000, replica: str = "r1") -> list[int]:
         keys = [K.replicas]
@@ -79,7 +91,7 @@ async def test_acquire_never_passes_the_cap(scripts: Scripts) -> None:
     assert (await scripts.acquire("a", opt, names=["seats"]))[0] == 1
     assert (await scripts.acquire("b", opt, names=["seats"]))[0] == 1
     refused = await scripts.acquire("c", opt, names=["seats"])
-    assert refused[:5] == [0, 5, 2, 2, 0]
+    assert refused[:5] == [0, 1, 2, 2, 0]
     assert await scripts.members("seats") == {b"a", b"b"}
     # a holder asking again is not counted against itself
     assert (await scripts.acquire("a", opt, names=["seats"], attempt=2))[0] == 1
@@ -88,7 +100,7 @@ async def test_acquire_never_passes_the_cap(scripts: Scripts) -> None:
 async def test_acquire_is_all_or_nothing(scripts: Scripts) -> None:
     await scripts.acquire("x", [{"n": [["tenant:t", 1, 0]]}], names=["tenant:t"])
     refused = await scripts.acquire("a", [{"n": [["seats", 5, 0], ["tenant:t", 1, 0]]}], names=["seats", "tenant:t"])
-    assert refused[0] == 0 and refused[1] == 6  # the tenant limit, KEYS[6]
+    assert refused[0] == 0 and refused[1] == 2  # the tenant limit, the request's set 2
     assert await scripts.members("seats") == set()
     assert await scripts.client.get(K.lease("a")) is None
 
@@ -99,12 +111,12 @@ async def test_a_full_soft_cap_falls_through_to_the_next_option(scripts: Scripts
     assert (await scripts.acquire("a", options, names=names))[0] == 1
     assert (await scripts.acquire("b", options, names=names))[0] == 2  # queued
     refused = await scripts.acquire("c", options, names=names)  # the room is full too
-    assert refused[:5] == [0, 6, 1, 1, 0]
+    assert refused[:5] == [0, 2, 1, 1, 0]
     assert await scripts.members("pool:e") == {b"a", b"b"}
     # a full hard cap in the first option refuses at once, the second is not tried
     await scripts.acquire("p", [{"n": [["pool:e", 0, 0]]}], names=["pool:e"])  # count only: joins
     hard = [{"n": [["seats", 9, 1], ["pool:e", 3, 0]]}, {"n": [["room", 9, 0]]}]
-    assert (await scripts.acquire("d", hard, names=names))[:2] == [0, 7]
+    assert (await scripts.acquire("d", hard, names=names))[:2] == [0, 3]
     assert b"d" not in await scripts.members("room")
 
 
@@ -184,6 +196,22 @@ async def test_acquire_that_leaves_a_set_publishes(scripts: Scripts, redis_serve
             while message is None:  # None: a subscribe confirmation, filtered out
                 message = await ps.get_message()
         assert message["type"] == "message" and message["channel"] == K.freed.encode()
+
+
+async def test_one_call_serves_a_batch_in_order(scripts: Scripts) -> None:
+    opt = [{"n": [["seats", 2, 0]]}]
+    replies = await scripts.batch([scripts.request(x, opt, names=["seats"]) for x in "abc"])
+    assert [r[0] for r in replies] == [1, 1, 0]  # the third sees the first two
+    assert replies[1][1] == replies[0][1] + 1  # tokens in order
+    assert await scripts.members("seats") == {b"a", b"b"}
+
+
+async def test_a_batched_release_frees_every_lease(scripts: Scripts) -> None:
+    await scripts.batch([scripts.request(x, [{"n": [["seats", 5, 0]]}], names=["seats"]) for x in "ab"])
+    keys = [K.tomb("a", 1), K.lease("a"), K.limit("seats"), K.tomb("b", 1), K.lease("b"), K.limit("seats")]
+    args = [K.freed, 2, "a", "1", 0, 1, "b", "1", 0, 1]
+    assert await scripts.s["release"](keys=keys, args=args) == 2
+    assert await scripts.members("seats") == set()
 
 
 # --- release.lua -----------------------------------------------------------------------------------
@@ -272,5 +300,5 @@ def test_every_script_names_its_keys_argv_and_invariant() -> None:
     for name in SCRIPT_NAMES:
         head = script_source(name).split("\nlocal ", 1)[0]
         assert head.startswith(f"-- {name}.lua:"), name
-        for word in ("KEYS[1]", "ARGV[1]", "Invariant:", "Returns"):
+        for word in ("KEYS", "ARGV[1]", "Invariant:", "Returns"):
             assert word in head, (name, word)

@@ -66,8 +66,10 @@ log = logging.getLogger("acp_server.coordinator")
 #: The longest pause between two reconnect attempts.
 BACKOFF_MAX_S: Final = 2.0
 _BACKOFF_MIN_S: Final = 0.05
-#: Leases renewed per ``renew.lua`` call.
+#: Leases renewed per ``renew.lua`` call, and acquisitions or releases per ``acquire.lua`` or
+#: ``release.lua`` call.
 _RENEW_BATCH: Final = 200
+_BATCH: Final = 64
 
 _ERRORS: Final = (coredis.exceptions.RedisError, OSError, trio.TooSlowError)
 
@@ -89,6 +91,23 @@ def _text(value: str | bytes) -> str:
 
 class _Down(Exception):
     """A call got no answer in time (or the connection failed): the coordinator is away."""
+
+
+class _Pending:
+    """One acquisition waiting for its batch's reply."""
+
+    __slots__ = ("args", "done", "error", "keys", "result")
+
+    def __init__(self, keys: list[str], args: list[str | int]) -> None:
+        self.keys = keys
+        self.args = args
+        self.done = trio.Event()
+        self.result: Any = None
+        self.error: _Down | None = None
+
+    def fail(self, error: _Down) -> None:
+        self.error = error
+        self.done.set()
 
 
 class _Release:
@@ -154,6 +173,8 @@ class RedisCoordinator:
         self._local = LocalCoordinator(self._replica_id, replicas=max(1, expected_replicas))
         self._queue = WaitQueue()
         self._releases: collections.deque[_Release] = collections.deque()
+        self._acquire_pending: list[_Pending] = []
+        self._acquire_wake = trio.Event()
         self._release_wake = trio.Event()
         self._releases_idle = trio.Event()
         self._releases_idle.set()
@@ -207,17 +228,18 @@ class RedisCoordinator:
 
     # --- acquire ----------------------------------------------------------------------------------
 
-    def _acquire_args(
+    def _acquire_request(
         self, lease: Lease, options: Sequence[Option], leave: Sequence[str], attempt: int, token: int
     ) -> tuple[list[str], list[str | int]]:
-        keys = [self.keys.tomb(lease.id, attempt), self.keys.lease(lease.id), self.keys.fence, self.keys.caps]
+        """One request of a batched ``acquire.lua`` call: its KEYS (tombstone, record, sets) and ARGV."""
+        keys = [self.keys.tomb(lease.id, attempt), self.keys.lease(lease.id)]
         index: dict[str, int] = {}
 
         def ki(name: str) -> int:
             i = index.get(name)
             if i is None:
                 keys.append(self.keys.limit(name))
-                i = index[name] = len(keys)
+                i = index[name] = len(keys) - 2
             return i
 
         spec_options = []
@@ -235,8 +257,52 @@ class RedisCoordinator:
         body: dict[str, Any] = {"o": spec_options}
         if leave:
             body["d"] = [ki(n) for n in leave]
-        args: list[str | int] = [lease.id, self._ttl_ms, self._replica_id, token, self.keys.freed, json.dumps(body)]
-        return keys, args
+        return keys, [lease.id, token, len(keys) - 2, json.dumps(body, separators=(",", ":"))]
+
+    async def _batched_acquire(self, keys: list[str], args: list[str | int]) -> Any:
+        """Send one request with the others of this turn of the loop; its reply.
+
+        Raises:
+            _Down: the batch's call failed or timed out.
+        """
+        item = _Pending(keys, args)
+        self._acquire_pending.append(item)
+        self._acquire_wake.set()
+        await item.done.wait()
+        if item.error is not None:
+            raise item.error
+        return item.result
+
+    async def _acquire_batcher(self) -> None:
+        """Send the pending acquisitions, many per ``acquire.lua`` call: while one call is on its way,
+        the next batch gathers."""
+        pending = self._acquire_pending
+        try:
+            while True:
+                await self._acquire_wake.wait()
+                self._acquire_wake = trio.Event()
+                while pending:
+                    batch = pending[:_BATCH]
+                    del pending[:_BATCH]
+                    keys = [self.keys.fence, self.keys.caps]
+                    args: list[str | int] = [self._ttl_ms, self._replica_id, self.keys.freed, len(batch)]
+                    for item in batch:
+                        keys.extend(item.keys)
+                        args.extend(item.args)
+                    try:
+                        replies = await self._call("acquire", keys, args)
+                    except _Down as exc:
+                        for item in batch:
+                            item.fail(exc)
+                        continue
+                    for item, reply in zip(batch, replies, strict=True):
+                        item.result = reply
+                        item.done.set()
+        finally:
+            closed = _Down("the coordinator is closed")
+            for item in pending:
+                item.fail(closed)
+            pending.clear()
 
     async def acquire(self, lease: Lease, *options: Option, leave: Sequence[str] = ()) -> int:
         """See :meth:`~acp_server.coordinator.base.Coordinator.acquire`."""
@@ -264,14 +330,14 @@ class RedisCoordinator:
     ) -> int:
         lease._attempts += 1
         attempt = lease._attempts
-        keys, args = self._acquire_args(lease, options, leave, attempt, token)
+        keys, args = self._acquire_request(lease, options, leave, attempt, token)
         was_new = lease.state == "new"
         lease._inflight += 1
         # Shielded and bounded by the timeout: a cancel is seen once the answer is known, so what the
         # call took is given back exactly (a call torn mid-way would leave its outcome unknown).
         with trio.CancelScope(shield=True):
             try:
-                result = await self._call("acquire", keys, args)
+                result = await self._batched_acquire(keys, args)
             except _Down:
                 # No answer: the call may still run on the server. Its attempt gets a tombstone, and
                 # whatever it may have taken is given back.
@@ -290,7 +356,7 @@ class RedisCoordinator:
             await trio.lowlevel.checkpoint_if_cancelled()
             if code == -1:
                 raise LimitRefused("tombstone", 0, 0)  # a release of this lease came first
-            name = self.keys.limit_name(keys[int(result[1]) - 1])
+            name = self.keys.limit_name(keys[int(result[1]) + 1])
             raise LimitRefused(name, int(result[2]), int(result[3]), soft=bool(int(result[4])))
         option = options[code - 1]
         if not lease.active:
@@ -395,28 +461,34 @@ class RedisCoordinator:
         self._releases_idle = trio.Event() if self._releases_idle.is_set() else self._releases_idle
         self._release_wake.set()
 
-    async def _send_release(self, item: _Release) -> None:
-        keys = [
-            self.keys.tomb(item.lease_id, item.tomb or 0),
-            self.keys.lease(item.lease_id),
-            *(self.keys.limit(n) for n in item.names),
-        ]
-        tomb_ms = self._ttl_ms if item.tomb is not None else 0
-        await self._call("release", keys, [item.lease_id, "1" if item.full else "0", tomb_ms, self.keys.freed])
+    async def _send_release(self, *items: _Release) -> None:
+        """One ``release.lua`` call for ``items``."""
+        keys: list[str] = []
+        args: list[str | int] = [self.keys.freed, len(items)]
+        for item in items:
+            keys.extend((self.keys.tomb(item.lease_id, item.tomb or 0), self.keys.lease(item.lease_id)))
+            keys.extend(self.keys.limit(n) for n in item.names)
+            tomb_ms = self._ttl_ms if item.tomb is not None else 0
+            args.extend((item.lease_id, "1" if item.full else "0", tomb_ms, len(item.names)))
+        await self._call("release", keys, args)
 
     async def _drain_releases(self) -> None:
-        """Send the queued releases in order (an item older than two TTLs is dropped: what it held
-        stopped counting long ago).
+        """Send the queued releases in order, many per call (an item older than two TTLs is dropped:
+        what it held stopped counting long ago).
 
         Raises:
-            _Down: a call failed; the item stays first in the queue.
+            _Down: a call failed; its items stay first in the queue.
         """
         async with self._release_lock:
-            while self._releases:
-                item = self._releases[0]
-                if trio.current_time() - item.queued_at <= 2 * self._ttl_ms / 1000:
-                    await self._send_release(item)
-                self._releases.popleft()
+            queue = self._releases
+            while queue:
+                cut = trio.current_time() - 2 * self._ttl_ms / 1000
+                batch = [queue[i] for i in range(min(_BATCH, len(queue)))]
+                fresh = [item for item in batch if item.queued_at > cut]
+                if fresh:
+                    await self._send_release(*fresh)
+                for _ in batch:
+                    queue.popleft()
             self._releases_idle.set()
 
     async def _releaser(self) -> None:
@@ -654,7 +726,10 @@ class RedisCoordinator:
                 except _Down:
                     self._up = False
                 async with trio.open_nursery() as nursery:
-                    for task in (self._monitor, self._renewer, self._releaser, self._subscriber, self._dispatcher):
+                    for task in (
+                        self._acquire_batcher, self._monitor, self._renewer, self._releaser,
+                        self._subscriber, self._dispatcher,
+                    ):
                         nursery.start_soon(task)
                     try:
                         yield self

@@ -1,30 +1,38 @@
--- release.lua: a lease leaves limit sets; the whole lease, or some sets (a backend permit returned).
+-- release.lua: leases leave limit sets; each the whole lease, or some sets (a backend permit returned).
+-- One call serves a batch of releases (those queued on a replica since its last call).
 --
--- KEYS[1]   the lease's tombstone ({p}:tomb:<lease>)
--- KEYS[2]   the lease record ({p}:lease:<lease>)
--- KEYS[3..] the limit sets to leave ({p}:l:<name>)
--- ARGV[1]   lease id
--- ARGV[2]   "1": the whole lease ends (its record is deleted); "0": only these sets are left
--- ARGV[3]   tombstone TTL in ms (0: none). Set when an acquire of this lease may still be in flight (a
---           cancelled or timed-out call still runs on the server), so that acquire cannot win afterwards.
--- ARGV[4]   channel to publish on when a set was left
+-- KEYS, per release in ARGV order: its tombstone ({p}:tomb:<lease>:<attempt>), its record
+--   ({p}:lease:<lease>), then the limit sets to leave ({p}:l:<name>).
+-- ARGV[1]   channel to publish on when a set was left
+-- ARGV[2]   number of releases; then per release four values:
+--   lease id; "1" when the whole lease ends (its record is deleted), "0" when only these sets are left;
+--   tombstone TTL in ms (0: none; set when an acquire of this attempt may still be on its way: one that
+--   got no answer may still run on the server, and must not win afterwards); how many sets follow.
 --
--- Returns how many sets the lease left.
+-- Returns how many sets were left, over the batch.
 --
 -- Invariant: idempotent (leaving a set twice leaves it once; a second full release changes nothing),
--- and after a release with a tombstone the lease joins no set until the tombstone expires.
+-- and after a release with a tombstone that attempt joins no set until the tombstone expires.
 local left = 0
-for i = 3, #KEYS do
-  left = left + redis.call('ZREM', KEYS[i], ARGV[1])
-end
-if ARGV[2] == '1' then
-  redis.call('DEL', KEYS[2])
-end
-local tomb = tonumber(ARGV[3])
-if tomb > 0 then
-  redis.call('SET', KEYS[1], '1', 'PX', tomb)
+local k = 1
+local a = 3
+for n = 1, tonumber(ARGV[2]) do
+  local member = ARGV[a]
+  local sets = tonumber(ARGV[a + 3])
+  for i = k + 2, k + 1 + sets do
+    left = left + redis.call('ZREM', KEYS[i], member)
+  end
+  if ARGV[a + 1] == '1' then
+    redis.call('DEL', KEYS[k + 1])
+  end
+  local tomb = tonumber(ARGV[a + 2])
+  if tomb > 0 then
+    redis.call('SET', KEYS[k], '1', 'PX', tomb)
+  end
+  k = k + 2 + sets
+  a = a + 4
 end
 if left > 0 then
-  redis.call('PUBLISH', ARGV[4], 'left')
+  redis.call('PUBLISH', ARGV[1], 'left')
 end
 return left
