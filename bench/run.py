@@ -7,6 +7,8 @@ Scenarios (``--only NAME``, repeatable; all by default):
 3. ``overload``: 3x the prompts the pending limit admits (clients honouring ``retryAfterMs``, and
    clients re-sending at once), against 1x; the cost of a refusal, server-side and round trip.
 4. ``scale``: RSS per idle session at 10,000 sessions; 1,000 connections prompting at once.
+5. ``coordinator``: shared limits: admission latency and CPU, local vs Redis, Redis' CPU per admission
+   (``bench/coordinator.py``, with its own ``redis-server``).
 
 Prints a Markdown table (each figure with the command that reproduces it) and writes JSON to
 ``bench/results/latest.json``. ``--tiny`` (or ``BENCH_TINY=1``) runs everything with tiny counts, in
@@ -36,7 +38,7 @@ from procfs import cpu_source, percentile
 from sdk_ab import AbSizes, Totals, run_ab
 from servers import BENCH, BenchError, TcpServer, acp_server_argv, sdk_echo_argv, server_flags, shell_command
 
-SCENARIOS = ("sdk", "pipelined", "overload", "scale")
+SCENARIOS = ("sdk", "pipelined", "overload", "scale", "coordinator")
 DEFAULT_OUT = BENCH / "results" / "latest.json"
 TEXT = "the quick brown fox jumps over the lazy dog"
 #: Trivial requests in flight: enough that the server never waits for the client between batches.
@@ -487,11 +489,33 @@ def scenario_scale(report: Report, sizes: Sizes) -> None:
     report.add("scale", "RSS per open connection", "bytes", conns["rss_per_connection_bytes"])
 
 
+def scenario_coordinator(report: Report, sizes: Sizes) -> None:
+    admissions = 200 if report.tiny else 5000
+    argv = [sys.executable, str(BENCH / "coordinator.py"), "--admissions", str(admissions), "--json"]
+    progress(f"5: {admissions} admissions, local vs Redis")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise BenchError(f"{shell_command(argv)} exited {proc.returncode}: {proc.stderr.strip()}")
+    raw: dict[str, Any] = json.loads(proc.stdout)
+    report.scenarios["coordinator"] = raw
+    for kind in ("local", "redis"):
+        for run in raw[kind].values():
+            what = f"{kind}, {run['tasks']} task(s)"
+            report.add("coordinator", f"admission p50 ({what})", "us", run["p50_us"])
+            report.add("coordinator", f"admission p99 ({what})", "us", run["p99_us"])
+            report.add("coordinator", f"replica CPU per admission ({what})", "us", run["cpu_us_per_admission"])
+            if kind == "redis":
+                report.add(
+                    "coordinator", f"Redis CPU per admission ({what})", "us", run["redis_cpu_us_per_admission"]
+                )
+
+
 RUNNERS: dict[str, Callable[[Report, Sizes], None]] = {
     "sdk": scenario_sdk,
     "pipelined": scenario_pipelined,
     "overload": scenario_overload,
     "scale": scenario_scale,
+    "coordinator": scenario_coordinator,
 }
 
 
