@@ -3,6 +3,9 @@ shares), local shares, waiters served in rank order, claims."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import trio
 import trio.testing
@@ -104,3 +107,12 @@ async def test_claims_in_process() -> None:
     assert not held.claimed and held.fingerprint == "fp" and held.prompt_id == "p1"
     await coord.settle_claim("s", "k", "p1", drop=True)
     assert (await coord.claim("s", "k", "fp2", "p2", 10)).claimed
+
+
+def test_coredis_is_imported_only_for_a_redis_coordinator() -> None:
+    code = (
+        "import sys, acp_server.cli, acp_server.coordinator; assert 'coredis' not in sys.modules;"
+        " from acp_server.coordinator import redis_coordinator;"
+        " redis_coordinator('redis://127.0.0.1:1/0'); assert 'coredis' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
