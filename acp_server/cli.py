@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import msgspec
 import trio
 
-from . import __version__
+from . import __version__, cluster_cli
 from .admission import Limits
 from .admission.policy import PolicyLimits
 from .client import cli as client_cli
@@ -251,6 +251,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="after --: one ACP agent command, served as the backend named 'agent' (and the default)",
     )
     client_cli.add_commands(sub)  # prompt, sessions: after serve, which --help lists first
+    cluster_cli.add_commands(sub)
     c = sub.add_parser(
         "connect",
         help="relay stdio to a running acp-server (for editors that spawn their agent)",
@@ -443,6 +444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return client_cli.run(args)
     if args.command == "connect":
         return _connect(args.url)
+    if args.command == "cluster":
+        return cluster_cli.run(args)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         stream=sys.stderr,

@@ -27,6 +27,10 @@
     listen = "tcp://127.0.0.1:9464"   # GET /metrics (Prometheus)
     tenant_labels = false
 
+    [coordinator]                     # limits shared by replicas (see acp_server.coordinator.settings)
+    url = "redis://127.0.0.1:6379/0"
+    prefix = "acp-server"
+
 An unknown key or a bad value is a :class:`ConfigError` naming the key (``backends.claude.max_active``).
 """
 
@@ -39,12 +43,15 @@ from typing import Any, Literal
 import msgspec
 
 from .admission.policy import PolicyLimits
+from .coordinator.settings import FLAGS as COORDINATOR_FLAGS
+from .coordinator.settings import CoordinatorSettings
 from .types.base import validation_location
 
 __all__ = [
     "AdmissionConfig",
     "BackendConfig",
     "ConfigError",
+    "CoordinatorConfig",
     "FileConfig",
     "MetricsConfig",
     "load_config",
@@ -99,11 +106,29 @@ class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tenant_labels: bool | None = None
 
 
+class CoordinatorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``[coordinator]`` table: fields of :class:`~acp_server.coordinator.settings.CoordinatorSettings`
+    (``None``: not in the file)."""
+
+    url: str | None = None
+    prefix: str | None = None
+    replica_id: str | None = None
+    failure: Literal["closed", "local"] | None = None
+    expected_replicas: int | None = None
+    lease_ttl_s: float | None = None
+    timeout_ms: int | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The keys the file sets."""
+        return {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not None}
+
+
 class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_backend: str | None = None
     backends: dict[str, BackendConfig] = msgspec.field(default_factory=dict)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    coordinator: CoordinatorConfig = msgspec.field(default_factory=CoordinatorConfig)
 
 
 def _path_of(exc: msgspec.ValidationError, prefix: str) -> tuple[str, str]:
@@ -157,6 +182,12 @@ def parse_config(text: str, source: str = "config") -> FileConfig:
         PolicyLimits(**top.admission.given())
     except (TypeError, ValueError) as exc:  # the message starts with the field's name
         raise ConfigError(f"{source}: admission.{exc}") from None
+    try:
+        CoordinatorSettings(**top.coordinator.given())
+    except ValueError as exc:  # the message starts with the setting's flag
+        flag, _, rest = str(exc).partition(" ")
+        key = next((k for k, f in COORDINATOR_FLAGS.items() if f == flag), flag)
+        raise ConfigError(f"{source}: coordinator.{key} {rest}") from None
     if not isinstance(backends_raw, dict):
         raise ConfigError(f"{source}: backends: must be a table of [backends.NAME] tables")
     backends: dict[str, BackendConfig] = {}

@@ -56,7 +56,7 @@ from .redis_wire import _ERRORS, SCRIPT_NAMES, RedisWire, _Down, _Release, redis
 from .scripts import Keys
 from .waiters import WaitQueue
 
-__all__ = ["RedisCoordinator", "redis_now_ms"]
+__all__ = ["RedisCoordinator", "cluster_statistics", "read_cluster", "redis_now_ms"]
 
 log = logging.getLogger("acp_server.coordinator")
 
@@ -479,19 +479,7 @@ class RedisCoordinator(RedisWire):
         """See :meth:`~acp_server.coordinator.base.Coordinator.cluster`."""
         assert self._client is not None
         with trio.fail_after(max(self._timeout_s, 2.0)):
-            now = await redis_now_ms(self._client)
-            caps = await self._client.hgetall(self.keys.caps)
-            limits = []
-            for key, cap in sorted(caps.items()):
-                count = await self._client.zcount(key, f"({now}", "+inf")
-                limits.append(LimitCount(name=self.keys.limit_name(_text(key)), cap=int(cap), count=count))
-            replicas = []
-            for member, score in await self._client.zrange(self.keys.replicas, 0, -1, withscores=True):
-                ago = max(0, round(now - float(score)))
-                replicas.append(
-                    ReplicaInfo(replica_id=_text(member), last_renew_ms_ago=ago, live=ago <= self._ttl_ms)
-                )
-        return ClusterStatistics(prefix=self.keys.prefix, replicas=replicas, limits=limits)
+            return await cluster_statistics(self._client, self.keys, self._ttl_ms)
 
     def statistics(self) -> CoordinatorStatistics:
         local = len(self._local.leases())
@@ -542,3 +530,35 @@ class RedisCoordinator(RedisWire):
                         nursery.cancel_scope.cancel()
             finally:
                 self._client = None
+
+
+async def cluster_statistics(client: coredis.Redis[bytes], keys: Keys, ttl_ms: int) -> ClusterStatistics:
+    """Every limit's live holders and every replica's last renewal, read from Redis (not atomic: a
+    snapshot for people). A replica counts as live when it renewed within ``ttl_ms``."""
+    now = await redis_now_ms(client)
+    caps = await client.hgetall(keys.caps)
+    limits = []
+    for key, cap in sorted(caps.items()):
+        count = await client.zcount(key, f"({now}", "+inf")
+        limits.append(LimitCount(name=keys.limit_name(_text(key)), cap=int(cap), count=count))
+    replicas = []
+    for member, score in await client.zrange(keys.replicas, 0, -1, withscores=True):
+        ago = max(0, round(now - float(score)))
+        replicas.append(ReplicaInfo(replica_id=_text(member), last_renew_ms_ago=ago, live=ago <= ttl_ms))
+    return ClusterStatistics(prefix=keys.prefix, replicas=replicas, limits=limits)
+
+
+async def read_cluster(url: str, prefix: str, *, lease_ttl_s: float = 30.0, timeout_s: float = 2.0) -> ClusterStatistics:
+    """:func:`cluster_statistics` over a connection of its own (``acp-server cluster``): registers no
+    replica and takes nothing.
+
+    Raises:
+        trio.TooSlowError: Redis did not answer within ``timeout_s``.
+        coredis.exceptions.RedisError, OSError: the connection failed.
+    """
+    client: coredis.Redis[bytes] = coredis.Redis.from_url(
+        url, connect_timeout=timeout_s, retry_policy=NoRetryPolicy(), verify_version=False
+    )
+    with trio.fail_after(timeout_s):
+        async with client:
+            return await cluster_statistics(client, Keys(prefix), round(lease_ttl_s * 1000))

@@ -3,7 +3,8 @@
 -- loop), applied in order, so a later request in the batch sees what an earlier one took.
 --
 -- KEYS[1]   the fencing counter ({p}:fence): one INCR per new holder, so tokens only grow.
--- KEYS[2]   the caps hash ({p}:caps): limit set key -> its cap as last asserted (for `acp-server cluster`).
+-- KEYS[2]   the caps hash ({p}:caps): limit set key -> its cap as last asserted, 0 for a count (for
+--           `acp-server cluster`).
 -- then, per request in ARGV order:
 --   its tombstone ({p}:tomb:<lease>:<attempt>): left by a release that raced this attempt; refuse.
 --   its lease record ({p}:lease:<lease>) = "<fencing token>|<replica>", expiring with the lease.
@@ -103,7 +104,7 @@ local function acquire(base, member, token, spec)
       local expiry = now + ttl
       for _, need in ipairs(option.n) do
         redis.call('ZADD', key(need[1]), expiry, member)
-        if need[2] > 0 then redis.call('HSET', KEYS[2], key(need[1]), need[2]) end
+        redis.call('HSET', KEYS[2], key(need[1]), need[2])
       end
       local left = 0
       for _, i in ipairs(spec.d or {}) do
