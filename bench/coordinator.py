@@ -12,6 +12,10 @@ Measured for each implementation, with 1 task and with ``--tasks`` tasks admitti
 - for Redis: Redis' CPU per admission (``INFO cpu``) and the script's own time per call
   (``INFO commandstats``: ``cmdstat_evalsha`` usec / calls).
 
+And the idle-seat gap under a steady backlog: two replicas share ``--seats`` seats, each with more
+waiters than seats; every holder keeps its seat a few ms and releases it on its replica. The gap is the
+time from a release to the next grant anywhere (the seat idle meanwhile), p50 and p99.
+
 Usage: ``python bench/coordinator.py [--admissions N] [--tasks T] [--json]``; it starts its own
 ``redis-server`` on a free loopback port (no persistence) and stops it.
 """
@@ -125,6 +129,42 @@ async def _run(coord: Any, admissions: int, tasks: int) -> dict[str, Any]:
     }
 
 
+async def idle_gap(url: str, seats: int, grants: int) -> dict[str, Any]:
+    """Two replicas, a steady backlog on each; the time a freed seat stays idle."""
+    from acp_server.coordinator import Need, Option
+
+    option = Option((Need("seats", seats),))
+    released: list[float] = []  # release times not yet followed by a grant
+    gaps: list[float] = []
+    done = 0
+    a = RedisCoordinator(url, prefix="gap", replica_id="a")
+    b = RedisCoordinator(url, prefix="gap", replica_id="b")
+    async with a.running(), b.running():
+
+        async def waiter(coord: RedisCoordinator) -> None:
+            nonlocal done
+            while done < grants:
+                lease = coord.new_lease()
+                await coord.wait_acquire(lease, option)
+                now = time.perf_counter()
+                if released:
+                    gaps.append(now - released.pop(0))
+                done += 1
+                await trio.sleep(0.002 + 0.004 * (done % 3))
+                released.append(time.perf_counter())
+                coord.release(lease)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4 * seats):
+                nursery.start_soon(waiter, (a, b)[i % 2])
+    return {
+        "seats": seats,
+        "grants": grants,
+        "gap_p50_ms": round(_percentile(gaps, 0.5) * 1000, 2),
+        "gap_p99_ms": round(_percentile(gaps, 0.99) * 1000, 2),
+    }
+
+
 async def measure(admissions: int, tasks: int) -> dict[str, Any]:
     results: dict[str, Any] = {"local": {}, "redis": {}}
     local = LocalCoordinator("bench")
@@ -145,6 +185,7 @@ async def measure(admissions: int, tasks: int) -> dict[str, Any]:
                 run["script_us_per_call"] = round((usec1 - usec0) / max(1, calls1 - calls0), 2)
                 run["script_calls_per_admission"] = round((calls1 - calls0) / admissions, 2)
                 results["redis"][f"tasks_{t}"] = run
+        results["idle_gap"] = await idle_gap(redis.url, 8, min(admissions, 2000))
     finally:
         redis.stop()
     results["load"] = list(os.getloadavg())
@@ -161,6 +202,13 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{run['cpu_us_per_admission']} us | {run['admissions_per_s']} | "
                 f"{run.get('redis_cpu_us_per_admission', '-')} us | {run.get('script_us_per_call', '-')} us |"
             )
+    gap = results.get("idle_gap")
+    if gap:
+        rows.append("")
+        rows.append(
+            f"idle-seat gap, 2 replicas, {gap['seats']} seats, steady backlog, {gap['grants']} grants: "
+            f"p50 {gap['gap_p50_ms']} ms, p99 {gap['gap_p99_ms']} ms"
+        )
     return "\n".join(rows) + "\n"
 
 

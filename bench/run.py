@@ -508,6 +508,11 @@ def scenario_coordinator(report: Report, sizes: Sizes) -> None:
                 report.add(
                     "coordinator", f"Redis CPU per admission ({what})", "us", run["redis_cpu_us_per_admission"]
                 )
+    gap = raw["idle_gap"]["gap_p99_ms"]
+    report.add(
+        "coordinator", "idle-seat gap under a steady backlog, 2 replicas (p99)", "ms", gap,
+        goal="<= 100 ms", met=gap <= 100,
+    )
 
 
 RUNNERS: dict[str, Callable[[Report, Sizes], None]] = {
