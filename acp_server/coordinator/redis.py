@@ -106,6 +106,7 @@ class RedisCoordinator(RedisWire):
         self._live = 1
         self._acquired = self._refused = self._released = self._lost = 0
         self._reasserted = 0
+        self._caps_sent: dict[str, int] = {}  # caps recorded in {p}:caps over this connection
         self._renew_last = self._renew_max = 0.0
 
     @property
@@ -155,6 +156,11 @@ class RedisCoordinator(RedisWire):
         body: dict[str, Any] = {"o": spec_options}
         if leave:
             body["d"] = [ki(n) for n in leave]
+        sent = self._caps_sent
+        record = {n.name: n.cap for o in options for n in o.needs if sent.get(n.name) != n.cap}
+        if record:
+            body["a"] = [[ki(name), cap] for name, cap in record.items()]
+            sent.update(record)
         return keys, [lease.id, token, len(keys) - 2, json.dumps(body, separators=(",", ":"))]
 
     async def acquire(self, lease: Lease, *options: Option, leave: Sequence[str] = ()) -> int:
@@ -389,6 +395,7 @@ class RedisCoordinator(RedisWire):
             return False
         self._up = True  # calls may go out; nothing new is admitted until the re-assert is done
         try:
+            self._caps_sent.clear()  # Redis may have restarted empty
             # Releases first: a compensation queued for a lease id must not undo its re-take.
             await self._drain_releases()
             await self._reassert()

@@ -20,6 +20,8 @@
 --   a limit; soft 1 lets the next option be tried when this cap is full. rule (class shares of the
 --   seats) = {"r": rank (0-based), "s": [seats per rank], "k": [seat set per rank], "w": [room set per
 --   rank]}. "d": sets the lease leaves when it gets an option (a waiter leaving the waiting room).
+--   "a": [[set, cap], ...] to record in the caps hash, whatever the outcome (a replica records each cap
+--   once per connection, not on every call).
 --
 -- Returns one reply per request: {option (1-based), token, now} on success; {0, set, count, cap, soft,
 -- now} on refusal (the first full hard cap, else the last soft refusal); {-1} when tombstoned.
@@ -40,6 +42,9 @@ local function acquire(base, member, token, spec)
     return {-1}
   end
   local function key(i) return KEYS[base + 1 + i] end
+  for _, pair in ipairs(spec.a or {}) do
+    redis.call('HSET', KEYS[2], key(pair[1]), pair[2])
+  end
   local function live(i)
     local k = key(i)
     if not purged[k] then
@@ -54,27 +59,20 @@ local function acquire(base, member, token, spec)
     return score ~= false and tonumber(score) > now
   end
 
-  -- The class-share rule: nil when the seat may be taken, else the refusal.
+  -- The class-share rule: nil when the seat may be taken, else the refusal. Sets are read only as far
+  -- as the answer needs (a class below its share reads two).
   local function class_refusal(rule)
     local r = rule.r + 1
     local seat_set = rule.k[r]
     if holds(seat_set) then return nil end
-    local seated, waiting, in_room = {}, {}, false
+    local in_room = holds(rule.w[r])
+    local seated = live(seat_set)
+    local refusal = {0, seat_set, seated, rule.s[r], 1, now}
+    if not in_room and live(rule.w[r]) > 0 then return refusal end
+    if seated < rule.s[r] then return nil end
     for d = 1, #rule.s do
-      seated[d] = live(rule.k[d])
-      waiting[d] = live(rule.w[d])
-      if holds(rule.w[d]) then
-        waiting[d] = waiting[d] - 1
-        in_room = true
-      end
-    end
-    if not in_room and waiting[r] > 0 then
-      return {0, seat_set, seated[r], rule.s[r], 1, now}
-    end
-    if seated[r] < rule.s[r] then return nil end
-    for d = 1, #rule.s do
-      if d ~= r and waiting[d] > 0 and seated[d] < rule.s[d] then
-        return {0, seat_set, seated[r], rule.s[r], 1, now}
+      if d ~= r and rule.s[d] > 0 and live(rule.w[d]) > 0 and live(rule.k[d]) < rule.s[d] then
+        return refusal
       end
     end
     return nil
@@ -104,7 +102,6 @@ local function acquire(base, member, token, spec)
       local expiry = now + ttl
       for _, need in ipairs(option.n) do
         redis.call('ZADD', key(need[1]), expiry, member)
-        redis.call('HSET', KEYS[2], key(need[1]), need[2])
       end
       local left = 0
       for _, i in ipairs(spec.d or {}) do
