@@ -163,7 +163,7 @@ class Lease:
         lost: set when the lease is lost; its holder should stop (``lease_lost``).
     """
 
-    __slots__ = ("_attempts", "_inflight", "acquired_at", "holds", "id", "lost", "on_lost", "state", "token", "where")
+    __slots__ = ("_attempts", "_changes", "_inflight", "acquired_at", "holds", "id", "lost", "on_lost", "state", "token", "where")
 
     def __init__(self, lease_id: str) -> None:
         self.id = lease_id
@@ -176,6 +176,7 @@ class Lease:
         self.acquired_at = 0.0
         self._inflight = 0  # acquire calls of this lease on their way: a release then leaves a tombstone
         self._attempts = 0  # acquire calls made, numbering their tombstones
+        self._changes = 0  # changes of its limits: a renewal built before one cannot judge it lost
 
     def __repr__(self) -> str:
         return f"<Lease {self.id} {self.state} token={self.token} {sorted(self.holds)}>"
@@ -308,10 +309,11 @@ class Coordinator(Protocol):
     async def wait_acquire(self, lease: Lease, option: Option, *, rank: int = 1, leave: Sequence[str] = ()) -> None:
         """Take ``option``, waiting for room (woken by releases anywhere in the cluster).
 
-        Waiters of one replica are tried in ``rank`` order, FIFO within a rank.
+        Waiters of one replica are tried in ``rank`` order, FIFO within a rank. While the coordinator is
+        away the wait goes on (an accepted prompt is never refused later).
 
         Raises:
-            CoordinatorUnavailable: as for :meth:`acquire`, when this replica has not waited yet.
+            RuntimeError: the lease was released while it waited.
         """
         ...
 

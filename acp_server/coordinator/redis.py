@@ -42,6 +42,7 @@ from .base import (
     ClaimResult,
     ClusterStatistics,
     CoordinatorStatistics,
+    CoordinatorUnavailable,
     FailureMode,
     Lease,
     LimitCount,
@@ -229,6 +230,7 @@ class RedisCoordinator(RedisWire):
             lease.holds[need.name] = need.cap
         for name in leave:
             lease.holds.pop(name, None)
+        lease._changes += 1
         lease.token = int(result[1])
         lease.where = "shared"
         if lease.state == "new":
@@ -266,6 +268,8 @@ class RedisCoordinator(RedisWire):
             except LimitRefused as exc:
                 if exc.name == "tombstone":
                     raise RuntimeError(f"{lease!r} was released") from None
+            except CoordinatorUnavailable:
+                pass  # an accepted prompt waits: the dispatcher tries again once Redis answers
         await self._queue.wait(lease, option, rank, leave)
 
     async def _attempt(self, lease: Lease, option: Option, leave: Sequence[str]) -> None:
@@ -284,6 +288,7 @@ class RedisCoordinator(RedisWire):
             return
         for name in names:
             lease.holds.pop(name, None)
+        lease._changes += 1
         item = _Release(lease.id, names, False, None, trio.current_time())
         if not self._up:
             self._enqueue_release(item)
@@ -325,14 +330,21 @@ class RedisCoordinator(RedisWire):
             batch = leases[i : i + _RENEW_BATCH]
             keys = [self.keys.replicas]
             args: list[str | int] = [self._replica_id, self._ttl_ms, len(batch)]
+            changes = []
             for lease in batch:
                 names = list(lease.holds)
                 keys.append(self.keys.lease(lease.id))
                 keys.extend(self.keys.limit(n) for n in names)
                 args.extend((lease.id, len(names)))
+                changes.append(lease._changes)
             result = await self._call("renew", keys, args)
             self._live = max(1, int(result[1]))
-            lost.extend(batch[int(n) - 1] for n in result[2:])
+            for n in result[2:]:
+                lease = batch[int(n) - 1]
+                # A lease whose limits changed while the call was on its way was judged on an old list
+                # (a waiter that left the waiting room): the next renewal judges it.
+                if lease._changes == changes[int(n) - 1] and not lease._inflight:
+                    lost.append(lease)
         took = (trio.current_time() - start) * 1000
         self._renew_last = took
         self._renew_max = max(self._renew_max, took)
