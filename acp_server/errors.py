@@ -5,7 +5,7 @@ message template, whether a retry can help, and the Struct of its ``data`` paylo
 ``schemas/errors/codes.json`` is generated from :data:`REGISTRY`; a test checks classes, registry and
 schemas agree. Blame is split as in h11: the peer's fault, overload, and our own bugs.
 
-    AcpError (jsonrpcserver.JsonRpcError)
+    AcpError (Exception)
     ├── RemoteProtocolError                 the peer broke JSON-RPC or ACP rules
     │   ├── ParseError                      -32700 parse_error
     │   ├── InvalidRequestError             -32600 invalid_request
@@ -24,13 +24,15 @@ schemas agree. Blame is split as in h11: the peer's fault, overload, and our own
     │   ├── PromptQueueFullError            -32001 prompt_queue_full
     │   ├── CapacityExceededError           -32005 capacity_exceeded
     │   ├── AdmissionDeferredError          -32010 admission_deferred (tenant at its seat cap)
-    │   └── CapacityUnavailableError        -32011 capacity_unavailable (admission policy refused)
+    │   ├── CapacityUnavailableError        -32011 capacity_unavailable (admission policy refused)
+    │   └── RateLimitedError                -32014 rate_limited (--rate-limit-rps, or failed authentications)
     ├── PromptDeadlineExceededError         -32004 prompt_deadline_exceeded
     ├── LeaseLostError                      -32015 lease_lost (the shared lease could not be re-taken)
     ├── SessionLimitExceededError           -32009 session_limit_exceeded (--max-sessions live sessions)
     ├── BackendError                        the agent behind a session failed or refused
     │   ├── BackendUnavailableError         -32007 backend_unavailable
     │   ├── AuthRequiredError               -32000 auth_required
+    │   │   └── TokenRequiredError                     (the gateway's own: authenticate acp-server-token)
     │   └── AgentError                      -32012 agent_error (the agent's own error, wrapped)
     └── InternalError                       -32603 internal (bugs only: overload is never -32603)
 """
@@ -40,7 +42,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import msgspec
-from jsonrpcserver.exceptions import JsonRpcError
 
 from .types import errors as data
 
@@ -70,23 +71,30 @@ __all__ = [
     "ParseError",
     "PromptDeadlineExceededError",
     "PromptQueueFullError",
+    "RateLimitedError",
     "RemoteProtocolError",
     "RequestCancelledError",
     "SessionLimitExceededError",
     "SessionNotFoundError",
     "SessionStateError",
+    "TokenRequiredError",
 ]
 
 #: The retry hint sent with ``prompt_queue_full``: long enough for a few echo-sized turns to drain.
 RETRY_AFTER_MS = 5000
 
 
-class AcpError(JsonRpcError):
+class AcpError(Exception):
     """Base of every error sent on the wire.
 
     Subclasses set ``code``, ``kind``, ``template`` (``str.format`` over the payload's field names),
     ``retryable`` and ``data_type``. Construct with the payload's fields as keyword arguments;
     ``errorKind`` is added by the payload's tag.
+
+    Attributes:
+        code: the JSON-RPC error code; message: the error's text; data (also ``payload``): the
+            ``data`` Struct. These are the members of a JSON-RPC error object, which the core's
+            encoder writes in jsonrpcserver's error response shape.
     """
 
     code: int
@@ -96,9 +104,8 @@ class AcpError(JsonRpcError):
     data_type: ClassVar[type[data.ErrorData]]
 
     def __init__(self, **fields: Any) -> None:
-        self.payload = self.data_type(**fields)
-        message = self.template.format(**fields)
-        super().__init__(self.code, message, self.payload)
+        self.payload = self.data = self.data_type(**fields)
+        self.message = self.template.format(**fields)
 
     def __str__(self) -> str:
         return str(self.message)
@@ -254,6 +261,13 @@ class CapacityUnavailableError(OverloadError):
     data_type = data.CapacityUnavailableData
 
 
+class RateLimitedError(OverloadError):
+    code = -32014
+    kind = "rate_limited"
+    template = "Rate limited ({reason}); retry after {retry_after_ms} ms"
+    data_type = data.RateLimitedData
+
+
 class PromptDeadlineExceededError(AcpError):
     code = -32004
     kind = "prompt_deadline_exceeded"
@@ -287,8 +301,19 @@ class BackendUnavailableError(BackendError):
     code = -32007
     kind = "backend_unavailable"
     template = 'Backend "{backend_id}" is unavailable ({reason}, exit code {exit_code})'
+    #: the message of a model endpoint's failure (``attempts`` given instead of ``exit_code``)
+    model_template: ClassVar[str] = 'Backend "{backend_id}" is unavailable ({reason} after {attempts} attempt(s){more})'
     retryable = True
     data_type = data.BackendUnavailableData
+
+    def __init__(self, **fields: Any) -> None:
+        if "attempts" not in fields:
+            super().__init__(**fields)
+            return
+        self.payload = self.data = self.data_type(**fields)
+        status, detail = fields.get("status"), fields.get("detail")
+        more = (f", last status {status}" if status is not None else "") + (f": {detail}" if detail else "")
+        self.message = self.model_template.format(more=more, **fields)
 
 
 class AuthRequiredError(BackendError):
@@ -296,6 +321,16 @@ class AuthRequiredError(BackendError):
     kind = "auth_required"
     template = 'Backend "{backend_id}" requires authentication; call "authenticate" first'
     data_type = data.AuthRequiredData
+
+
+class TokenRequiredError(AuthRequiredError):
+    """``auth_required`` from the gateway itself: the connection has not proved a token yet.
+
+    The same kind and code as the agent's (``data.methodId`` and ``data.detail`` instead of
+    ``data.backendId``); every failed ``authenticate`` gets this same error.
+    """
+
+    template = 'This server requires a token; call "authenticate" with methodId "{method_id}" ({detail})'
 
 
 class AgentError(BackendError):

@@ -8,7 +8,6 @@ are independent.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,15 +21,21 @@ from . import __version__
 from .admission import Limits
 from .admission.policy import PolicyEngine, PolicyLimits
 from .admission.pool import CapacityManager, PoolLimits
+from .auth.gate import Authenticator, PeerInfo, describe_stream
+from .auth.settings import AuthSettings
+from .auth.tls import tls_handler
 from .backends import Backend, EchoBackend
 from .backends.registry import build_backends
 from .bridge import SessionBridge
 from .config import BackendConfig
 from .errors import AcpError
 from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
+from .handlers.gate import credentials_upkeep, gated
 from .jsonrpc import Dispatcher
+from .signals import ShutdownSignals, shutdown_signals
 from .store import SessionStore
-from .transports import ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
+from .transports import ConnectionGate, ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
+from .transports.address import ListenAddress
 from .transports.timing import LatencyHistogram
 from .types.ext import LimitsCapability
 
@@ -43,23 +48,9 @@ SHUTDOWN_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
-class ListenAddress:
-    """Where to listen: ``kind`` is ``"tcp"`` (host, port) or ``"unix"`` (path)."""
-
-    kind: str
-    host: str = ""
-    port: int = 0
-    path: str = ""
-
-    def __str__(self) -> str:
-        if self.kind == "unix":
-            return f"unix:{self.path}"
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
-
-
-@dataclass(frozen=True)
 class ServerConfig:
+    """What :func:`serve` runs: transports, limits, backends, the store, the policy and metrics."""
+
     stdio: bool = False
     listen: Sequence[ListenAddress] = field(default_factory=list)
     echo_delay_ms: int = 0
@@ -75,6 +66,12 @@ class ServerConfig:
     metrics_listen: ListenAddress | None = None
     #: label tenant series with tenant ids (unbounded, possibly sensitive: off by default)
     metrics_tenant_labels: bool = False
+    #: sockets of every listener together (0: from the fd limit, see ``default_max_connections``)
+    max_connections: int = 0
+    #: send ``_acp_server/turn_state`` to connections whose ``initialize`` does not say (``--turn-states``)
+    turn_states: bool = True
+    #: tokens, audit log, rate limit and TLS (``None``: none of them)
+    auth: AuthSettings | None = None
 
 
 class Server:
@@ -84,6 +81,8 @@ class Server:
         limits: every bound of this instance.
         backend: the agent behind the bridge (default: the echo agent).
         store: the durable store, already opened (default: none, every session in memory only).
+        turn_states: whether a connection gets turn states when its ``initialize`` does not say.
+        auth: the token checks of ``--auth-tokens`` (default: none; every connection is the owner's).
     """
 
     version = __version__
@@ -97,8 +96,13 @@ class Server:
         capacity: CapacityManager | None = None,
         store: SessionStore | None = None,
         policy: PolicyLimits | None = None,
+        turn_states: bool = True,
+        auth: Authenticator | None = None,
     ) -> None:
         self.limits = limits or Limits()
+        self.turn_states = turn_states
+        #: the token checks (``None``: no tokens configured, every connection is the owner's)
+        self.auth = auth
         self.policy = PolicyEngine(policy)
         stored, prompt_seq = store.open() if store is not None else ({}, 0)
         self.store = store
@@ -112,7 +116,10 @@ class Server:
             prompt_seq=prompt_seq,
             policy=self.policy,
         )
-        self.dispatcher = Dispatcher(REQUESTS, NOTIFICATIONS)
+        if auth is None:
+            self.dispatcher = Dispatcher(REQUESTS, NOTIFICATIONS)
+        else:
+            self.dispatcher = Dispatcher(gated(REQUESTS), gated(NOTIFICATIONS))
         self.connections: set[ConnectionShell] = set()
         self._running = 0
         self._all_done = trio.Event()
@@ -135,6 +142,8 @@ class Server:
             "admission": msgspec.to_builtins(self.policy.statistics()),
             "connections": {"open": len(self.connections), "evictionsTotal": self.evictions},
             "refusals": self.refusal_latency.snapshot(),
+            # backends that count their own work (a model endpoint: requests, retries, tokens)
+            "backends": {n: b.statistics() for n, b in bridge.backends.items() if hasattr(b, "statistics")},
         }
 
     def limits_capability(self) -> LimitsCapability:
@@ -156,13 +165,30 @@ class Server:
         self.connections.discard(shell)
         self.bridge.peer_closed(shell)
 
-    async def handle_stream(self, stream: trio.abc.Stream, name: str = "connection") -> None:
-        """Serve one connection until it ends (its failures stay its own)."""
+    def _context(self, shell: ConnectionShell, info: PeerInfo | None) -> ConnContext:
+        ctx = ConnContext(self, shell)
+        if info is not None:  # tokens are configured: only the owner's transports skip them
+            ctx.peer_info = info
+            if not info.trusted:
+                ctx.identity = None
+        return ctx
+
+    async def handle_stream(self, stream: trio.abc.Stream, name: str = "connection", *, trusted: bool = False) -> None:
+        """Serve one connection until it ends (its failures stay its own).
+
+        ``trusted``: the stream is the owner's (stdio) whatever it looks like; Unix sockets are found
+        out by themselves. With tokens configured, every other peer must prove one.
+        """
         lim = self.limits
+        info = None
+        if self.auth is not None:
+            info = describe_stream(stream)
+            if trusted:
+                info = PeerInfo("stdio", trusted=True)
         shell = ConnectionShell(
             stream,
             self.dispatcher,
-            lambda sh: ConnContext(self, sh),
+            lambda sh: self._context(sh, info),
             max_message_bytes=lim.max_message_bytes,
             max_outbound_bytes=lim.outbound_bytes,
             max_inflight_requests=lim.max_inflight_requests,
@@ -197,6 +223,9 @@ class Server:
 async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
     """Run a server until SIGINT/SIGTERM, or until stdin ends when stdio is the only transport.
 
+    A second signal during the shutdown is absorbed; a third one stops without waiting for the answers
+    of cancelled prompts (see :mod:`acp_server.signals`).
+
     Each listener prints one line to stderr when ready: ``acp-server: listening on URL``.
     """
     configs = dict(config.backends) or {"echo": BackendConfig(kind="echo", delay_ms=config.echo_delay_ms)}
@@ -205,6 +234,10 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         {name: PoolLimits(max_active=c.max_active, max_waiting=c.max_waiting) for name, c in configs.items()}
     )
     store = SessionStore(config.state_dir) if config.state_dir is not None else None
+    settings = config.auth or AuthSettings()
+    auth = None
+    if settings.tokens is not None:
+        auth = Authenticator(settings.tokens, audit=settings.audit, rate_limit_rps=settings.rate_limit_rps)
     server = Server(
         config.limits,
         backends,
@@ -212,17 +245,25 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         capacity=capacity,
         store=store,
         policy=config.policy,
+        turn_states=config.turn_states,
+        auth=auth,
     )
-    try:
-        await _serve(server, config, backends, task_status)
-    finally:
-        if store is not None:
-            store.close()  # what is still queued is written (a clean shutdown loses nothing)
+    with shutdown_signals() as signals:
+        try:
+            await _serve(server, config, backends, signals, task_status)
+        finally:
+            if store is not None:
+                store.close()  # what is still queued is written (a clean shutdown loses nothing)
 
 
 async def _serve(
-    server: Server, config: ServerConfig, backends: Mapping[str, Backend], task_status: trio.TaskStatus[Server]
+    server: Server,
+    config: ServerConfig,
+    backends: Mapping[str, Backend],
+    signals: ShutdownSignals,
+    task_status: trio.TaskStatus[Server],
 ) -> None:
+    tls = config.auth.tls if config.auth is not None else None
     async with trio.open_nursery() as nursery:
         for backend in backends.values():
             run = getattr(backend, "run", None)
@@ -236,17 +277,27 @@ async def _serve(
             except AcpError as exc:
                 log.warning("default backend %s did not start: %s", server.bridge.backend.name, exc)
         serving = trio.open_nursery()
+        gate = ConnectionGate(config.max_connections)  # one count for every listener
         async with serving as listeners:
             for addr in config.listen:
                 try:
                     if addr.kind == "tcp":
-                        bound = await listeners.start(partial(serve_tcp, host=addr.host), server.handle_stream, addr.port)
+                        tcp = partial(serve_tcp, host=addr.host, gate=gate)
+                        bound = await listeners.start(tcp, server.handle_stream, addr.port)
+                    elif addr.kind == "tls":
+                        assert tls is not None  # the command line checked it
+                        handler = tls_handler(server.handle_stream, tls, f"tls {addr}")
+                        tcp = partial(serve_tcp, host=addr.host, gate=gate)
+                        bound = await listeners.start(tcp, handler, addr.port)
                     else:
-                        bound = await listeners.start(serve_unix, server.handle_stream, addr.path)
+                        bound = await listeners.start(partial(serve_unix, gate=gate), server.handle_stream, addr.path)
                 except OSError as exc:
                     raise OSError(exc.errno, f"cannot listen on {addr}: {exc.strerror or exc}") from exc
                 for listener in bound:
-                    print(f"acp-server: listening on {listener_url(listener)}", file=sys.stderr, flush=True)
+                    url = listener_url(listener)
+                    if addr.kind == "tls":
+                        url = "tls" + url.removeprefix("tcp")
+                    print(f"acp-server: listening on {url}", file=sys.stderr, flush=True)
             if config.metrics_listen is not None:
                 from .metrics import serve_metrics  # hypercorn and prometheus_client load only when asked
 
@@ -257,7 +308,7 @@ async def _serve(
                 )
 
             async def stdio_then_exit() -> None:
-                await server.handle_stream(stdio_stream(), "stdio")
+                await server.handle_stream(stdio_stream(), "stdio", trusted=True)
                 if not config.listen:
                     log.info("stdin closed and no listeners: exiting")
                     listeners.cancel_scope.cancel()
@@ -266,14 +317,16 @@ async def _serve(
                 listeners.start_soon(stdio_then_exit)
 
             async def on_signals() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for signum in signals:
-                        log.info("received %s: shutting down", signal.Signals(signum).name)
-                        break
-                with trio.move_on_after(SHUTDOWN_GRACE_S + 1):
-                    await server.shutdown()
+                await signals.first()
+                async with trio.open_nursery() as watching:
+                    with trio.CancelScope() as forced, trio.move_on_after(SHUTDOWN_GRACE_S + 1):
+                        watching.start_soon(signals.absorb, forced)  # a second signal is absorbed, a third forces
+                        await server.shutdown()
+                    watching.cancel_scope.cancel()
                 listeners.cancel_scope.cancel()
 
             listeners.start_soon(on_signals)
+            if server.auth is not None or tls is not None:
+                listeners.start_soon(credentials_upkeep, server, tls)
             task_status.started(server)
         nursery.cancel_scope.cancel()

@@ -5,15 +5,17 @@ prompt's content blocks, ``emit`` to stream ``session/update`` payloads, and ``c
 to the connection that sent the prompt (for an agent's own requests: permission, fs, terminal), or
 ``None`` when that connection is gone. It returns a stop reason.
 
-Session lifecycle calls (``open_session``, ``close_session``, ``cancel``, ``set_mode``) let a backend
-that fronts a real agent keep the agent's sessions in step with ours; the echo agent ignores them.
+Session lifecycle calls (``open_session``, ``close_session``, ``set_mode``, ``fork``) let a backend
+that fronts a real agent keep the agent's sessions in step with ours; the echo agent ignores them. A
+turn is cancelled by trio cancellation of :meth:`Backend.prompt` (its deadline passed, its prompt was
+cancelled, or the session closed): the backend tells its agent (``session/cancel``) itself.
 Errors a backend raises are :class:`~acp_server.errors.AcpError` subclasses (``backend_unavailable``,
 ``agent_error``, ``auth_required``), so they reach the client with their own ``errorKind``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import trio
@@ -26,7 +28,8 @@ __all__ = [
     "BaseBackend",
     "ClientChannel",
     "ClientRequestError",
-    "ConnectionLostError",
+    "ClientGoneError",
+    "PermitControl",
     "SessionSetup",
     "Turn",
 ]
@@ -45,7 +48,7 @@ class ClientChannel(Protocol):
 
         Raises:
             ClientRequestError: the client answered with an error (``.error`` is its error object).
-            ConnectionLostError: the connection closed before it answered.
+            ClientGoneError: the connection closed before it answered.
         """
         ...
 
@@ -58,8 +61,37 @@ class ClientRequestError(Exception):
         self.error = error
 
 
-class ConnectionLostError(Exception):
-    """The client connection closed before it answered a relayed request."""
+class ClientGoneError(Exception):
+    """The client connection closed before it answered a relayed request (not the client SDK's
+    :class:`~acp_server.client.ConnectionLostError`, which is about its own connection to the server)."""
+
+
+class PermitControl(Protocol):
+    """The backend pool's permit of a running prompt, for a backend that calls its dependency more than
+    once per prompt (a model endpoint: retries, tool rounds) and must not hold the permit in between.
+
+    The bridge takes the permit before :meth:`Backend.prompt` and releases whatever is still held
+    after it; a backend may release it meanwhile and take it again (FIFO behind other prompts) before
+    its next call. :class:`~acp_server.admission.pool.Lease` is one.
+    """
+
+    @property
+    def holds_permit(self) -> bool:
+        """True while the permit is held."""
+        ...
+
+    def release_permit(self) -> None:
+        """Give the permit back (to the oldest waiter, if any)."""
+        ...
+
+    async def acquire_permit(self) -> None:
+        """Take the permit again, waiting in FIFO order."""
+        ...
+
+
+#: the transcript of a session before the running prompt: ``(None, update)`` for each ``session/update``
+#: payload, ``(method, params)`` for each extension notification kept (the terminal turn states)
+TranscriptEntry = tuple[str | None, Any]
 
 
 class SessionSetup:
@@ -89,9 +121,17 @@ class Turn:
             to every attached client; updates emitted after the prompt settled are dropped.
         client: the prompt's sender, for relaying the agent's requests; ``None`` once it is gone.
         meta: the request's ``_meta`` without our own keys (passed through to an agent).
+        permit: the backend pool's permit, ``None`` when the backend has no pool.
+        deadline: when the prompt's deadline passes on trio's clock (``None``: it has none).
+        transcript: returns the session's transcript before this prompt (read back from the store
+            when it is not in memory); ``None`` when the bridge keeps none.
+        result_meta: keys a backend adds to the result's ``_meta`` (usage, context trimming).
     """
 
-    __slots__ = ("client", "emit", "meta", "prompt", "prompt_id", "session_id")
+    __slots__ = (
+        "client", "deadline", "emit", "meta", "permit", "prompt", "prompt_id", "result_meta", "session_id",
+        "transcript",
+    )
 
     def __init__(
         self,
@@ -101,6 +141,10 @@ class Turn:
         emit: Callable[[Any], None],
         client: ClientChannel | None = None,
         meta: dict[str, Any] | None = None,
+        *,
+        permit: PermitControl | None = None,
+        deadline: float | None = None,
+        transcript: Callable[[], Awaitable[list[TranscriptEntry]]] | None = None,
     ) -> None:
         self.session_id = session_id
         self.prompt_id = prompt_id
@@ -108,6 +152,10 @@ class Turn:
         self.emit = emit
         self.client = client
         self.meta = meta
+        self.permit = permit
+        self.deadline = deadline
+        self.transcript = transcript
+        self.result_meta: dict[str, Any] = {}
 
 
 @runtime_checkable
@@ -130,10 +178,6 @@ class Backend(Protocol):
 
     async def prompt(self, turn: Turn) -> StopReason:
         """Run one turn to its end; trio cancellation means it was cancelled (or its deadline passed)."""
-        ...
-
-    async def cancel(self, session_id: str) -> None:
-        """Ask the agent to stop the session's running turn (``session/cancel``)."""
         ...
 
     async def set_mode(self, session_id: str, mode_id: str) -> None:
@@ -175,9 +219,6 @@ class BaseBackend:
 
     async def prompt(self, turn: Turn) -> StopReason:
         raise NotImplementedError
-
-    async def cancel(self, session_id: str) -> None:
-        await trio.lowlevel.checkpoint()
 
     async def set_mode(self, session_id: str, mode_id: str) -> None:
         await trio.lowlevel.checkpoint()
