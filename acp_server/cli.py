@@ -292,6 +292,14 @@ def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
     )
     _add_policy_flags(s)
     add_serve_flags(s)
+    s.add_argument(
+        "--drain-timeout-s",
+        type=_non_negative_seconds_arg("--drain-timeout-s", "0 cancels running prompts at once"),
+        metavar="S",
+        help="on SIGTERM, refuse new prompts (capacity_unavailable, draining) and let running ones finish for up "
+        "to S seconds before shutting down (default 0: cancel them)",
+    )
+    cluster_cli.add_flags(s, serve=True)
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="stderr log level (default warning)")
     s.add_argument(
         "agent_command",
@@ -596,6 +604,8 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
         max_connections=args.max_connections if args.max_connections is not None else file_config.max_connections or 0,
         turn_states=args.turn_states if args.turn_states is not None else file_config.turn_states,
         auth=auth,
+        coordinator=cluster_cli.settings_from(args, serve_parser, file_config),
+        drain_timeout_s=args.drain_timeout_s if args.drain_timeout_s is not None else file_config.drain_timeout_s or 0.0,
     )
 
 

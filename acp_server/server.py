@@ -7,6 +7,7 @@ are independent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,7 @@ from . import __version__
 from .admission import Limits
 from .admission.policy import PolicyEngine, PolicyLimits
 from .admission.pool import CapacityManager, PoolLimits
+from .admission.shared import SharedAdmission, shared_plan
 from .auth.gate import Authenticator, PeerInfo, describe_stream
 from .auth.settings import AuthSettings
 from .auth.tls import tls_handler
@@ -28,6 +30,7 @@ from .backends import Backend, EchoBackend
 from .backends.registry import build_backends
 from .bridge import SessionBridge
 from .config import BackendConfig
+from .coordinator.settings import CoordinatorSettings
 from .errors import AcpError
 from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
 from .handlers.gate import credentials_upkeep, gated
@@ -72,6 +75,10 @@ class ServerConfig:
     turn_states: bool = True
     #: tokens, audit log, rate limit and TLS (``None``: none of them)
     auth: AuthSettings | None = None
+    #: where the limits are shared with other replicas (``None`` or no URL: this process's own)
+    coordinator: CoordinatorSettings | None = None
+    #: on SIGTERM, refuse new prompts (``draining``) and let running ones finish this long (0: cancel them)
+    drain_timeout_s: float = 0.0
 
 
 class Server:
@@ -98,6 +105,7 @@ class Server:
         policy: PolicyLimits | None = None,
         turn_states: bool = True,
         auth: Authenticator | None = None,
+        shared: SharedAdmission | None = None,
     ) -> None:
         self.limits = limits or Limits()
         self.turn_states = turn_states
@@ -115,6 +123,7 @@ class Server:
             stored=stored,
             prompt_seq=prompt_seq,
             policy=self.policy,
+            shared=shared,
         )
         if auth is None:
             self.dispatcher = Dispatcher(REQUESTS, NOTIFICATIONS)
@@ -144,7 +153,24 @@ class Server:
             "refusals": self.refusal_latency.snapshot(),
             # backends that count their own work (a model endpoint: requests, retries, tokens)
             "backends": {n: b.statistics() for n, b in bridge.backends.items() if hasattr(b, "statistics")},
+            **self._coordinator_snapshot(),
         }
+
+    def _coordinator_snapshot(self) -> dict[str, Any]:
+        shared = self.bridge.shared
+        if shared is None:
+            return {}
+        return {"coordinator": msgspec.to_builtins(shared.coordinator.statistics())}
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new prompts (``capacity_unavailable``, ``draining``) and wait up to ``timeout_s`` for the
+        admitted ones to end."""
+        bridge = self.bridge
+        bridge.draining = True
+        log.warning("draining: new prompts are refused; waiting up to %g s for %d running", timeout_s, bridge.pending_total())
+        with trio.move_on_after(timeout_s):
+            while bridge.pending_total():  # noqa: ASYNC110 - a sum over every session
+                await trio.sleep(0.05)
 
     def limits_capability(self) -> LimitsCapability:
         """``limits`` as ``initialize`` and ``_acp_server/capabilities`` advertise them (null: disabled)."""
@@ -238,6 +264,20 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
     auth = None
     if settings.tokens is not None:
         auth = Authenticator(settings.tokens, audit=settings.audit, rate_limit_rps=settings.rate_limit_rps)
+    coordinator: Any = None
+    shared: SharedAdmission | None = None
+    shared_settings = config.coordinator
+    if shared_settings is not None and shared_settings.url is not None:
+        from .coordinator import redis_coordinator  # coredis loads only with a coordinator
+
+        coordinator = redis_coordinator(
+            shared_settings.url, prefix=shared_settings.prefix,
+            replica_id=shared_settings.effective_replica_id(),
+            lease_ttl_s=shared_settings.lease_ttl_s, timeout_ms=shared_settings.timeout_ms,
+            failure=shared_settings.failure, expected_replicas=shared_settings.expected_replicas,
+        )
+        pools = {name: PoolLimits(max_active=c.max_active, max_waiting=c.max_waiting) for name, c in configs.items()}
+        shared = SharedAdmission(coordinator, shared_plan(config.policy, pools), lambda: server.bridge.draining)
     server = Server(
         config.limits,
         backends,
@@ -247,10 +287,12 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         policy=config.policy,
         turn_states=config.turn_states,
         auth=auth,
+        shared=shared,
     )
     with shutdown_signals() as signals:
         try:
-            await _serve(server, config, backends, signals, task_status)
+            async with coordinator.running() if coordinator is not None else contextlib.nullcontext():
+                await _serve(server, config, backends, signals, task_status)
         finally:
             if store is not None:
                 store.close()  # what is still queued is written (a clean shutdown loses nothing)
@@ -319,9 +361,12 @@ async def _serve(
             async def on_signals() -> None:
                 await signals.first()
                 async with trio.open_nursery() as watching:
-                    with trio.CancelScope() as forced, trio.move_on_after(SHUTDOWN_GRACE_S + 1):
+                    with trio.CancelScope() as forced:
                         watching.start_soon(signals.absorb, forced)  # a second signal is absorbed, a third forces
-                        await server.shutdown()
+                        if config.drain_timeout_s:
+                            await server.drain(config.drain_timeout_s)
+                        with trio.move_on_after(SHUTDOWN_GRACE_S + 1):
+                            await server.shutdown()
                     watching.cancel_scope.cancel()
                 listeners.cancel_scope.cancel()
 

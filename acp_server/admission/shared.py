@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Final, Literal
 
 from ..coordinator import Coordinator, CoordinatorUnavailable, Lease, LimitPlan, LimitRefused
 from ..errors import AcpError, AdmissionDeferredError, CapacityExceededError, CapacityUnavailableError
+from .policy_limits import PolicyLimits, seat_shares
 from .policy_queue import rank_of
+from .pool import PoolLimits
 
-__all__ = ["SharedAdmission", "SharedHold"]
+__all__ = ["SharedAdmission", "SharedHold", "draining_refusal", "shared_plan"]
 
 log = logging.getLogger("acp_server.admission")
 
@@ -82,6 +84,17 @@ class SharedHold:
         leave = plan.room_names(self.rank) if self.state == "queued" else ()
         await admission.coordinator.wait_acquire(self.lease, plan.seat(self.tenant, self.rank), rank=self.rank, leave=leave)
         self.state = "seated"
+
+    async def try_permit(self) -> bool:
+        """Take one backend call's permit if it is free now (False: full, or the coordinator away)."""
+        option = self._admission.plan.permit(self.backend)
+        if option is None:
+            return True
+        try:
+            await self._admission.coordinator.acquire(self.lease, option)
+        except (LimitRefused, CoordinatorUnavailable):
+            return False
+        return True
 
     async def acquire_permit(self) -> None:
         """Wait for one backend call's permit (the pool's ``max_active`` across the cluster)."""
@@ -179,3 +192,22 @@ def _unavailable(reason: str, retry_after_ms: int) -> CapacityUnavailableError:
     return CapacityUnavailableError(
         reason=reason, retry_after_ms=max(1, retry_after_ms), request_id=request_id, safe_to_retry=True
     )
+
+
+def shared_plan(policy: PolicyLimits, pools: Mapping[str, PoolLimits]) -> LimitPlan:
+    """The shared limits of a configuration: the policy's seats (split by its class shares), tenant caps
+    and waiting room, and every limited backend pool."""
+    seats = policy.max_running_prompts
+    return LimitPlan(
+        seats=seats,
+        shares=seat_shares(seats, policy.class_shares) if seats else (),
+        room=policy.max_queued_prompts if seats else 0,
+        tenant_max_running=policy.tenant_max_running,
+        tenant_overrides=policy.tenant_overrides,
+        pools={name: (p.max_active, p.max_waiting) for name, p in pools.items() if p.max_active is not None},
+    )
+
+
+def draining_refusal() -> CapacityUnavailableError:
+    """The refusal of a prompt arriving while the replica drains for a restart."""
+    return _unavailable("draining", SHARED_RETRY_AFTER_MS)
