@@ -211,7 +211,7 @@ class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     coordinator: CoordinatorConfig = msgspec.field(default_factory=CoordinatorConfig)
     #: ``--drain-timeout-s``: on SIGTERM, seconds running prompts may finish in (0: cancel them)
-    drain_timeout_s: float | None = None
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
 
 def _path_of(exc: msgspec.ValidationError, prefix: str) -> tuple[str, str]:

@@ -64,3 +64,9 @@ def test_the_coordinator_table_is_checked() -> None:
         parse_config('[coordinator]\nurl = "http://x"\n')
     with pytest.raises(ConfigError, match=r"coordinator\.nope.*unknown key"):
         parse_config("[coordinator]\nnope = 1\n")
+
+
+def test_drain_timeout_is_a_non_negative_number_of_seconds() -> None:
+    assert parse_config("drain_timeout_s = 2.5\n").drain_timeout_s == 2.5
+    with pytest.raises(ConfigError, match="drain_timeout_s"):
+        parse_config("drain_timeout_s = -1\n")

@@ -76,7 +76,7 @@ def _get(redis: RedisServer, key: str) -> int:
 
 async def test_four_replicas_never_pass_the_clusters_seats(redis_server: RedisServer) -> None:  # noqa: F811
     seats, sessions_each = 3, 6
-    prompts_each = scaled(40, 6)
+    prompts_each = scaled(420, 6)  # 10,080 admissions in make test-full
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
         reps = [
             await stack.enter_async_context(replica(redis_server, nursery, "--max-running-prompts", str(seats)))
