@@ -16,6 +16,9 @@ between, so under trio nothing can run between the check and the increment. Its 
 session lookup, client id, a request already cancelled, idempotency, the pending-prompt limit, the
 admission policy, the backend pool's lease, then the increment and enqueue. Every admitted prompt
 settles exactly once (result or error), and the session's pending slot is released at that moment.
+With limits shared by replicas (``--coordinator``) a prompt is admitted by
+:func:`~.shared_admit.admit_shared` instead: the same local checks now, the shared part over the
+coordinator after them; both end in :meth:`SessionBridge.make_ticket`.
 """
 
 from __future__ import annotations
