@@ -13,7 +13,6 @@ import logging
 import math
 import shlex
 import socket
-import sqlite3
 import sys
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
@@ -27,8 +26,6 @@ from .admission.policy import PolicyLimits
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config
 from .server import ListenAddress, ServerConfig, serve
-from .store import StoreVersionError, StoreWriterError, default_state_dir
-from .transports.relay import relay_stdio
 
 __all__ = ["build_parser", "main", "parse_listen", "policy_from"]
 
@@ -469,6 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         serve_parser.error("--ephemeral and --state-dir exclude each other: choose memory only or a directory")
     state_dir: str | None = args.state_dir
     if state_dir is None and not args.ephemeral and not args.stdio:
+        from .store import default_state_dir
+
         state_dir = str(default_state_dir())  # stdio alone is one editor window's own process: ephemeral
     file_config = _file_config(args, serve_parser)
     backends, default_backend = backends_from(args, serve_parser, file_config)
@@ -523,12 +522,18 @@ def _os_error(exc: BaseException) -> OSError | None:
     """
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
-    if isinstance(exc, StoreVersionError | StoreWriterError | sqlite3.DatabaseError):
-        return OSError(str(exc))
+    sqlite3 = sys.modules.get("sqlite3")  # loaded only with a state directory: without one, no store error
+    if sqlite3 is not None:
+        from .store import StoreVersionError, StoreWriterError
+
+        if isinstance(exc, StoreVersionError | StoreWriterError | sqlite3.DatabaseError):
+            return OSError(str(exc))
     return exc if isinstance(exc, OSError) else None
 
 
 def _connect(url: str) -> int:
+    from .transports.relay import relay_stdio
+
     try:
         trio.run(relay_stdio, url)
     except KeyboardInterrupt:

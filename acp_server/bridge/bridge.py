@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import msgspec
 import outcome
@@ -45,9 +45,12 @@ from ..errors import (
     SessionNotFoundError,
 )
 from ..jsonrpc.dispatch import Deferred
-from ..store import TURN_STATE, SessionStore, StoredEvent, StoredSession
+from ..store.records import TURN_STATE, StoredEvent, StoredSession
 from ..types.acp import ContentBlock, PromptResult, SessionNotification, UserMessageChunk
 from ..types.ext import TERMINAL_TURN_STATES
+
+if TYPE_CHECKING:
+    from ..store import SessionStore
 from .session import ClientReg, ForkTicket, Peer, PromptTicket, Session
 
 __all__ = ["BridgeStatistics", "PromptWaiter", "SessionBridge"]
