@@ -4,7 +4,8 @@ What an editor feels when it opens a project: it spawns its agent and waits for 
 run spawns a fresh process, writes one ``initialize`` request on its stdin at once (the pipe holds it
 until the agent reads) and stops the clock when the answer's line arrives on stdout; stdin is then
 closed and the process reaped, untimed. Agents alternate run by run, after one untimed run each (so
-that both find their files in the page cache and their bytecode compiled).
+that both find their files in the page cache and their bytecode compiled: the processes run without
+``PYTHONDONTWRITEBYTECODE``, as an editor would start them).
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from servers import BenchError
 __all__ = ["median_ms", "spawn_to_exit", "spawn_to_initialize", "startup_runs"]
 
 _TIMEOUT_S = 60.0
+#: the environment of the spawned processes: bytecode caches written, as outside a test harness
+_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 _INITIALIZE = b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":1,"clientCapabilities":{}}}\n'
 
 
 def spawn_to_initialize(argv: Sequence[str]) -> float:
     """Seconds from spawning ``argv`` to reading the line that answers ``initialize``."""
     started = time.perf_counter()
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_ENV)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         proc.stdin.write(_INITIALIZE)
@@ -57,7 +60,9 @@ def spawn_to_initialize(argv: Sequence[str]) -> float:
 def spawn_to_exit(argv: Sequence[str]) -> float:
     """Seconds from spawning ``argv`` to its exit (it must exit 0)."""
     started = time.perf_counter()
-    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=_TIMEOUT_S, check=False)
+    proc = subprocess.run(
+        argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=_TIMEOUT_S, check=False, env=_ENV
+    )
     elapsed = time.perf_counter() - started
     if proc.returncode != 0:
         raise BenchError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.decode(errors='replace')[-500:]}")
