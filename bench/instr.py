@@ -31,6 +31,7 @@ Usage::
 
     python bench/instr.py            # measure, compare with bench/instr_baseline.json (exit 1 above +10%)
     python bench/instr.py --record   # measure and write the baseline (with the CPython and valgrind versions)
+    python bench/instr.py --keep DIR # also keep the dumps: callgrind_annotate DIR/callgrind.out.2 (phase 1)
     python bench/instr.py --workload [--direct]   # the workload alone (--direct: without the markers' check)
 
 The comparison skips, and says so, when the baseline was recorded with another CPython or valgrind
@@ -272,8 +273,12 @@ def read_dumps(out_dir: Path) -> list[int]:
     return [parts[k] for k in sorted(parts)]
 
 
-def measure() -> dict[str, Any]:
-    """Run the workload under callgrind; instructions per prompt of each phase."""
+def measure(keep: Path | None = None) -> dict[str, Any]:
+    """Run the workload under callgrind; instructions per prompt of each phase.
+
+    Args:
+        keep: copy the callgrind dumps here (``callgrind.out.N`` is phase N, for ``callgrind_annotate``).
+    """
     exe = shutil.which("valgrind")
     if exe is None:
         raise SystemExit("bench-instr: valgrind is not installed (apt-get install valgrind)")
@@ -298,6 +303,10 @@ def measure() -> dict[str, Any]:
         seen = json.loads(seen_file.read_text())
         check_counts(seen, WORKLOAD)
         dumps = read_dumps(out_dir)
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            for path in out_dir.glob("callgrind.out*"):
+                shutil.copy(path, keep / path.name)
     # dumps: [start-up + warm-up, phase 1, phase 2, phase 3, shutdown]
     if len(dumps) != len(PHASES) + 2:
         raise SystemExit(
@@ -360,6 +369,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--record", action="store_true", help=f"write the baseline ({BASELINE.name})")
     parser.add_argument("--baseline", type=Path, default=BASELINE, help="the baseline JSON")
     parser.add_argument("--out", type=Path, help="also write this run's figures as JSON here")
+    parser.add_argument(
+        "--keep", type=Path, metavar="DIR", help="keep the callgrind dumps in DIR (callgrind.out.2-4: the phases)"
+    )
     parser.add_argument("--workload", action="store_true", help="run the workload in this process")
     parser.add_argument("--direct", action="store_true", help="with --workload: no callgrind markers")
     parser.add_argument("--seen", type=Path, help=argparse.SUPPRESS)
@@ -372,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(seen))
         return 0
     now = versions()
-    result = {"versions": now, "workload": WORKLOAD, "git_commit": _git_commit(), **measure()}
+    result = {"versions": now, "workload": WORKLOAD, "git_commit": _git_commit(), **measure(args.keep)}
     figures: dict[str, int] = result["instructions_per_prompt"]
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
