@@ -1,6 +1,7 @@
 """The typed configuration file (``--config acp-server.toml``) and the backend table it describes.
 
     default_backend = "claude"
+    max_connections = 1000            # sockets of every listener together (0: from the fd limit)
 
     [backends.claude]
     command = ["claude-code-acp"]     # program and arguments
@@ -33,7 +34,7 @@ An unknown key or a bad value is a :class:`ConfigError` naming the key (``backen
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -100,6 +101,8 @@ class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_backend: str | None = None
+    #: ``--max-connections`` (0: from the fd limit)
+    max_connections: Annotated[int, msgspec.Meta(ge=0)] | None = None
     backends: dict[str, BackendConfig] = msgspec.field(default_factory=dict)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)

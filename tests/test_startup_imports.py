@@ -14,8 +14,6 @@ import subprocess
 import sys
 from typing import IO, Any
 
-import pytest
-
 from .helpers import ROOT
 
 _WRAPPER = """
@@ -100,9 +98,6 @@ def test_serve_stdio_loads_no_unused_feature(tmp_path: pathlib.Path) -> None:
     assert _loaded(modules, UNUSED) == []
 
 
-# acp_server/errors.py still subclasses jsonrpcserver's JsonRpcError, whose package imports its asyncio
-# dispatcher and its jsonschema validator; strict: the mark must go once errors.py no longer does.
-@pytest.mark.xfail(strict=True, reason="AcpError still derives from jsonrpcserver.JsonRpcError")
 def test_serve_stdio_loads_no_jsonrpcserver(tmp_path: pathlib.Path) -> None:
     assert _loaded(_serve_stdio(tmp_path), JSONRPCSERVER) == []
 
