@@ -17,6 +17,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 
+from procfs import cpu_seconds
 from servers import BenchError
 
 __all__ = ["median_ms", "spawn_to_exit", "spawn_to_initialize", "startup_runs"]
@@ -27,8 +28,9 @@ _ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 _INITIALIZE = b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":1,"clientCapabilities":{}}}\n'
 
 
-def spawn_to_initialize(argv: Sequence[str]) -> float:
-    """Seconds from spawning ``argv`` to reading the line that answers ``initialize``."""
+def spawn_to_initialize(argv: Sequence[str]) -> tuple[float, float]:
+    """Seconds from spawning ``argv`` to reading the line that answers ``initialize``, and the CPU
+    seconds the process had used by then (steadier than the wall time on a busy machine)."""
     started = time.perf_counter()
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_ENV)
     assert proc.stdin is not None and proc.stdout is not None
@@ -47,7 +49,7 @@ def spawn_to_initialize(argv: Sequence[str]) -> float:
                 buf += chunk
                 for line in buf.split(b"\n")[:-1]:
                     if b'"id":1' in line.replace(b" ", b"") and b'"result"' in line:
-                        return time.perf_counter() - started
+                        return time.perf_counter() - started, cpu_seconds(proc.pid)
     finally:
         proc.stdin.close()
         try:
@@ -57,21 +59,27 @@ def spawn_to_initialize(argv: Sequence[str]) -> float:
             proc.wait()
 
 
-def spawn_to_exit(argv: Sequence[str]) -> float:
-    """Seconds from spawning ``argv`` to its exit (it must exit 0)."""
+def spawn_to_exit(argv: Sequence[str]) -> tuple[float, float]:
+    """Seconds from spawning ``argv`` to its exit (it must exit 0), and the CPU seconds it used."""
     started = time.perf_counter()
-    proc = subprocess.run(
-        argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=_TIMEOUT_S, check=False, env=_ENV
-    )
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_ENV)
+    assert proc.stderr is not None
+    with proc.stderr:
+        err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.perf_counter() - started
+    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        raise BenchError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.decode(errors='replace')[-500:]}")
-    return elapsed
+        raise BenchError(f"{' '.join(argv)} exited {proc.returncode}: {err.decode(errors='replace')[-500:]}")
+    return elapsed, usage.ru_utime + usage.ru_stime
 
 
-def startup_runs(agents: dict[str, list[str]], extra: dict[str, list[str]], runs: int) -> dict[str, list[float]]:
-    """``runs`` alternating timings per name: ``agents`` to their initialize answer, ``extra`` to exit."""
-    timed: dict[str, list[float]] = {name: [] for name in [*agents, *extra]}
+def startup_runs(
+    agents: dict[str, list[str]], extra: dict[str, list[str]], runs: int
+) -> dict[str, list[tuple[float, float]]]:
+    """``runs`` alternating (wall, CPU) seconds per name: ``agents`` to their initialize answer, ``extra``
+    to their exit."""
+    timed: dict[str, list[tuple[float, float]]] = {name: [] for name in [*agents, *extra]}
     jobs = [(name, argv, spawn_to_initialize) for name, argv in agents.items()]
     jobs += [(name, argv, spawn_to_exit) for name, argv in extra.items()]
     for _, argv, fn in jobs:
