@@ -51,6 +51,7 @@ EXPECTED_CODES = {
     "admission_deferred": -32010,
     "capacity_unavailable": -32011,
     "agent_error": -32012,
+    "rate_limited": -32014,
 }
 
 KINDS = sorted(REGISTRY)
