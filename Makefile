@@ -7,7 +7,7 @@ STAMP_DEV := $(VENV)/.installed-dev
 LISTEN ?= tcp://127.0.0.1:4170
 PYTEST_ARGS ?=
 
-.PHONY: run test test-full lint schemas bench clean
+.PHONY: run test test-full lint schemas bench bench-instr bench-instr-record clean
 
 $(PY):
 	@echo "acp-server: creating $(VENV) with $(PYTHON) (needs Python >= 3.11 with its venv module)" >&2
@@ -32,11 +32,17 @@ lint: $(STAMP_DEV)
 	$(VENV)/bin/ruff check acp_server tests
 	$(VENV)/bin/mypy
 
-test: $(STAMP_DEV) lint
+# The coordinator's tests run against Debian's redis-server, installed here when missing.
+.PHONY: redis-server
+redis-server:
+	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
+
+test: $(STAMP_DEV) lint redis-server
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test-full: $(STAMP_DEV)
+test-full: $(STAMP_DEV) redis-server
 	ACP_SERVER_FULL=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) bench/instr.py
 
 schemas: $(STAMP_DEV)
 	$(PY) -m acp_server.schemagen schemas
@@ -48,6 +54,14 @@ bench: $(STAMP_DEV)
 .PHONY: bench-smoke
 bench-smoke: $(STAMP_DEV)
 	$(PY) bench/run.py --tiny --out bench/results/tiny.json
+
+# Instructions per echo prompt under callgrind (about a minute), against bench/instr_baseline.json:
+# fails above +10%, skips when CPython or valgrind differ from the baseline's. -record re-records it.
+bench-instr: $(STAMP_DEV)
+	$(PY) bench/instr.py
+
+bench-instr-record: $(STAMP_DEV)
+	$(PY) bench/instr.py --record
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -13,7 +13,6 @@ import math
 import pathlib
 import shlex
 import socket
-import sqlite3
 import sys
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
@@ -21,7 +20,7 @@ from urllib.parse import urlsplit
 import msgspec
 import trio
 
-from . import __version__
+from . import __version__, cluster_cli
 from .admission import Limits
 from .admission.policy import PolicyLimits
 from .auth import cli as auth_cli
@@ -30,9 +29,6 @@ from .auth.settings import add_serve_flags, settings_from
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config, openai_shorthand
 from .server import CONNECTION_IDLE_TIMEOUT_S, ListenAddress, ServerConfig, serve
-from .statedir import adopt_legacy, keyed_state_dir
-from .store import StoreVersionError, StoreWriterError
-from .transports.relay import relay_stdio
 
 __all__ = ["build_parser", "main", "parse_listen", "policy_from"]
 
@@ -140,6 +136,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     _add_serve_arguments(s)
     client_cli.add_commands(sub)  # prompt, sessions: after serve, which --help lists first
     auth_cli.add_commands(sub)  # token
+    cluster_cli.add_commands(sub)
     c = sub.add_parser(
         "connect",
         help="relay stdio to a running acp-server (for editors that spawn their agent)",
@@ -290,14 +287,6 @@ def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "(too_many_connections) and closed (default: the fd limit less an eighth, at least 64, of head-room)",
     )
     s.add_argument(
-        "--drain-timeout-s",
-        type=_non_negative_seconds_arg("--drain-timeout-s", "0 cancels at once"),
-        default=None,
-        metavar="S",
-        help="after a connection's input ends (stdin EOF, a socket's shutdown), how long its accepted "
-        "requests may still run before they are cancelled (default 30)",
-    )
-    s.add_argument(
         "--connection-idle-timeout-s",
         type=_non_negative_seconds_arg("--connection-idle-timeout-s", "0 turns it off"),
         default=None,
@@ -315,6 +304,17 @@ def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
     )
     _add_policy_flags(s)
     add_serve_flags(s)
+    s.add_argument(
+        "--drain-timeout-s",
+        type=_non_negative_seconds_arg("--drain-timeout-s", "0 cancels running prompts at once"),
+        default=None,
+        metavar="S",
+        help="after a connection's input ends (stdin EOF, a socket's shutdown), how long its accepted requests "
+        "may still run before they are cancelled (default 30); when given, also on SIGTERM: refuse new "
+        "prompts (capacity_unavailable, draining) and let running ones finish for up to S seconds before "
+        "shutting down (not given: SIGTERM cancels them at once)",
+    )
+    cluster_cli.add_flags(s, serve=True)
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="stderr log level (default warning)")
     s.add_argument(
         "agent_command",
@@ -535,6 +535,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return auth_cli.run(args)
     if args.command == "connect":
         return _connect(args.url, args.token, args.ca_file)
+    if args.command == "cluster":
+        return cluster_cli.run(args)
     if args.command == "doctor":
         from .doctor import run_doctor  # only the doctor needs it
 
@@ -547,6 +549,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     config = server_config(args, serve_parser)
     if config.state_dir is not None and args.state_dir is None:
+        from .statedir import adopt_legacy  # the store loads only when a state directory is used
+
         moved = adopt_legacy(pathlib.Path(config.state_dir))
         if moved is not None:
             print(f"acp-server: {moved}", file=sys.stderr, flush=True)
@@ -593,6 +597,8 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
     if state_dir is None and not args.ephemeral and not args.stdio:
         # One directory per address set (and config file); stdio alone is one editor window's own
         # process: ephemeral.
+        from .statedir import keyed_state_dir
+
         state_dir = str(keyed_state_dir(listen, args.config))
     file_config = _file_config(args, serve_parser)
     auth = settings_from(
@@ -618,6 +624,7 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
         max_connections=args.max_connections if args.max_connections is not None else file_config.max_connections or 0,
         turn_states=args.turn_states if args.turn_states is not None else file_config.turn_states,
         auth=auth,
+        coordinator=cluster_cli.settings_from(args, serve_parser, file_config),
         drain_timeout_s=args.drain_timeout_s if args.drain_timeout_s is not None else file_config.drain_timeout_s,
         connection_idle_timeout_s=_given(
             args.connection_idle_timeout_s, file_config.connection_idle_timeout_s, CONNECTION_IDLE_TIMEOUT_S
@@ -661,12 +668,18 @@ def _os_error(exc: BaseException) -> OSError | None:
     """
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
-    if isinstance(exc, StoreVersionError | StoreWriterError | sqlite3.DatabaseError):
-        return OSError(str(exc))
+    sqlite3 = sys.modules.get("sqlite3")  # loaded only with a state directory: without one, no store error
+    if sqlite3 is not None:
+        from .store import StoreVersionError, StoreWriterError
+
+        if isinstance(exc, StoreVersionError | StoreWriterError | sqlite3.DatabaseError):
+            return OSError(str(exc))
     return exc if isinstance(exc, OSError) else None
 
 
 def _connect(url: str, token: str | None = None, ca_file: str | None = None) -> int:
+    from .transports.relay import relay_stdio
+
     try:
         trio.run(relay_stdio, url, token, ca_file)
     except KeyboardInterrupt:

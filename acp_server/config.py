@@ -56,18 +56,23 @@
     key = "/etc/acp-server/key.pem"
     handshake_timeout_s = 5
 
+    [coordinator]                     # limits shared by replicas (see acp_server.coordinator.settings)
+    url = "redis://127.0.0.1:6379/0"
+    prefix = "acp-server"
+
 An unknown key or a bad value is a :class:`ConfigError` naming the key (``backends.claude.max_active``).
 """
 
 from __future__ import annotations
 
 import re
-import tomllib
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from .admission.policy import PolicyLimits
+from .coordinator.settings import FLAGS as COORDINATOR_FLAGS
+from .coordinator.settings import CoordinatorSettings
 from .types.base import validation_location
 
 __all__ = [
@@ -75,6 +80,7 @@ __all__ = [
     "AuthConfig",
     "BackendConfig",
     "ConfigError",
+    "CoordinatorConfig",
     "FileConfig",
     "MetricsConfig",
     "TlsConfig",
@@ -178,6 +184,23 @@ class TlsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     handshake_timeout_s: float | None = None
 
 
+class CoordinatorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``[coordinator]`` table: fields of :class:`~acp_server.coordinator.settings.CoordinatorSettings`
+    (``None``: not in the file)."""
+
+    url: str | None = None
+    prefix: str | None = None
+    replica_id: str | None = None
+    failure: Literal["closed", "local"] | None = None
+    expected_replicas: int | None = None
+    lease_ttl_s: float | None = None
+    timeout_ms: int | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The keys the file sets."""
+        return {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not None}
+
+
 class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_backend: str | None = None
     #: ``--max-connections`` (0: from the fd limit)
@@ -185,8 +208,6 @@ class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     turn_states: bool = True
     #: ``--max-history-events``
     max_history_events: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    #: ``--drain-timeout-s``
-    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     #: ``--connection-idle-timeout-s`` (0: off)
     connection_idle_timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     backends: dict[str, BackendConfig] = msgspec.field(default_factory=dict)
@@ -194,6 +215,10 @@ class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
+    coordinator: CoordinatorConfig = msgspec.field(default_factory=CoordinatorConfig)
+    #: ``--drain-timeout-s``: after a connection's input ends, seconds its accepted requests may run in
+    #: (absent: 30); when set, also on SIGTERM, seconds running prompts may finish in (0: cancel them)
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
 
 def _path_of(exc: msgspec.ValidationError, prefix: str) -> tuple[str, str]:
@@ -259,6 +284,8 @@ def parse_config(text: str, source: str = "config") -> FileConfig:
     Raises:
         ConfigError: TOML syntax, an unknown key, a value of the wrong type or out of range.
     """
+    import tomllib  # only when a file is read: serving without --config never needs it
+
     try:
         raw: dict[str, Any] = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -273,6 +300,12 @@ def parse_config(text: str, source: str = "config") -> FileConfig:
         PolicyLimits(**top.admission.given())
     except (TypeError, ValueError) as exc:  # the message starts with the field's name
         raise ConfigError(f"{source}: admission.{exc}") from None
+    try:
+        CoordinatorSettings(**top.coordinator.given())
+    except ValueError as exc:  # the message starts with the setting's flag
+        flag, _, rest = str(exc).partition(" ")
+        key = next((k for k, f in COORDINATOR_FLAGS.items() if f == flag), flag)
+        raise ConfigError(f"{source}: coordinator.{key} {rest}") from None
     if not isinstance(backends_raw, dict):
         raise ConfigError(f"{source}: backends: must be a table of [backends.NAME] tables")
     backends: dict[str, BackendConfig] = {}

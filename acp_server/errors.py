@@ -18,7 +18,8 @@ schemas agree. Blame is split as in h11: the peer's fault, overload, and our own
     │   ├── SessionNotFoundError            -32002 session_not_found
     │   ├── InvalidClientIdError            -32003 invalid_client_id
     │   ├── BranchWhilePromptActiveError    -32006 branch_while_prompt_active
-    │   └── IdempotencyKeyConflictError     -32008 idempotency_key_conflict
+    │   ├── IdempotencyKeyConflictError     -32008 idempotency_key_conflict
+    │   └── DuplicateInFlightError          -32016 duplicate_in_flight (the key is claimed on another replica)
     ├── OverloadError                       refused for capacity; retryable
     │   ├── PromptQueueFullError            -32001 prompt_queue_full
     │   ├── CapacityExceededError           -32005 capacity_exceeded
@@ -26,6 +27,7 @@ schemas agree. Blame is split as in h11: the peer's fault, overload, and our own
     │   ├── CapacityUnavailableError        -32011 capacity_unavailable (admission policy refused)
     │   └── RateLimitedError                -32014 rate_limited (--rate-limit-rps, or failed authentications)
     ├── PromptDeadlineExceededError         -32004 prompt_deadline_exceeded
+    ├── LeaseLostError                      -32015 lease_lost (the shared lease could not be re-taken)
     ├── SessionLimitExceededError           -32009 session_limit_exceeded (--max-sessions live sessions)
     ├── BackendError                        the agent behind a session failed or refused
     │   ├── BackendUnavailableError         -32007 backend_unavailable
@@ -55,11 +57,13 @@ __all__ = [
     "BranchWhilePromptActiveError",
     "CapacityExceededError",
     "CapacityUnavailableError",
+    "DuplicateInFlightError",
     "IdempotencyKeyConflictError",
     "InternalError",
     "InvalidClientIdError",
     "InvalidParamsError",
     "InvalidRequestError",
+    "LeaseLostError",
     "MessageTooLargeError",
     "MethodNotFoundError",
     "NotInitializedError",
@@ -209,6 +213,17 @@ class IdempotencyKeyConflictError(SessionStateError):
     data_type = data.IdempotencyKeyConflictData
 
 
+class DuplicateInFlightError(SessionStateError):
+    code = -32016
+    kind = "duplicate_in_flight"
+    template = (
+        'Idempotency key "{idempotency_key}" of session "{session_id}" is held by replica "{replica_id}";'
+        " retry after {retry_after_ms} ms"
+    )
+    retryable = True
+    data_type = data.DuplicateInFlightData
+
+
 class OverloadError(AcpError):
     """Refused for capacity: nothing ran, nothing was counted, a later retry may succeed."""
 
@@ -258,6 +273,17 @@ class PromptDeadlineExceededError(AcpError):
     kind = "prompt_deadline_exceeded"
     template = 'Prompt deadline of {deadline_ms} ms exceeded for session "{session_id}" after {elapsed_ms} ms'
     data_type = data.PromptDeadlineExceededData
+
+
+class LeaseLostError(AcpError):
+    code = -32015
+    kind = "lease_lost"
+    template = (
+        'The shared lease "{lease_id}" (fencing token {fencing_token}) expired in the coordinator and could'
+        " not be taken again within the cluster's limit; the prompt was stopped"
+    )
+    retryable = True
+    data_type = data.LeaseLostData
 
 
 class SessionLimitExceededError(AcpError):

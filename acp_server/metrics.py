@@ -154,6 +154,7 @@ class _SnapshotCollector:
         )
         yield from self._refusals(_table(self.snapshot, "refusals"))
         yield from self._backends(_table(self.snapshot, "backends"))
+        yield from self._coordinator(_table(self.snapshot, "coordinator"))
 
     def _backends(self, backends: Mapping[str, Any]) -> Iterable[Metric]:
         for name, key, doc in (
@@ -172,6 +173,33 @@ class _SnapshotCollector:
                 if (value := _num(row, key)) is not None:
                     tokens.add_metric([backend, kind], value)
         yield tokens
+
+    def _coordinator(self, coord: Mapping[str, Any]) -> Iterable[Metric]:
+        """The shared limits' coordinator (only with ``--coordinator``)."""
+        if not coord:
+            return
+        up = GaugeMetricFamily(_P + "coordinator_up", "1 while the coordinator (Redis) answers, else 0")
+        up.add_metric([], 1.0 if coord.get("up") else 0.0)
+        yield up
+        for name, key, doc in (
+            ("coordinator_live_replicas", "liveReplicas", "Replicas renewed within one lease TTL, as last seen"),
+            ("coordinator_leases", "leases", "Shared leases this replica holds"),
+            ("coordinator_local_leases", "localLeases", "Leases held against the local share while Redis is away"),
+            ("coordinator_releases_queued", "releasesQueued", "Releases waiting for Redis to answer"),
+            ("coordinator_waiters", "waiters", "Tasks of this replica waiting for a shared limit"),
+        ):
+            yield _gauge(name, doc, coord, key)
+        yield _gauge("coordinator_renew_seconds", "Latency of the last lease renewal", coord, "renewMsLast", 1e-3)
+        yield _gauge("coordinator_renew_max_seconds", "Slowest lease renewal", coord, "renewMsMax", 1e-3)
+        for name, key, doc in (
+            ("coordinator_failures", "failuresTotal", "Coordinator calls that failed or got no answer in time"),
+            ("coordinator_outages", "outagesTotal", "Times the coordinator went away"),
+            ("coordinator_acquired", "acquiredTotal", "Shared acquisitions granted"),
+            ("coordinator_refused", "refusedTotal", "Shared acquisitions refused"),
+            ("coordinator_leases_lost", "lostTotal", "Leases lost (expired in an outage and not re-taken)"),
+            ("coordinator_reasserted", "reassertedTotal", "Leases renewed or re-taken after an outage"),
+        ):
+            yield _counter(name, doc, coord, key)
 
     def _admission(self, adm: Mapping[str, Any]) -> Iterable[Metric]:
         info = InfoMetricFamily(

@@ -7,12 +7,13 @@ are independent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -21,6 +22,7 @@ from . import __version__
 from .admission import Limits
 from .admission.policy import PolicyEngine, PolicyLimits
 from .admission.pool import CapacityManager, PoolLimits
+from .admission.shared import SharedAdmission, shared_plan
 from .auth.gate import Authenticator, PeerInfo, describe_stream
 from .auth.settings import AuthSettings
 from .auth.tls import tls_handler
@@ -28,16 +30,19 @@ from .backends import Backend, EchoBackend
 from .backends.registry import build_backends
 from .bridge import SessionBridge
 from .config import BackendConfig
+from .coordinator.settings import CoordinatorSettings
 from .errors import AcpError
 from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
 from .handlers.gate import credentials_upkeep, gated
 from .jsonrpc import Dispatcher
 from .signals import ShutdownSignals, shutdown_signals
-from .store import SessionStore
 from .transports import ConnectionGate, ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
 from .transports.address import ListenAddress
 from .transports.timing import LatencyHistogram
 from .types.ext import LimitsCapability
+
+if TYPE_CHECKING:
+    from .store import SessionStore
 
 __all__ = ["ListenAddress", "Server", "ServerConfig", "serve"]
 
@@ -78,9 +83,12 @@ class ServerConfig:
     turn_states: bool = True
     #: tokens, audit log, rate limit and TLS (``None``: none of them)
     auth: AuthSettings | None = None
-    #: ``--drain-timeout-s`` (config ``drain_timeout_s``): after a connection's input ends, how long its
-    #: accepted requests may run (``None``: not given, :data:`DRAIN_TIMEOUT_S`; shutdown on a signal
-    #: cancels at once unless it is given)
+    #: where the limits are shared with other replicas (``None`` or no URL: this process's own)
+    coordinator: CoordinatorSettings | None = None
+    #: ``--drain-timeout-s`` (config ``drain_timeout_s``), one setting for two drains: after a
+    #: connection's input ends, how long its accepted requests may run (``None``: :data:`DRAIN_TIMEOUT_S`);
+    #: on SIGTERM, when set, refuse new prompts (``draining``) and let running ones finish this long
+    #: (``None`` or 0: cancel them at once)
     drain_timeout_s: float | None = None
     #: ``--connection-idle-timeout-s`` (0: off): a socket that holds nothing is closed after this long
     connection_idle_timeout_s: float = CONNECTION_IDLE_TIMEOUT_S
@@ -112,6 +120,7 @@ class Server:
         policy: PolicyLimits | None = None,
         turn_states: bool = True,
         auth: Authenticator | None = None,
+        shared: SharedAdmission | None = None,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         connection_idle_timeout_s: float = CONNECTION_IDLE_TIMEOUT_S,
     ) -> None:
@@ -133,6 +142,7 @@ class Server:
             stored=stored,
             prompt_seq=prompt_seq,
             policy=self.policy,
+            shared=shared,
         )
         for each in self.bridge.backends.values():
             if hasattr(each, "relay_max_bytes"):  # an agent's messages obey the clients' size rule
@@ -165,7 +175,24 @@ class Server:
             "refusals": self.refusal_latency.snapshot(),
             # backends that count their own work (a model endpoint: requests, retries, tokens)
             "backends": {n: b.statistics() for n, b in bridge.backends.items() if hasattr(b, "statistics")},
+            **self._coordinator_snapshot(),
         }
+
+    def _coordinator_snapshot(self) -> dict[str, Any]:
+        shared = self.bridge.shared
+        if shared is None:
+            return {}
+        return {"coordinator": msgspec.to_builtins(shared.coordinator.statistics())}
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new prompts (``capacity_unavailable``, ``draining``) and wait up to ``timeout_s`` for the
+        admitted ones to end."""
+        bridge = self.bridge
+        bridge.draining = True
+        log.warning("draining: new prompts are refused; waiting up to %g s for %d running", timeout_s, bridge.pending_total())
+        with trio.move_on_after(timeout_s):
+            while bridge.pending_total():  # noqa: ASYNC110 - a sum over every session
+                await trio.sleep(0.05)
 
     def limits_capability(self) -> LimitsCapability:
         """``limits`` as ``initialize`` and ``_acp_server/capabilities`` advertise them (null: disabled)."""
@@ -269,11 +296,29 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
     capacity = CapacityManager(
         {name: PoolLimits(max_active=c.max_active, max_waiting=c.max_waiting) for name, c in configs.items()}
     )
-    store = SessionStore(config.state_dir) if config.state_dir is not None else None
+    store = None
+    if config.state_dir is not None:
+        from .store import SessionStore  # sqlite3 and the writer load only with a state directory
+
+        store = SessionStore(config.state_dir)
     settings = config.auth or AuthSettings()
     auth = None
     if settings.tokens is not None:
         auth = Authenticator(settings.tokens, audit=settings.audit, rate_limit_rps=settings.rate_limit_rps)
+    coordinator: Any = None
+    shared: SharedAdmission | None = None
+    shared_settings = config.coordinator
+    if shared_settings is not None and shared_settings.url is not None:
+        from .coordinator import redis_coordinator  # coredis loads only with a coordinator
+
+        coordinator = redis_coordinator(
+            shared_settings.url, prefix=shared_settings.prefix,
+            replica_id=shared_settings.effective_replica_id(),
+            lease_ttl_s=shared_settings.lease_ttl_s, timeout_ms=shared_settings.timeout_ms,
+            failure=shared_settings.failure, expected_replicas=shared_settings.expected_replicas,
+        )
+        pools = {name: PoolLimits(max_active=c.max_active, max_waiting=c.max_waiting) for name, c in configs.items()}
+        shared = SharedAdmission(coordinator, shared_plan(config.policy, pools), lambda: server.bridge.draining)
     server = Server(
         config.limits,
         backends,
@@ -283,12 +328,14 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         policy=config.policy,
         turn_states=config.turn_states,
         auth=auth,
+        shared=shared,
         drain_timeout_s=config.drain_timeout_s if config.drain_timeout_s is not None else DRAIN_TIMEOUT_S,
         connection_idle_timeout_s=config.connection_idle_timeout_s,
     )
     with shutdown_signals() as signals:
         try:
-            await _serve(server, config, backends, signals, task_status)
+            async with coordinator.running() if coordinator is not None else contextlib.nullcontext():
+                await _serve(server, config, backends, signals, task_status)
         finally:
             if store is not None:
                 store.close()  # what is still queued is written (a clean shutdown loses nothing)
@@ -357,9 +404,12 @@ async def _serve(
             async def on_signals() -> None:
                 await signals.first()
                 async with trio.open_nursery() as watching:
-                    with trio.CancelScope() as forced, trio.move_on_after(SHUTDOWN_GRACE_S + 1):
+                    with trio.CancelScope() as forced:
                         watching.start_soon(signals.absorb, forced)  # a second signal is absorbed, a third forces
-                        await server.shutdown()
+                        if config.drain_timeout_s:
+                            await server.drain(config.drain_timeout_s)
+                        with trio.move_on_after(SHUTDOWN_GRACE_S + 1):
+                            await server.shutdown()
                     watching.cancel_scope.cancel()
                 listeners.cancel_scope.cancel()
 

@@ -9,6 +9,8 @@ Scenarios (``--only NAME``, repeatable; all by default):
 4. ``scale``: RSS per idle session at 10,000 sessions; 1,000 connections prompting at once.
 5. ``openai``: the ``openai`` backend against a scripted model server answering at once: server CPU
    per prompt and per streamed token, latency added to the first chunk, cancel to stream closed.
+6. ``coordinator``: shared limits: admission latency and CPU, local vs Redis, Redis' CPU per admission
+   (``bench/coordinator.py``, with its own ``redis-server``).
 
 Prints a Markdown table (each figure with the command that reproduces it) and writes JSON to
 ``bench/results/latest.json``. ``--tiny`` (or ``BENCH_TINY=1``) runs everything with tiny counts, in
@@ -38,8 +40,9 @@ from openai_bench import OpenAISizes, run_openai
 from procfs import cpu_source, percentile
 from sdk_ab import AbSizes, Totals, run_ab
 from servers import BENCH, BenchError, TcpServer, acp_server_argv, sdk_echo_argv, server_flags, shell_command
+from startup import median_ms, startup_runs
 
-SCENARIOS = ("sdk", "pipelined", "overload", "scale", "openai")
+SCENARIOS = ("sdk", "pipelined", "overload", "scale", "openai", "coordinator")
 DEFAULT_OUT = BENCH / "results" / "latest.json"
 TEXT = "the quick brown fox jumps over the lazy dog"
 #: Trivial requests in flight: enough that the server never waits for the client between batches.
@@ -57,6 +60,7 @@ class Sizes:
     refusal_round_trips: int
     idle_sessions: int
     connections: int
+    startup_runs: int = 1  # fresh processes per start-up figure (the median is reported)
 
 
 FULL = Sizes(
@@ -70,6 +74,7 @@ FULL = Sizes(
     refusal_round_trips=2000,
     idle_sessions=10_000,
     connections=1000,
+    startup_runs=11,
 )
 TINY = Sizes(
     ab=AbSizes(rounds=1, warmup=2, sequential=10, sessions=8, per_session=2, text=TEXT),
@@ -204,12 +209,50 @@ def scenario_sdk(report: Report, sizes: Sizes) -> None:
         report.add(
             "sdk", f"{label}: server CPU per prompt", "µs", cpu_o, sdk=cpu_s, goal="<= 1/3 of SDK", met=met
         )
+    scenario_startup(report, sizes, raw)
     report.scenarios["sdk"] = raw
     words = len(ab.text.split())
     report.notes.append(
         f"Scenario 1: prompts of {words} words ({words} updates each) over stdio, {ab.rounds} alternating "
         "A/B round(s); prompts/s and latency are bounded by the SDK client (the same on both sides), the "
         "server CPU per prompt is the agent process's own, read from /proc."
+    )
+
+
+def scenario_startup(report: Report, sizes: Sizes, raw: dict[str, Any]) -> None:
+    """Spawn to the answer of ``initialize`` on stdio, ours and the SDK agent's; ``acp-server --help``."""
+    ours = [*acp_server_argv(), "serve", "--stdio"]
+    helps = [*acp_server_argv(), "--help"]
+    bare = [sys.executable, "-c", "pass"]
+    progress(f"1: start-up, {sizes.startup_runs} alternating spawn(s) each")
+    timed = startup_runs({"ours": ours, "sdk": sdk_echo_argv()}, {"help": helps, "python": bare}, sizes.startup_runs)
+    medians = {name: median_ms([wall for wall, _ in values]) for name, values in timed.items()}
+    cpu = {name: median_ms([c for _, c in values]) for name, values in timed.items()}
+    raw["startup"] = {
+        "commands": {"ours": shell_command(ours), "sdk": shell_command(sdk_echo_argv()), "help": shell_command(helps),
+                     "python": shell_command(bare)},
+        "runs_ms": {name: [round(wall * 1000, 1) for wall, _ in values] for name, values in timed.items()},
+        "cpu_runs_ms": {name: [round(c * 1000, 1) for _, c in values] for name, values in timed.items()},
+        "median_ms": medians,
+        "cpu_median_ms": cpu,
+    }
+    sdk = medians["sdk"]
+    report.add(
+        "sdk", "start-up: spawn to the answer of initialize, stdio (median)", "ms", medians["ours"], sdk=sdk,
+        goal="<= 1/3 of SDK", met=medians["ours"] <= sdk / 3,
+    )
+    report.add(
+        "sdk", "start-up: acp-server --help, spawn to exit (SDK column: its agent's initialize)", "ms",
+        medians["help"], sdk=sdk, goal="<= 1/3 of SDK", met=medians["help"] <= sdk / 3,
+    )
+    report.add(
+        "sdk", "start-up: CPU used by the answer of initialize, stdio (median)", "ms", cpu["ours"], sdk=cpu["sdk"]
+    )
+    report.notes.append(
+        f"Scenario 1, start-up: the median of {sizes.startup_runs} fresh process(es) each, alternating, after one "
+        "untimed run each; initialize is written at once and the clock stops when its answer's line is read "
+        "(the CPU row: what the process had used by then, steadier on a busy machine). "
+        f"The interpreter alone (python -c pass) took {medians['python']:.0f} ms."
     )
 
 
@@ -520,12 +563,42 @@ def scenario_openai(report: Report, sizes: Sizes) -> None:
     report.add("openai", "session/cancel to the model stream closed, max", "ms", raw["cancel_to_close_ms_max"])
 
 
+# --- scenario 6 ----------------------------------------------------------------------------------
+
+
+def scenario_coordinator(report: Report, sizes: Sizes) -> None:
+    admissions = 200 if report.tiny else 5000
+    argv = [sys.executable, str(BENCH / "coordinator.py"), "--admissions", str(admissions), "--json"]
+    progress(f"6: {admissions} admissions, local vs Redis")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise BenchError(f"{shell_command(argv)} exited {proc.returncode}: {proc.stderr.strip()}")
+    raw: dict[str, Any] = json.loads(proc.stdout)
+    report.scenarios["coordinator"] = raw
+    for kind in ("local", "redis"):
+        for run in raw[kind].values():
+            what = f"{kind}, {run['tasks']} task(s)"
+            report.add("coordinator", f"admission p50 ({what})", "us", run["p50_us"])
+            report.add("coordinator", f"admission p99 ({what})", "us", run["p99_us"])
+            report.add("coordinator", f"replica CPU per admission ({what})", "us", run["cpu_us_per_admission"])
+            if kind == "redis":
+                report.add(
+                    "coordinator", f"Redis CPU per admission ({what})", "us", run["redis_cpu_us_per_admission"]
+                )
+    gap = raw["idle_gap"]["gap_p99_ms"]
+    report.add(
+        "coordinator", "idle-seat gap under a steady backlog, 2 replicas (p99)", "ms", gap,
+        goal="<= 100 ms", met=gap <= 100,
+    )
+
+
 RUNNERS: dict[str, Callable[[Report, Sizes], None]] = {
     "sdk": scenario_sdk,
     "pipelined": scenario_pipelined,
     "overload": scenario_overload,
     "scale": scenario_scale,
     "openai": scenario_openai,
+    "coordinator": scenario_coordinator,
 }
 
 

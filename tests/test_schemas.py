@@ -52,6 +52,8 @@ EXPECTED_CODES = {
     "capacity_unavailable": -32011,
     "agent_error": -32012,
     "rate_limited": -32014,
+    "lease_lost": -32015,
+    "duplicate_in_flight": -32016,
 }
 
 KINDS = sorted(REGISTRY)

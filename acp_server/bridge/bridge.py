@@ -16,6 +16,9 @@ between, so under trio nothing can run between the check and the increment. Its 
 session lookup, client id, a request already cancelled, idempotency, the pending-prompt limit, the
 admission policy, the backend pool's lease, then the increment and enqueue. Every admitted prompt
 settles exactly once (result or error), and the session's pending slot is released at that moment.
+With limits shared by replicas (``--coordinator``) a prompt is admitted by
+:func:`~.shared_admit.admit_shared` instead: the same local checks now, the shared part over the
+coordinator after them; both end in :meth:`SessionBridge.make_ticket`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import collections
 import hashlib
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -32,6 +35,7 @@ import trio
 from ..admission.limits import Limits
 from ..admission.policy import PolicyEngine, Queued, Seat
 from ..admission.pool import CapacityManager
+from ..admission.shared import SharedAdmission, draining_refusal
 from ..backends.base import Backend, ClientChannel, SessionSetup
 from ..errors import (
     RETRY_AFTER_MS,
@@ -44,7 +48,7 @@ from ..errors import (
     RequestCancelledError,
     SessionNotFoundError,
 )
-from ..store import SessionStore, StoredSession
+from ..store import StoredSession
 from ..types.acp import ContentBlock
 from .clients import ClientRegistry
 from .fanout import CommitFanOut, FanOut
@@ -53,6 +57,9 @@ from .runner import SessionRunner
 from .session import ForkTicket, Peer, PromptTicket, Session
 from .sessions import SessionTable
 from .settlement import PromptWaiter, Settlement
+
+if TYPE_CHECKING:
+    from ..store import SessionStore
 
 __all__ = ["BridgeStatistics", "PromptWaiter", "SessionBridge"]
 
@@ -105,6 +112,7 @@ class SessionBridge:
         stored: dict[str, StoredSession] | None = None,
         prompt_seq: int = 0,
         policy: PolicyEngine | None = None,
+        shared: SharedAdmission | None = None,
     ) -> None:
         limits = limits or Limits()
         if max_pending_prompts_per_session is not None:
@@ -114,6 +122,14 @@ class SessionBridge:
         self.capacity = capacity or CapacityManager()
         #: the admission policy: global seats, tenant caps, priority classes; off by default
         self.policy = policy or PolicyEngine()
+        #: with --coordinator: the limits counted across replicas (then the policy and pools are not used)
+        self.shared = shared if shared is not None and shared.enabled else None
+        #: session id -> the shared admission its next prompt waits for (arrival order through the
+        #: shared step)
+        self.admission_gates: dict[str, trio.Event] = {}
+        #: shutting down with a drain: new prompts are refused ``draining``
+        self.draining = False
+        self._claim_seq = 0
         if isinstance(backend, Mapping):
             self.backends: dict[str, Backend] = dict(backend)
             self.default_backend = default_backend or next(iter(self.backends))
@@ -412,6 +428,9 @@ class SessionBridge:
             raise PromptQueueFullError(
                 session_id=session_id, limit=limit, pending_count=session.pending_count, retry_after_ms=RETRY_AFTER_MS
             )
+        if self.draining:
+            self._refused += 1
+            raise draining_refusal()
         effective = self.limits.prompt_deadline_ms
         if deadline_ms is not None and (not effective or deadline_ms < effective):
             effective = deadline_ms
@@ -439,8 +458,37 @@ class SessionBridge:
                 if seat is not None:
                     policy.revoke(seat)  # all or nothing
                 raise
+        session.pending_count += 1
+        ticket = self.make_ticket(
+            session, prompt, peer, client, effective, channel=channel, meta=meta, priority=priority,
+            seat=seat, lease=lease, queued_at=seat.position_hint if isinstance(seat, Queued) else None,
+        )
+        if idempotency_key is not None:
+            self._remember(session_id, idempotency_key, fingerprint, ticket)
+        return ticket, False
+
+    def make_ticket(
+        self,
+        session: Session,
+        prompt: list[ContentBlock],
+        peer: Peer | None,
+        client: str | None,
+        effective_deadline_ms: int,
+        *,
+        channel: ClientChannel | None,
+        meta: dict[str, Any] | None,
+        priority: str,
+        seat: Any,
+        lease: Any,
+        queued_at: int | None,
+    ) -> PromptTicket:
+        """The ticket of a prompt admitted now (its pending slot counted already): recorded, watched for
+        its deadline, announced (``accepted``, then ``queued`` at ``queued_at`` when it waits for a seat)
+        and put in its session's FIFO."""
         self._prompt_seq += 1
-        ticket = PromptTicket(session, f"prompt_{self._prompt_seq}", prompt, peer, client, now, effective)
+        ticket = PromptTicket(
+            session, f"prompt_{self._prompt_seq}", prompt, peer, client, trio.current_time(), effective_deadline_ms
+        )
         ticket.channel = channel
         ticket.meta = meta
         ticket.lease = lease
@@ -448,20 +496,21 @@ class SessionBridge:
         ticket.seat = seat
         ticket.seq = self._prompt_seq
         ticket.store_op = self.persistence.admit(ticket)
-        if effective:
+        if effective_deadline_ms:
             self.settlement.watch_deadline(ticket)
-        if idempotency_key is not None:
-            self._remember(session_id, idempotency_key, fingerprint, ticket)
-        session.pending_count += 1
         self._admitted += 1
         if peer is not None:
             self.clients.attach(session, peer)
         fanout = self.fanout
         fanout.turn_state(ticket, "accepted")
-        if isinstance(seat, Queued):
-            fanout.turn_state(ticket, "queued", position=seat.position_hint)
+        if queued_at is not None:
+            fanout.turn_state(ticket, "queued", position=queued_at)
         self.runner.enqueue(session, ticket)
-        return ticket, False
+        return ticket
+
+    def pending_total(self) -> int:
+        """Prompts admitted and not settled, over every live session."""
+        return sum(session.pending_count for session in self.sessions.values())
 
     def _idempotent(self, session_id: str, key: str) -> tuple[bytes, PromptTicket, float] | None:
         """The live entry for ``(session_id, key)``, after dropping those older than the TTL."""

@@ -28,6 +28,7 @@ import trio
 
 from ..admission.policy import PolicyEngine, Queued, Seat, WaitDeadlineExpired
 from ..admission.pool import Lease
+from ..admission.shared import SharedHold
 from ..backends.base import ClientChannel, Turn
 from ..errors import AcpError, InternalError
 from ..types.acp import PromptResult, UserMessageChunk
@@ -174,7 +175,7 @@ class SessionRunner:
                             persistence.when_committed(item.store_op, partial(self.wake, session, True))
                             await session.runner.park()
                             continue  # re-check: it may have settled meanwhile
-                        if policy.enabled and not await self._take_seat(item):
+                        if (policy.enabled or isinstance(item.lease, SharedHold)) and not await self._take_seat(item):
                             continue  # settled while it waited for a seat: the loop drops it
                         await self._call_backend(item, scope)
                         fifo.popleft()
@@ -197,6 +198,8 @@ class SessionRunner:
     async def _take_seat(self, ticket: PromptTicket) -> bool:
         """Hold a policy seat for the head prompt: the one decided at arrival, or one from the fair
         queue (never refused: an accepted prompt waits). False when the prompt settled meanwhile."""
+        if isinstance(ticket.lease, SharedHold):
+            return await self._take_shared_seat(ticket, ticket.lease)
         got = ticket.seat
         if got is None:
             session = ticket.session
@@ -230,6 +233,28 @@ class SessionRunner:
             return False
         return True
 
+    async def _take_shared_seat(self, ticket: PromptTicket, hold: SharedHold) -> bool:
+        """:meth:`_take_seat` for limits shared by replicas: the cluster's seat (a waiter leaves the
+        waiting room in the same step). False when the prompt settled meanwhile."""
+        if hold.seated:
+            return True
+        got = False
+        with trio.CancelScope() as scope:
+            ticket.wait_scope = scope
+            try:
+                await hold.take_seat()
+                got = True
+            except RuntimeError:
+                pass  # the hold was released: the prompt settled while it waited
+            finally:
+                ticket.wait_scope = None
+        if not got or scope.cancelled_caught:
+            return False
+        if ticket.settled:
+            ticket.release_holds()
+            return False
+        return True
+
     async def _call_backend(self, ticket: PromptTicket, scope: trio.CancelScope) -> None:
         """Run the head prompt's backend call under the runner's ``scope`` (cancelled if it settles first)."""
         session = ticket.session
@@ -242,8 +267,10 @@ class SessionRunner:
             ticket.prompt,
             partial(self._emit_for, ticket),
             _TurnChannel(fanout, channel, ticket) if channel is not None else None,
-            ticket.meta,
-            permit=ticket.lease,
+            _with_fence(ticket.meta, ticket.lease),
+            # a shared hold's permit stays held for the whole call (the cluster's pool has no
+            # per-retry hand-back yet)
+            permit=None if isinstance(ticket.lease, SharedHold) else ticket.lease,
             deadline=ticket.deadline if ticket.deadline_ms else None,
             transcript=partial(self._table.transcript, session, session.next_event_id - 1),
         )
@@ -283,8 +310,13 @@ class SessionRunner:
         if not ticket.settled:
             self._fanout.emit(ticket.session, update, ticket.client_id)
 
-    async def _permit(self, ticket: PromptTicket, lease: Lease) -> None:
+    async def _permit(self, ticket: PromptTicket, lease: Lease | SharedHold) -> None:
         """Take the backend pool's permit, reporting ``waiting_for_dependency`` when it has to wait."""
+        if isinstance(lease, SharedHold):
+            if not await lease.try_permit():
+                self._fanout.turn_state(ticket, "waiting_for_dependency")
+                await lease.acquire_permit()
+            return
         try:
             lease.acquire_permit_nowait()
         except trio.WouldBlock:
@@ -320,3 +352,11 @@ class SessionRunner:
         self._persistence.save_session(new)
         self._persistence.copy_transcript(new)
         item.succeed(new)
+
+
+def _with_fence(meta: dict[str, Any] | None, hold: Any) -> dict[str, Any] | None:
+    """The ``_meta`` of the backend call: with shared limits, the lease's fencing token and id, so a
+    downstream can refuse a stale holder."""
+    if not isinstance(hold, SharedHold):
+        return meta
+    return {**(meta or {}), "fencingToken": hold.fencing_token, "leaseId": hold.lease.id}

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..bridge import PromptWaiter
+from ..bridge.shared_admit import admit_shared
+from ..jsonrpc import Deferred
 from ..types.acp import PromptParams
 from .context import ConnContext
 from .meta import meta_client_id, meta_deadline_ms, meta_priority, meta_str, passthrough_meta
@@ -10,9 +11,24 @@ from .meta import meta_client_id, meta_deadline_ms, meta_priority, meta_str, pas
 __all__ = ["prompt"]
 
 
-def prompt(ctx: ConnContext, params: PromptParams) -> PromptWaiter:
+def prompt(ctx: ConnContext, params: PromptParams) -> Deferred:
     bridge = ctx.bridge
     key = meta_str(params.meta, "idempotencyKey")
+    if bridge.shared is not None:  # the limits are a cluster's: the shared part is a coordinator call
+        return admit_shared(
+            bridge,
+            params.session_id,
+            params.prompt,
+            peer=ctx.peer,
+            client_id=meta_client_id(params.meta),
+            deadline_ms=meta_deadline_ms(params.meta),
+            cancelled=ctx.cancelled,
+            channel=ctx.channel(),
+            meta=passthrough_meta(params.meta),
+            idempotency_key=key,
+            tenant=ctx.tenant,
+            priority=meta_priority(params.meta),
+        )
     ticket, duplicate = bridge.admit(
         params.session_id,
         params.prompt,

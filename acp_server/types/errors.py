@@ -21,7 +21,9 @@ __all__ = [
     "CapacityExceededData",
     "CapacityUnavailableData",
     "ErrorData",
+    "DuplicateInFlightData",
     "InternalData",
+    "LeaseLostData",
     "InvalidClientIdData",
     "InvalidParamsData",
     "InvalidRequestData",
@@ -105,7 +107,9 @@ class AdmissionDeferredData(ErrorData, tag="admission_deferred"):
 
 class CapacityUnavailableData(ErrorData, tag="capacity_unavailable"):
     # The admission policy refused the prompt; request_id is also in the server's log line.
-    reason: Literal["queue_full", "deadline_unreachable", "wait_too_long"]
+    # coordinator_unavailable: the shared limits' coordinator (Redis) does not answer; draining: the
+    # replica is shutting down (rolling restart) and admits nothing new.
+    reason: Literal["queue_full", "deadline_unreachable", "wait_too_long", "coordinator_unavailable", "draining"]
     retry_after_ms: int
     request_id: str
     safe_to_retry: bool
@@ -184,3 +188,20 @@ class AgentErrorData(ErrorData, tag="agent_error", omit_defaults=True):
 
 class SessionLimitExceededData(ErrorData, tag="session_limit_exceeded"):
     limit: int
+
+
+class LeaseLostData(ErrorData, tag="lease_lost", omit_defaults=True):
+    # The prompt's shared lease expired in the coordinator (an outage longer than its TTL) and could not
+    # be taken again within the cluster's limit; the backend call was stopped.
+    lease_id: str
+    fencing_token: int
+    prompt_id: str | None = None
+
+
+class DuplicateInFlightData(ErrorData, tag="duplicate_in_flight"):
+    # The idempotency key is claimed by a prompt on another replica (running, or ended there with the
+    # outcome): ask that replica, or retry after retry_after_ms.
+    session_id: str
+    idempotency_key: str
+    replica_id: str
+    retry_after_ms: int

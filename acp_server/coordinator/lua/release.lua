@@ -1,0 +1,38 @@
+-- release.lua: leases leave limit sets; each the whole lease, or some sets (a backend permit returned).
+-- One call serves a batch of releases (those queued on a replica since its last call).
+--
+-- KEYS, per release in ARGV order: its tombstone ({p}:tomb:<lease>:<attempt>), its record
+--   ({p}:lease:<lease>), then the limit sets to leave ({p}:l:<name>).
+-- ARGV[1]   channel to publish on when a set was left
+-- ARGV[2]   number of releases; then per release four values:
+--   lease id; "1" when the whole lease ends (its record is deleted), "0" when only these sets are left;
+--   tombstone TTL in ms (0: none; set when an acquire of this attempt may still be on its way: one that
+--   got no answer may still run on the server, and must not win afterwards); how many sets follow.
+--
+-- Returns how many sets were left, over the batch.
+--
+-- Invariant: idempotent (leaving a set twice leaves it once; a second full release changes nothing),
+-- and after a release with a tombstone that attempt joins no set until the tombstone expires.
+local left = 0
+local k = 1
+local a = 3
+for n = 1, tonumber(ARGV[2]) do
+  local member = ARGV[a]
+  local sets = tonumber(ARGV[a + 3])
+  for i = k + 2, k + 1 + sets do
+    left = left + redis.call('ZREM', KEYS[i], member)
+  end
+  if ARGV[a + 1] == '1' then
+    redis.call('DEL', KEYS[k + 1])
+  end
+  local tomb = tonumber(ARGV[a + 2])
+  if tomb > 0 then
+    redis.call('SET', KEYS[k], '1', 'PX', tomb)
+  end
+  k = k + 2 + sets
+  a = a + 4
+end
+if left > 0 then
+  redis.call('PUBLISH', ARGV[1], 'left')
+end
+return left

@@ -1,0 +1,583 @@
+"""The Redis coordinator: limits shared by every replica on one Redis, through ``coredis`` and Lua.
+
+Every check-and-take is one call of ``lua/acquire.lua`` over keys of one hash tag (see
+:mod:`~acp_server.coordinator.scripts`), so replicas never both see a free seat and both take it.
+
+**Leases.** A lease is a member of each limit's sorted set, scored by its expiry in Redis time; its
+holder renews every lease it holds in one ``renew.lua`` call every TTL/3 (which is also the replica's
+heartbeat). A replica that dies stops renewing, and its leases stop counting within one TTL of their
+last renewal. A release is queued and sent by a background task, retried while Redis does not answer:
+the caller never waits for it. An acquire that is cancelled or times out may still run on the server,
+so what it may have taken is given back at once (shielded, bounded by the timeout) with a tombstone
+for that attempt, so a late arrival of the call cannot take anything.
+
+**Wake-ups.** Every script that frees room publishes on ``{p}:freed``; each replica subscribes and runs
+a pass over its waiters (:mod:`~acp_server.coordinator.waiters`), with a re-check every
+:data:`~acp_server.coordinator.base.RECHECK_S` as the safety net (an expiry announces nothing).
+
+**When Redis is away** (a call unanswered within ``timeout_ms``): the coordinator is *down*; a monitor
+pings with a backoff doubling up to 2 s. Meanwhile running prompts go on; an acquire raises
+:class:`~acp_server.coordinator.base.CoordinatorUnavailable` (``failure="closed"``) or is taken against a
+local share ``ceil(cap / N)`` (``failure="local"``; N = ``expected_replicas``, else the live replicas last
+seen). When Redis answers again every held lease is re-asserted before anything new is admitted: one
+still whole is renewed, one that expired (or was taken locally) is re-taken if its limits allow, and the
+rest are lost (:attr:`Lease.lost`, ``lease_lost`` for the prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Final
+
+import anyio
+import coredis
+import trio
+from coredis.retry import NoRetryPolicy
+
+from .base import (
+    RECHECK_S,
+    ClaimResult,
+    ClusterStatistics,
+    CoordinatorStatistics,
+    CoordinatorUnavailable,
+    FailureMode,
+    Lease,
+    LimitCount,
+    LimitRefused,
+    Need,
+    Option,
+    ReplicaInfo,
+    new_lease_id,
+)
+from .local import LocalCoordinator, default_replica_id
+from .redis_wire import _ERRORS, SCRIPT_NAMES, RedisWire, _Down, _Release, redis_now_ms, script_source
+from .scripts import Keys
+from .waiters import WaitQueue
+
+__all__ = ["RedisCoordinator", "cluster_statistics", "read_cluster", "redis_now_ms"]
+
+log = logging.getLogger("acp_server.coordinator")
+
+#: The longest pause between two reconnect attempts.
+BACKOFF_MAX_S: Final = 2.0
+_BACKOFF_MIN_S: Final = 0.05
+#: Leases renewed per ``renew.lua`` call.
+_RENEW_BATCH: Final = 200
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RedisCoordinator(RedisWire):
+    """Shared limits on one Redis. Use inside ``async with coordinator.running():``.
+
+    Args:
+        url: ``redis://HOST:PORT/DB`` or ``rediss://`` (TLS).
+        prefix: the hash tag of every key: replicas with the same Redis and prefix share their limits.
+        replica_id: this replica's id (default ``host:pid``).
+        lease_ttl_s: a lease not renewed for this long stops counting; renewed every third of it.
+        timeout_ms: a call unanswered for this long means Redis is away.
+        failure: ``"closed"`` (refuse while away) or ``"local"`` (admit against a local share).
+        expected_replicas: N of the local share (0: the live replicas last seen in Redis).
+        recheck_s: how often waiters re-check with no wake-up (the safety net under pub/sub).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "acp-server",
+        replica_id: str | None = None,
+        lease_ttl_s: float = 30.0,
+        timeout_ms: int = 500,
+        failure: FailureMode = "closed",
+        expected_replicas: int = 0,
+        recheck_s: float = RECHECK_S,
+    ) -> None:
+        super().__init__(url, Keys(prefix), replica_id or default_replica_id(), lease_ttl_s, timeout_ms, failure)
+        self._expected = expected_replicas
+        self._recheck_s = recheck_s
+        self._leases: dict[str, Lease] = {}
+        self._local = LocalCoordinator(self._replica_id, replicas=max(1, expected_replicas))
+        self._queue = WaitQueue()
+        self._live = 1
+        self._acquired = self._refused = self._released = self._lost = 0
+        self._reasserted = 0
+        self._caps_sent: dict[str, int] = {}  # caps recorded in {p}:caps over this connection
+        self._renew_last = self._renew_max = 0.0
+
+    @property
+    def replica_id(self) -> str:
+        return self._replica_id
+
+    @property
+    def up(self) -> bool:
+        """True while Redis answers."""
+        return self._up
+
+    def new_lease(self) -> Lease:
+        return Lease(new_lease_id())
+
+    async def wait_up(self) -> None:
+        """Wait until Redis answers and every held lease was re-asserted."""
+        await self._up_event.wait()
+
+    # --- calls ------------------------------------------------------------------------------------
+
+    def _acquire_request(
+        self, lease: Lease, options: Sequence[Option], leave: Sequence[str], attempt: int, token: int
+    ) -> tuple[list[str], list[str | int]]:
+        """One request of a batched ``acquire.lua`` call: its KEYS (tombstone, record, sets) and ARGV."""
+        keys = [self.keys.tomb(lease.id, attempt), self.keys.lease(lease.id)]
+        index: dict[str, int] = {}
+
+        def ki(name: str) -> int:
+            i = index.get(name)
+            if i is None:
+                keys.append(self.keys.limit(name))
+                i = index[name] = len(keys) - 2
+            return i
+
+        spec_options = []
+        for option in options:
+            spec: dict[str, Any] = {"n": [[ki(n.name), n.cap, 1 if n.soft else 0] for n in option.needs]}
+            rule = option.classes
+            if rule is not None:
+                spec["c"] = {
+                    "r": rule.rank,
+                    "s": list(rule.shares),
+                    "k": [ki(n) for n in rule.seat_names],
+                    "w": [ki(n) for n in rule.room_names],
+                }
+            spec_options.append(spec)
+        body: dict[str, Any] = {"o": spec_options}
+        if leave:
+            body["d"] = [ki(n) for n in leave]
+        sent = self._caps_sent
+        record = {n.name: n.cap for o in options for n in o.needs if sent.get(n.name) != n.cap}
+        if record:
+            body["a"] = [[ki(name), cap] for name, cap in record.items()]
+            sent.update(record)
+        return keys, [lease.id, token, len(keys) - 2, json.dumps(body, separators=(",", ":"))]
+
+    async def acquire(self, lease: Lease, *options: Option, leave: Sequence[str] = ()) -> int:
+        """See :meth:`~acp_server.coordinator.base.Coordinator.acquire`."""
+        if not lease.active:
+            raise RuntimeError(f"{lease!r} is over; take a new lease")
+        if not options:
+            raise ValueError("acquire needs at least one option")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if lease.where == "local" and lease.state == "held":
+            return self._local.try_acquire(lease, *options, leave=leave)  # re-asserted with the rest later
+        if not self._up:
+            if self._failure == "local" and lease.state == "new":
+                return self._local_acquire(lease, options, leave)
+            raise self._unavailable()
+        return await self._shared_acquire(lease, options, leave, token=lease.token)
+
+    def _local_acquire(self, lease: Lease, options: Sequence[Option], leave: Sequence[str]) -> int:
+        self._local.replicas = self._expected or self._live
+        number = self._local.try_acquire(lease, *options, leave=leave)
+        self._acquired += 1
+        return number
+
+    async def _shared_acquire(
+        self, lease: Lease, options: Sequence[Option], leave: Sequence[str], *, token: int
+    ) -> int:
+        lease._attempts += 1
+        attempt = lease._attempts
+        keys, args = self._acquire_request(lease, options, leave, attempt, token)
+        was_new = lease.state == "new"
+        lease._inflight += 1
+        # Shielded and bounded by the timeout: a cancel is seen once the answer is known, so what the
+        # call took is given back exactly (a call torn mid-way would leave its outcome unknown).
+        with trio.CancelScope(shield=True):
+            try:
+                result = await self._batched_acquire(keys, args)
+            except _Down:
+                # No answer: the call may still run on the server. Its attempt gets a tombstone, and
+                # whatever it may have taken is given back.
+                self._enqueue_release(self._compensation(lease, options, attempt, was_new))
+                result = None
+            finally:
+                lease._inflight -= 1
+        if result is None:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if self._failure == "local" and was_new:
+                return self._local_acquire(lease, options, leave)
+            raise self._unavailable()
+        code = int(result[0])
+        if code <= 0:
+            self._refused += 1
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if code == -1:
+                raise LimitRefused("tombstone", 0, 0)  # a release of this lease came first
+            name = self.keys.limit_name(keys[int(result[1]) + 1])
+            raise LimitRefused(name, int(result[2]), int(result[3]), soft=bool(int(result[4])))
+        option = options[code - 1]
+        if not lease.active:
+            # Released while the call was on its way: give back what the call took (the release's
+            # tombstone refused it if the release came first).
+            self._enqueue_release(_Release(lease.id, option.names(), True, None, trio.current_time()))
+            await trio.lowlevel.checkpoint_if_cancelled()
+            raise RuntimeError(f"{lease!r} was released during its acquire")
+        taken = [n.name for n in option.needs if n.name not in lease.holds]
+        for need in option.needs:
+            lease.holds[need.name] = need.cap
+        for name in leave:
+            lease.holds.pop(name, None)
+        lease._changes += 1
+        lease.token = int(result[1])
+        lease.where = "shared"
+        if lease.state == "new":
+            lease.state = "held"
+            lease.acquired_at = trio.current_time()
+        self._leases[lease.id] = lease
+        self._acquired += 1
+        try:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        except trio.Cancelled:
+            # Cancelled during the call: give back what it took.
+            if was_new:
+                self.release(lease)
+            else:
+                for name in taken:
+                    lease.holds.pop(name, None)
+                self._enqueue_release(_Release(lease.id, tuple(taken), False, None, trio.current_time()))
+            raise
+        return code - 1
+
+    def _compensation(self, lease: Lease, options: Sequence[Option], attempt: int, was_new: bool) -> _Release:
+        names: list[str] = []
+        for option in options:
+            for need in option.needs:
+                if need.name not in lease.holds and need.name not in names:
+                    names.append(need.name)
+        return _Release(lease.id, tuple(names), was_new, attempt, trio.current_time())
+
+    async def wait_acquire(self, lease: Lease, option: Option, *, rank: int = 1, leave: Sequence[str] = ()) -> None:
+        """See :meth:`~acp_server.coordinator.base.Coordinator.wait_acquire`."""
+        if not len(self._queue):
+            try:
+                await self.acquire(lease, option, leave=leave)
+                return
+            except LimitRefused as exc:
+                if exc.name == "tombstone":
+                    raise RuntimeError(f"{lease!r} was released") from None
+            except CoordinatorUnavailable:
+                pass  # an accepted prompt waits: the dispatcher tries again once Redis answers
+        await self._queue.wait(lease, option, rank, leave)
+
+    async def _attempt(self, lease: Lease, option: Option, leave: Sequence[str]) -> None:
+        await self.acquire(lease, option, leave=leave)
+
+    # --- leave and release ------------------------------------------------------------------------
+
+    async def leave(self, lease: Lease, names: Sequence[str]) -> None:
+        """See :meth:`~acp_server.coordinator.base.Coordinator.leave`."""
+        names = tuple(n for n in names if n in lease.holds)
+        if not names or not lease.active:
+            return
+        if lease.where == "local":
+            self._local.leave_nowait(lease, names)
+            await trio.lowlevel.checkpoint()
+            return
+        for name in names:
+            lease.holds.pop(name, None)
+        lease._changes += 1
+        item = _Release(lease.id, names, False, None, trio.current_time())
+        if not self._up:
+            self._enqueue_release(item)
+            await trio.lowlevel.checkpoint()
+            return
+        with trio.CancelScope(shield=True):
+            try:
+                await self._send_release(item)
+            except _Down:
+                self._enqueue_release(item)
+        self._queue.wake()
+
+    def release(self, lease: Lease) -> None:
+        """See :meth:`~acp_server.coordinator.base.Coordinator.release`."""
+        if lease.state in ("released",) or (lease.state == "lost" and not lease.holds):
+            return
+        if lease.where == "local":
+            self._local.release(lease)
+        else:
+            tomb = lease._attempts if lease._inflight else None
+            names = tuple(lease.holds)
+            if names or tomb is not None or lease.state != "new":
+                self._enqueue_release(_Release(lease.id, names, True, tomb, trio.current_time()))
+        self._leases.pop(lease.id, None)
+        if lease.state != "lost":
+            lease.state = "released"
+            self._released += 1
+        lease.holds.clear()
+        self._queue.drop_lease(lease)
+        self._queue.wake()
+
+    # --- renewal, outages, re-assert --------------------------------------------------------------
+
+    async def _renew(self, leases: Sequence[Lease]) -> list[Lease]:
+        """Renew ``leases`` (and heartbeat); returns the ones that were not whole any more."""
+        lost: list[Lease] = []
+        start = trio.current_time()
+        for i in range(0, max(1, len(leases)), _RENEW_BATCH):
+            batch = leases[i : i + _RENEW_BATCH]
+            keys = [self.keys.replicas]
+            args: list[str | int] = [self._replica_id, self._ttl_ms, len(batch)]
+            changes = []
+            for lease in batch:
+                names = list(lease.holds)
+                keys.append(self.keys.lease(lease.id))
+                keys.extend(self.keys.limit(n) for n in names)
+                args.extend((lease.id, len(names)))
+                changes.append(lease._changes)
+            result = await self._call("renew", keys, args)
+            self._live = max(1, int(result[1]))
+            for n in result[2:]:
+                lease = batch[int(n) - 1]
+                # A lease whose limits changed while the call was on its way was judged on an old list
+                # (a waiter that left the waiting room): the next renewal judges it.
+                if lease._changes == changes[int(n) - 1] and not lease._inflight:
+                    lost.append(lease)
+        took = (trio.current_time() - start) * 1000
+        self._renew_last = took
+        self._renew_max = max(self._renew_max, took)
+        return lost
+
+    async def _retake(self, lease: Lease) -> None:
+        """Take an expired (or locally taken) lease again with the caps it holds, or mark it lost."""
+        holds = dict(lease.holds)
+        option = Option(tuple(Need(name, cap) for name, cap in holds.items()))
+        was_local = lease.where == "local"
+        if was_local:
+            self._local.forget(lease)
+        lease.holds.clear()
+        try:
+            await self._shared_acquire(lease, [option], (), token=0)
+        except LimitRefused:
+            lease.holds.update(holds)
+            self._lose(lease)
+            return
+        self._reasserted += 1
+
+    def _lose(self, lease: Lease) -> None:
+        self._lost += 1
+        names = tuple(lease.holds)
+        self._leases.pop(lease.id, None)
+        self._enqueue_release(_Release(lease.id, names, True, None, trio.current_time()))
+        log.warning("lease %s (token %d) lost: it could not be re-taken within the limits", lease.id, lease.token)
+        lease._mark_lost()
+
+    async def _reassert(self) -> None:
+        """Renew or re-take every lease held, the local ones included; lose what does not fit."""
+        shared = [lease for lease in self._leases.values() if lease.active and lease.where == "shared"]
+        for lease in await self._renew(shared):
+            await self._retake(lease)
+        for lease in self._local.leases():
+            if lease.active:
+                await self._retake(lease)
+        self._reasserted += len(shared)
+
+    async def _renewer(self) -> None:
+        while True:
+            await trio.sleep(self._ttl_ms / 3000)
+            if not self._up:
+                continue
+            leases = [lease for lease in self._leases.values() if lease.active and lease.where == "shared"]
+            try:
+                for lease in await self._renew(leases):
+                    if lease.active:
+                        await self._retake(lease)
+            except _Down:
+                continue
+
+    async def _connect(self) -> bool:
+        """One reconnect attempt: a ping, then the re-assert round, then up."""
+        assert self._client is not None
+        try:
+            with trio.fail_after(self._timeout_s):
+                await self._client.ping()
+        except _ERRORS:
+            return False
+        self._up = True  # calls may go out; nothing new is admitted until the re-assert is done
+        try:
+            self._caps_sent.clear()  # Redis may have restarted empty
+            # Releases first: a compensation queued for a lease id must not undo its re-take.
+            await self._drain_releases()
+            await self._reassert()
+        except _Down:
+            return False
+        self._down_event = trio.Event()
+        self._up_event.set()
+        log.warning("coordinator %s answers; %d leases re-asserted", self.url, self._reasserted)
+        self._queue.wake()
+        self._release_wake.set()
+        return True
+
+    async def _monitor(self) -> None:
+        backoff = _BACKOFF_MIN_S
+        while True:
+            if self._up:
+                await self._down_event.wait()
+                backoff = _BACKOFF_MIN_S
+            self._next_attempt = trio.current_time() + backoff
+            await trio.sleep(backoff)
+            if await self._connect():
+                continue
+            self._up = False
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _subscriber(self) -> None:
+        assert self._client is not None
+        while True:
+            try:
+                async with self._client.pubsub(channels=[self.keys.freed], ignore_subscribe_messages=True) as ps:
+                    async for _ in ps:
+                        self._queue.wake()
+            except* (*_ERRORS, anyio.ClosedResourceError) as group:
+                # The subscription's own connection closes on a cancel too (then Cancelled follows).
+                log.debug("coordinator subscription ended (%r); resubscribing", group.exceptions[0])
+            await trio.sleep(_BACKOFF_MIN_S)
+
+    async def _dispatcher(self) -> None:
+        while True:
+            await self._queue.woken(self._recheck_s)
+            if len(self._queue) and self._up:
+                await self._queue.run_pass(self._attempt)
+
+    # --- idempotency, statistics ------------------------------------------------------------------
+
+    async def claim(self, session_id: str, key: str, fingerprint: str, prompt_id: str, ttl_s: float) -> ClaimResult:
+        """See :meth:`~acp_server.coordinator.base.Coordinator.claim`."""
+        if not self._up:
+            if self._failure == "local":
+                return await self._local.claim(session_id, key, fingerprint, prompt_id, ttl_s)
+            raise self._unavailable()
+        ttl_ms = max(1, round(ttl_s * 1000))
+        try:
+            result = await self._call(
+                "claim", [self.keys.claim(session_id, key)], [fingerprint, self._replica_id, ttl_ms, prompt_id]
+            )
+        except _Down:
+            raise self._unavailable() from None
+        if int(result[0]) == 1:
+            return ClaimResult(
+                claimed=True, fingerprint=fingerprint, replica_id=self._replica_id, state="running",
+                prompt_id=prompt_id, ttl_ms=ttl_ms,
+            )
+        text = [v.decode() if isinstance(v, bytes) else str(v) for v in result[1:5]]
+        return ClaimResult(
+            claimed=False, fingerprint=text[0], replica_id=text[1], state=text[2], prompt_id=text[3],
+            ttl_ms=max(0, int(result[5])),
+        )
+
+    async def settle_claim(self, session_id: str, key: str, prompt_id: str, *, drop: bool) -> None:
+        """See :meth:`~acp_server.coordinator.base.Coordinator.settle_claim`."""
+        try:
+            await self._call(
+                "settle_claim", [self.keys.claim(session_id, key)], [self._replica_id, prompt_id, "drop" if drop else "done"]
+            )
+        except _Down:
+            pass  # the claim expires with its TTL
+        await self._local.settle_claim(session_id, key, prompt_id, drop=drop)
+
+    async def fence_valid(self, lease_id: str, token: int) -> bool:
+        """True when ``lease_id`` is live in Redis with fencing token ``token`` (for a downstream's check)."""
+        assert self._client is not None
+        with trio.fail_after(self._timeout_s):
+            value = await self._client.get(self.keys.lease(lease_id))
+        return value is not None and value.split(b"|", 1)[0] == str(token).encode()
+
+    async def cluster(self) -> ClusterStatistics:
+        """See :meth:`~acp_server.coordinator.base.Coordinator.cluster`."""
+        assert self._client is not None
+        with trio.fail_after(max(self._timeout_s, 2.0)):
+            return await cluster_statistics(self._client, self.keys, self._ttl_ms)
+
+    def statistics(self) -> CoordinatorStatistics:
+        local = len(self._local.leases())
+        return CoordinatorStatistics(
+            kind="redis", replica_id=self._replica_id, up=self._up, failure_mode=self._failure,
+            live_replicas=self._live, leases=len(self._leases) + local, local_leases=local,
+            acquired_total=self._acquired, refused_total=self._refused, released_total=self._released,
+            lost_total=self._lost, failures_total=self._failures, outages_total=self._outages,
+            releases_queued=len(self._releases), reasserted_total=self._reasserted,
+            renew_ms_last=round(self._renew_last, 3), renew_ms_max=round(self._renew_max, 3),
+            waiters=len(self._queue),
+        )
+
+    # --- lifetime ---------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[RedisCoordinator]:
+        """Connect (or start down, reconnecting), run the background tasks; on exit release every lease
+        still held and wait (bounded by the timeout) for the releases to reach Redis."""
+        client: coredis.Redis[bytes] = coredis.Redis.from_url(
+            self.url, connect_timeout=self._timeout_s, retry_policy=NoRetryPolicy(), verify_version=False
+        )
+        async with client:
+            self._client = client
+            self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
+            try:
+                self._up = True  # so a first failure counts as an outage
+                try:
+                    await self._renew([])
+                    self._up_event.set()
+                except _Down:
+                    self._up = False
+                async with trio.open_nursery() as nursery:
+                    for task in (
+                        self._acquire_batcher, self._monitor, self._renewer, self._releaser,
+                        self._subscriber, self._dispatcher,
+                    ):
+                        nursery.start_soon(task)
+                    try:
+                        yield self
+                    finally:
+                        for lease in list(self._leases.values()) + self._local.leases():
+                            self.release(lease)
+                        with trio.move_on_after(max(self._timeout_s * 2, 1.0)) as scope:
+                            scope.shield = True
+                            if self._up:
+                                await self.flush()
+                        nursery.cancel_scope.cancel()
+            finally:
+                self._client = None
+
+
+async def cluster_statistics(client: coredis.Redis[bytes], keys: Keys, ttl_ms: int) -> ClusterStatistics:
+    """Every limit's live holders and every replica's last renewal, read from Redis (not atomic: a
+    snapshot for people). A replica counts as live when it renewed within ``ttl_ms``."""
+    now = await redis_now_ms(client)
+    caps = await client.hgetall(keys.caps)
+    limits = []
+    for key, cap in sorted(caps.items()):
+        count = await client.zcount(key, f"({now}", "+inf")
+        limits.append(LimitCount(name=keys.limit_name(_text(key)), cap=int(cap), count=count))
+    replicas = []
+    for member, score in await client.zrange(keys.replicas, 0, -1, withscores=True):
+        ago = max(0, round(now - float(score)))
+        replicas.append(ReplicaInfo(replica_id=_text(member), last_renew_ms_ago=ago, live=ago <= ttl_ms))
+    return ClusterStatistics(prefix=keys.prefix, replicas=replicas, limits=limits)
+
+
+async def read_cluster(url: str, prefix: str, *, lease_ttl_s: float = 30.0, timeout_s: float = 2.0) -> ClusterStatistics:
+    """:func:`cluster_statistics` over a connection of its own (``acp-server cluster``): registers no
+    replica and takes nothing.
+
+    Raises:
+        trio.TooSlowError: Redis did not answer within ``timeout_s``.
+        coredis.exceptions.RedisError, OSError: the connection failed.
+    """
+    client: coredis.Redis[bytes] = coredis.Redis.from_url(
+        url, connect_timeout=timeout_s, retry_policy=NoRetryPolicy(), verify_version=False
+    )
+    with trio.fail_after(timeout_s):
+        async with client:
+            return await cluster_statistics(client, Keys(prefix), round(lease_ttl_s * 1000))

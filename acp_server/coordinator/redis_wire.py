@@ -1,0 +1,247 @@
+"""The wire of the Redis coordinator: script calls bounded by a timeout, batches, the release queue.
+
+:class:`RedisWire` owns what touches Redis: the ``coredis`` client and the scripts (registered once,
+reloaded by ``coredis`` on ``NOSCRIPT``), the up/down state a failed call moves to, the batching of
+acquisitions (those of one turn of the event loop go out in one ``acquire.lua`` call; while a call is
+on its way the next batch gathers) and the queue of releases, sent in order, many per call, and kept
+while Redis is away. :class:`~acp_server.coordinator.redis.RedisCoordinator` builds the leases, the
+outages and the waiters on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any, Final
+
+import coredis
+import coredis.exceptions
+import trio
+
+from .base import CoordinatorUnavailable, FailureMode
+from .scripts import SCRIPT_NAMES, Keys, script_source
+
+__all__ = ["SCRIPT_NAMES", "RedisWire", "redis_now_ms", "script_source"]
+
+log = logging.getLogger("acp_server.coordinator")
+
+#: Acquisitions or releases per ``acquire.lua`` or ``release.lua`` call.
+_BATCH: Final = 64
+
+_ERRORS: Final = (coredis.exceptions.RedisError, OSError, trio.TooSlowError)
+
+
+_NOW_LUA: Final = "local t = redis.call('TIME') return t[1] * 1000 + math.floor(t[2] / 1000)"
+
+
+async def redis_now_ms(client: coredis.Redis[bytes]) -> int:
+    """Redis' clock in ms, the one lease expiries are scored in (coredis' ``time()`` drops the
+    microseconds' leading digits, so it is read through a script)."""
+    value = await client.eval(_NOW_LUA)
+    assert isinstance(value, int), value
+    return value
+
+
+class _Down(Exception):
+    """A call got no answer in time (or the connection failed): the coordinator is away."""
+
+
+class _Pending:
+    """One acquisition waiting for its batch's reply."""
+
+    __slots__ = ("args", "done", "error", "keys", "result")
+
+    def __init__(self, keys: list[str], args: list[str | int]) -> None:
+        self.keys = keys
+        self.args = args
+        self.done = trio.Event()
+        self.result: Any = None
+        self.error: _Down | None = None
+
+    def fail(self, error: _Down) -> None:
+        self.error = error
+        self.done.set()
+
+
+class _Release:
+    __slots__ = ("full", "lease_id", "names", "queued_at", "tomb")
+
+    def __init__(self, lease_id: str, names: tuple[str, ...], full: bool, tomb: int | None, now: float) -> None:
+        self.lease_id = lease_id
+        self.names = names
+        self.full = full
+        self.tomb = tomb  # the attempt whose tombstone to leave, None for none
+        self.queued_at = now
+
+
+class RedisWire:
+    """Calls to one Redis, for one replica.
+
+    Args:
+        url: ``redis://HOST:PORT/DB`` or ``rediss://`` (TLS).
+        keys: the key names of the prefix.
+        replica_id: this replica.
+        lease_ttl_s: the leases' TTL (tombstones live as long).
+        timeout_ms: a call unanswered for this long means Redis is away.
+        failure: ``"closed"`` or ``"local"`` (named in the log line of an outage).
+    """
+
+    def __init__(
+        self, url: str, keys: Keys, replica_id: str, lease_ttl_s: float, timeout_ms: int, failure: FailureMode
+    ) -> None:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--coordinator must be a redis:// or rediss:// URL; got {url!r}")
+        if isinstance(lease_ttl_s, bool) or not isinstance(lease_ttl_s, (int, float)) or not lease_ttl_s > 0.1:
+            raise ValueError(f"--lease-ttl-s must be a number of seconds above 0.1; got {lease_ttl_s!r}")
+        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 1:
+            raise ValueError(f"--coordinator-timeout-ms must be a positive integer; got {timeout_ms!r}")
+        if failure not in ("closed", "local"):
+            raise ValueError(f'--coordinator-failure must be "closed" or "local"; got {failure!r}')
+        self.url = url
+        self.keys = keys
+        self._replica_id = replica_id
+        self._ttl_ms = round(lease_ttl_s * 1000)
+        self._timeout_s = timeout_ms / 1000
+        self._failure: FailureMode = failure
+        self._client: coredis.Redis[bytes] | None = None
+        self._scripts: dict[str, Any] = {}
+        self._up = False
+        self._up_event = trio.Event()
+        self._down_event = trio.Event()
+        self._next_attempt = 0.0
+        self._releases: collections.deque[_Release] = collections.deque()
+        self._acquire_pending: list[_Pending] = []
+        self._acquire_wake = trio.Event()
+        self._release_wake = trio.Event()
+        self._releases_idle = trio.Event()
+        self._releases_idle.set()
+        self._release_lock = trio.Lock()
+        self._failures = self._outages = 0
+
+    async def _call(self, script: str, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+        """One script call, bounded by the timeout; a failure marks the coordinator down."""
+        assert self._client is not None
+        try:
+            with trio.fail_after(self._timeout_s):
+                return await self._scripts[script](keys=keys, args=args)
+        except _ERRORS as exc:
+            self._failures += 1
+            self._mark_down(exc)
+            raise _Down(str(exc) or type(exc).__name__) from exc
+
+    def _mark_down(self, exc: BaseException) -> None:
+        if self._up:
+            self._up = False
+            self._outages += 1
+            self._up_event = trio.Event()
+            self._down_event.set()
+            self._next_attempt = trio.current_time()
+            log.warning("coordinator %s is away (%s); failure mode %s", self.url, exc or type(exc).__name__, self._failure)
+
+    def _unavailable(self) -> CoordinatorUnavailable:
+        wait_ms = max(100, math.ceil((self._next_attempt - trio.current_time()) * 1000))
+        return CoordinatorUnavailable(f"the coordinator {self.url} does not answer", retry_after_ms=wait_ms)
+
+    # --- acquire ----------------------------------------------------------------------------------
+
+    async def _batched_acquire(self, keys: list[str], args: list[str | int]) -> Any:
+        """Send one request with the others of this turn of the loop; its reply.
+
+        Raises:
+            _Down: the batch's call failed or timed out.
+        """
+        item = _Pending(keys, args)
+        self._acquire_pending.append(item)
+        self._acquire_wake.set()
+        await item.done.wait()
+        if item.error is not None:
+            raise item.error
+        return item.result
+
+    async def _acquire_batcher(self) -> None:
+        """Send the pending acquisitions, many per ``acquire.lua`` call: while one call is on its way,
+        the next batch gathers."""
+        pending = self._acquire_pending
+        try:
+            while True:
+                await self._acquire_wake.wait()
+                self._acquire_wake = trio.Event()
+                while pending:
+                    batch = pending[:_BATCH]
+                    del pending[:_BATCH]
+                    keys = [self.keys.fence, self.keys.caps]
+                    args: list[str | int] = [self._ttl_ms, self._replica_id, self.keys.freed, len(batch)]
+                    for item in batch:
+                        keys.extend(item.keys)
+                        args.extend(item.args)
+                    try:
+                        replies = await self._call("acquire", keys, args)
+                    except _Down as exc:
+                        for item in batch:
+                            item.fail(exc)
+                        continue
+                    for item, reply in zip(batch, replies, strict=True):
+                        item.result = reply
+                        item.done.set()
+        finally:
+            closed = _Down("the coordinator is closed")
+            for item in pending:
+                item.fail(closed)
+            pending.clear()
+
+    def _enqueue_release(self, item: _Release) -> None:
+        self._releases.append(item)
+        self._releases_idle = trio.Event() if self._releases_idle.is_set() else self._releases_idle
+        self._release_wake.set()
+
+    async def _send_release(self, *items: _Release) -> None:
+        """One ``release.lua`` call for ``items``."""
+        keys: list[str] = []
+        args: list[str | int] = [self.keys.freed, len(items)]
+        for item in items:
+            keys.extend((self.keys.tomb(item.lease_id, item.tomb or 0), self.keys.lease(item.lease_id)))
+            keys.extend(self.keys.limit(n) for n in item.names)
+            tomb_ms = self._ttl_ms if item.tomb is not None else 0
+            args.extend((item.lease_id, "1" if item.full else "0", tomb_ms, len(item.names)))
+        await self._call("release", keys, args)
+
+    async def _drain_releases(self) -> None:
+        """Send the queued releases in order, many per call (an item older than two TTLs is dropped:
+        what it held stopped counting long ago).
+
+        Raises:
+            _Down: a call failed; its items stay first in the queue.
+        """
+        async with self._release_lock:
+            queue = self._releases
+            while queue:
+                cut = trio.current_time() - 2 * self._ttl_ms / 1000
+                batch = [queue[i] for i in range(min(_BATCH, len(queue)))]
+                fresh = [item for item in batch if item.queued_at > cut]
+                if fresh:
+                    await self._send_release(*fresh)
+                for _ in batch:
+                    queue.popleft()
+            self._releases_idle.set()
+
+    async def _releaser(self) -> None:
+        """Send queued releases as they come; while Redis is away, wait for it."""
+        while True:
+            if not self._releases:
+                self._releases_idle.set()
+                await self._release_wake.wait()
+                self._release_wake = trio.Event()
+                continue
+            if not self._up:
+                await self._up_event.wait()
+            try:
+                await self._drain_releases()
+            except _Down:
+                continue
+
+    async def flush(self) -> None:
+        """See :meth:`~acp_server.coordinator.base.Coordinator.flush`."""
+        await self._releases_idle.wait()
+
