@@ -1,0 +1,118 @@
+"""``serve_http``: the HTTP listener, hypercorn's trio worker in the server's nursery.
+
+HTTP/1.1 and HTTP/2 over cleartext (h2c with prior knowledge, and the ``Upgrade: h2c`` dance), and
+WebSocket over HTTP/1.1. The socket is bound here (a Unix socket with mode 0600, as the NDJSON one),
+and hypercorn gets a duplicate descriptor, so the real port is known before it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from ..listeners import open_unix_listener
+from .app import AcpHttpApp, HttpLimits
+from .rules import HostRules
+
+if TYPE_CHECKING:
+    from ...server import ListenAddress
+
+__all__ = ["HttpOptions", "serve_http"]
+
+log = logging.getLogger("acp_server.http")
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """What every HTTP listener of a server shares: its bounds and the foreign origins it allows."""
+
+    limits: HttpLimits = field(default_factory=HttpLimits)
+    allow_origins: frozenset[str] = field(default_factory=frozenset)
+
+
+async def _bind_tcp(host: str, port: int) -> trio.socket.SocketType:
+    infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
+    if not infos:
+        raise OSError(f"cannot resolve {host!r}")
+    family, type_, proto, _, sockaddr = infos[0]
+    sock = trio.socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        await sock.bind(sockaddr)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _config(fd: int, limits: HttpLimits) -> Config:
+    config = Config()
+    config.bind = [f"fd://{fd}"]
+    config.accesslog = None
+    config.errorlog = log
+    config.graceful_timeout = 0.5
+    config.include_server_header = False
+    config.websocket_max_message_size = limits.max_message_bytes
+    config.h2_max_inbound_frame_size = 2**14
+    return config
+
+
+async def serve_http(
+    handle_stream: Callable[[trio.abc.Stream, str], Awaitable[None]],
+    address: ListenAddress,
+    options: HttpOptions,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``/acp`` and ``/health`` on ``address`` until cancelled.
+
+    Once bound it prints ``acp-server: http on http://HOST:PORT`` (or ``unix:/path``) to stderr and
+    reports that URL. Hypercorn's logs go to the ``acp_server.http`` logger (stderr, never stdout).
+
+    Args:
+        handle_stream: serves one connection's byte stream (the server's per-connection shell).
+        address: ``tcp`` (port 0: any free port) or ``unix``.
+        options: bounds and allowed origins.
+
+    Raises:
+        OSError: the address cannot be bound (the message names it).
+    """
+    try:
+        if address.kind == "unix":
+            listener = await open_unix_listener(address.path)
+            sock = listener.socket
+            url = f"unix:{address.path}"
+            rules = HostRules(port=None, allow_origins=options.allow_origins)
+        else:
+            sock = await _bind_tcp(address.host, address.port)
+            host, port = sock.getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            url = f"http://{shown}:{port}"
+            rules = HostRules(port=port, bound_host=shown, allow_origins=options.allow_origins)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on http {address}: {exc.strerror or exc}") from exc
+    try:
+        with sock:
+            async with trio.open_nursery() as nursery:
+                app = AcpHttpApp(handle_stream, nursery, rules, options.limits)
+                # hypercorn closes its own descriptor when it stops; ours is closed here
+                config = _config(sock.dup().detach(), options.limits)
+                await nursery.start(serve, app, config)
+                print(f"acp-server: http on {url}", file=sys.stderr, flush=True)
+                task_status.started(url)
+    finally:
+        if address.kind == "unix":
+            try:
+                import os
+
+                os.unlink(address.path)
+            except OSError:
+                pass
