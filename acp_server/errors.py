@@ -330,28 +330,28 @@ class MethodNotAllowedError(HttpError):
 class ForbiddenHostError(HttpError):
     kind = "forbidden_host"
     status = 403
-    template = "Host {host!r} is not this server's (127.0.0.1, localhost, [::1] or the bound address)"
+    template = 'Host "{host}" is not this server\'s (127.0.0.1, localhost, [::1] or the bound address)'
     data_type = data.ForbiddenHostData
 
 
 class ForbiddenOriginError(HttpError):
     kind = "forbidden_origin"
     status = 403
-    template = "Origin {origin!r} is not allowed; list it with --http-allow-origin"
+    template = 'Origin "{origin}" is not allowed; list it with --http-allow-origin'
     data_type = data.ForbiddenOriginData
 
 
 class UnsupportedMediaTypeError(HttpError):
     kind = "unsupported_media_type"
     status = 415
-    template = "POST /acp takes Content-Type application/json; got {content_type!r}"
+    template = 'POST /acp takes Content-Type application/json; got "{content_type}"'
     data_type = data.UnsupportedMediaTypeData
 
 
 class NotAcceptableError(HttpError):
     kind = "not_acceptable"
     status = 406
-    template = "GET /acp opens an event stream: send Accept: text/event-stream (or Upgrade: websocket); got {accept!r}"
+    template = 'GET /acp opens an event stream: send Accept: text/event-stream (or Upgrade: websocket); got "{accept}"'
     data_type = data.NotAcceptableData
 
 
