@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_DEV := $(VENV)/.installed-dev
 LISTEN ?= tcp://127.0.0.1:4170
+HTTP_LISTEN ?= http://127.0.0.1:4171
 PYTEST_ARGS ?=
 
 .PHONY: run test test-full lint schemas bench clean
@@ -23,7 +24,8 @@ $(STAMP_DEV): pyproject.toml | $(PY)
 
 run: $(STAMP_RUN)
 	@echo "acp-server: connect an ACP client to $(LISTEN) (newline-delimited JSON-RPC), e.g. 'nc 127.0.0.1 4170'" >&2
-	$(VENV)/bin/acp-server serve --listen $(LISTEN)
+	@echo "acp-server: ACP over HTTP and WebSocket at $(HTTP_LISTEN)/acp (GET $(HTTP_LISTEN)/health)" >&2
+	$(VENV)/bin/acp-server serve --listen $(LISTEN) --http-listen $(HTTP_LISTEN)
 
 lint: $(STAMP_DEV)
 	$(VENV)/bin/ruff check acp_server tests

@@ -27,6 +27,12 @@
     listen = "tcp://127.0.0.1:9464"   # GET /metrics (Prometheus)
     tenant_labels = false
 
+    [http]                            # ACP over HTTP and WebSocket at /acp, GET /health
+    listen = ["http://127.0.0.1:4171"]
+    max_connections = 256             # /acp connections and WebSockets at once
+    connection_grace_s = 10           # a connection with no stream open is kept this long
+    allow_origin = ["https://editor.example"]   # foreign origins allowed besides the listener's own
+
 An unknown key or a bad value is a :class:`ConfigError` naming the key (``backends.claude.max_active``).
 """
 
@@ -46,6 +52,7 @@ __all__ = [
     "BackendConfig",
     "ConfigError",
     "FileConfig",
+    "HttpConfig",
     "MetricsConfig",
     "load_config",
     "parse_config",
@@ -99,11 +106,21 @@ class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tenant_labels: bool | None = None
 
 
+class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``[http]`` table: the ``/acp`` listeners (``None``/empty: not in the file)."""
+
+    listen: list[str] = msgspec.field(default_factory=list)
+    max_connections: int | None = None
+    connection_grace_s: float | None = None
+    allow_origin: list[str] = msgspec.field(default_factory=list)
+
+
 class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_backend: str | None = None
     backends: dict[str, BackendConfig] = msgspec.field(default_factory=dict)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
 
 
 def _path_of(exc: msgspec.ValidationError, prefix: str) -> tuple[str, str]:

@@ -7,6 +7,8 @@ on trio. Usage::
     python tests/sdk_driver.py tcp://127.0.0.1:PORT        # connects to a running server
     python tests/sdk_driver.py unix:/path/to.sock
     python tests/sdk_driver.py connect:tcp://127.0.0.1:PORT  # spawns `python -m acp_server connect URL`
+    python tests/sdk_driver.py http://127.0.0.1:PORT/acp     # the SDK's Streamable HTTP client
+    python tests/sdk_driver.py ws://127.0.0.1:PORT/acp       # the SDK's WebSocket client
 
 The scenario: ``initialize`` -> ``session/new`` -> one prompt -> three concurrent prompts on the session
 -> a prompt cancelled with ``session/cancel`` while it runs -> one more prompt -> ``_acp_server/stats``.
@@ -224,6 +226,21 @@ async def connect(
             observers=[recorder],
         ) as (conn, _process):
             yield conn
+        return
+    if target.startswith(("http://", "ws://")):
+        if target.startswith("http://"):
+            from acp.http import create_http_stream
+
+            transport = create_http_stream(target)
+        else:
+            from acp.ws import create_websocket_stream
+
+            transport = await create_websocket_stream(target)
+        conn = acp.connect_to_agent(cast(acp.Client, client), transport, observers=[recorder])
+        try:
+            yield conn
+        finally:
+            await conn.close()
         return
     if target.startswith("tcp://"):
         parts = urlsplit(target)

@@ -53,7 +53,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="send one prompt to a running acp-server and stream the answer",
         description="Send one prompt; the agent's text goes to stdout, the session and stop lines to stderr.",
     )
-    p.add_argument("--connect", required=True, type=_url, metavar="URL", help="tcp://HOST:PORT or unix:/path")
+    p.add_argument("--connect", required=True, type=_url, metavar="URL", help="tcp://HOST:PORT, unix:/path, http://HOST:PORT/acp or ws://HOST:PORT/acp")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--session", metavar="ID", help="prompt this existing session")
     which.add_argument("--new", action="store_true", help="open a new session (the default)")
@@ -67,7 +67,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     s = subparsers.add_parser(
         "sessions", help="list the sessions of a running acp-server", description="List sessions, one per line."
     )
-    s.add_argument("--connect", required=True, type=_url, metavar="URL", help="tcp://HOST:PORT or unix:/path")
+    s.add_argument("--connect", required=True, type=_url, metavar="URL", help="tcp://HOST:PORT, unix:/path, http://HOST:PORT/acp or ws://HOST:PORT/acp")
     s.add_argument("--cwd", metavar="DIR", help="only the sessions in this working directory")
 
 

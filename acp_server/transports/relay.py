@@ -1,5 +1,8 @@
 """``acp-server connect URL``: relay this process's stdin/stdout to a running server, byte for byte.
 
+Over ``http://.../acp`` and ``ws://.../acp`` (ACP's remote transport) the bytes are NDJSON lines,
+each carried as one message (:mod:`acp_server.client.remote`).
+
 An editor that can only spawn its agent as a command gets a share of one long-lived server: the
 command it spawns is this relay. Nothing is parsed: bytes go through as they come.
 """
@@ -41,7 +44,16 @@ async def relay_stdio(url: str) -> None:
 
     When stdin ends, the write side is shut down and the server's last answers still reach stdout.
     """
-    sock = await open_url(url)
+    if url.startswith(("http://", "ws://")):
+        from ..client.remote import open_remote_stream
+
+        async with open_remote_stream(url) as remote:
+            await _relay(remote)
+        return
+    await _relay(await open_url(url))
+
+
+async def _relay(sock: trio.abc.HalfCloseableStream | trio.abc.Stream) -> None:
     stdin = trio.lowlevel.FdStream(os.dup(0))
     stdout = trio.lowlevel.FdStream(os.dup(1))
     async with sock, stdin, stdout, trio.open_nursery() as nursery:
@@ -50,7 +62,7 @@ async def relay_stdio(url: str) -> None:
             while data := await stdin.receive_some(_CHUNK):
                 await sock.send_all(data)
             try:
-                await sock.send_eof()
+                await sock.send_eof()  # type: ignore[union-attr]  # each stream here has one
             except trio.BrokenResourceError:
                 pass
             nursery.cancel_scope.deadline = trio.current_time() + DRAIN_TIMEOUT_S

@@ -5,13 +5,23 @@ worker; each connection is a :class:`MessagePeer` served by the same per-connect
 The client side (a byte stream of NDJSON over ``http://.../acp`` or ``ws://.../acp``) is
 :mod:`acp_server.client.remote`, which loads no server code.
 
-Importing this package loads hypercorn: the server imports it only when ``--http-listen`` is given.
+Only :func:`serve_http` loads hypercorn, on first use (the server asks for it only when
+``--http-listen`` is given); the rest imports nothing beyond trio and msgspec.
 """
 
 from __future__ import annotations
 
-from .app import AcpHttpApp, HttpLimits
-from .listener import HttpOptions, serve_http
+from typing import Any
+
+from .app import AcpHttpApp, HttpLimits, HttpOptions
 from .peer import MessagePeer
 
 __all__ = ["AcpHttpApp", "HttpLimits", "HttpOptions", "MessagePeer", "serve_http"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "serve_http":
+        from .listener import serve_http
+
+        return serve_http
+    raise AttributeError(name)

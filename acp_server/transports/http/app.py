@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -56,7 +56,7 @@ from .rules import (
 )
 from .streams import Receive, Send, pump_sse, pump_websocket
 
-__all__ = ["AcpHttpApp", "HttpLimits"]
+__all__ = ["AcpHttpApp", "HttpLimits", "HttpOptions"]
 
 log = logging.getLogger("acp_server.http")
 
@@ -89,6 +89,14 @@ class HttpLimits:
     max_outbound_bytes: int = 100 * 1024 * 1024
     initialize_timeout_s: float = 30.0
     retry_after_s: int = 1
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """What every HTTP listener of a server shares: its bounds and the foreign origins it allows."""
+
+    limits: HttpLimits = field(default_factory=HttpLimits)
+    allow_origins: frozenset[str] = field(default_factory=frozenset)
 
 
 class _Connection:
@@ -265,7 +273,7 @@ class AcpHttpApp:
             raise refusal
         conn = self._connection(headers)
         session_id = header(headers, _SESSION_KEY)
-        if session_id is not None and not conn.peer.has_session(session_id):
+        if session_id is not None and not conn.peer.may_stream(session_id):
             raise SessionNotEstablishedError(session_id=session_id[:128])
         peer = conn.peer
         queue = peer.connection if session_id is None else peer.session_queue(session_id)

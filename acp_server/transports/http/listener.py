@@ -8,9 +8,9 @@ and hypercorn gets a duplicate descriptor, so the real port is known before it s
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
@@ -18,23 +18,15 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from ..listeners import open_unix_listener
-from .app import AcpHttpApp, HttpLimits
+from .app import AcpHttpApp, HttpLimits, HttpOptions
 from .rules import HostRules
 
 if TYPE_CHECKING:
     from ...server import ListenAddress
 
-__all__ = ["HttpOptions", "serve_http"]
+__all__ = ["serve_http"]
 
 log = logging.getLogger("acp_server.http")
-
-
-@dataclass(frozen=True)
-class HttpOptions:
-    """What every HTTP listener of a server shares: its bounds and the foreign origins it allows."""
-
-    limits: HttpLimits = field(default_factory=HttpLimits)
-    allow_origins: frozenset[str] = field(default_factory=frozenset)
 
 
 async def _bind_tcp(host: str, port: int) -> trio.socket.SocketType:
@@ -111,8 +103,6 @@ async def serve_http(
     finally:
         if address.kind == "unix":
             try:
-                import os
-
                 os.unlink(address.path)
             except OSError:
                 pass

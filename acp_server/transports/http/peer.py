@@ -111,7 +111,12 @@ class MessagePeer(trio.abc.Stream):
         self.limit = limit
         self.multiplex = multiplex
         self.connection = OutQueue(self)
+        #: the queues of session streams (opened, or holding messages for a stream not open yet)
         self.sessions: dict[str, OutQueue] = {}
+        #: sessions established on this connection: their messages go to their own stream
+        self.established: set[str] = set()
+        #: session -> its session/load or session/resume requests in flight (its stream may open early)
+        self._establishing: dict[str, int] = {}
         #: our peer's requests in flight: id -> (method, the session it is scoped to)
         self._routes: dict[Any, tuple[str, str | None]] = {}
         self._waiters: dict[Any, ResponseWaiter] = {}
@@ -168,7 +173,10 @@ class MessagePeer(trio.abc.Stream):
         if method in SESSION_SCOPED_METHODS:
             self._routes[env.id] = (method, session_id)
         elif method in ESTABLISHING_METHODS:
-            self._routes[env.id] = (method, None if method in RESULT_SESSION_METHODS else env.params_session())
+            session_id = None if method in RESULT_SESSION_METHODS else env.params_session()
+            self._routes[env.id] = (method, session_id)
+            if session_id is not None:
+                self._establishing[session_id] = self._establishing.get(session_id, 0) + 1
 
     def expect_response(self, id: Any) -> ResponseWaiter:
         """Capture the answer to request ``id`` instead of queueing it."""
@@ -176,7 +184,13 @@ class MessagePeer(trio.abc.Stream):
         return waiter
 
     def has_session(self, session_id: str) -> bool:
-        return session_id in self.sessions
+        """The session is established here (a session-scoped POST may name it)."""
+        return session_id in self.established
+
+    def may_stream(self, session_id: str) -> bool:
+        """A GET may open the session's stream: established, or being loaded or resumed here (its
+        stream then opens before the answer, and carries the session's messages once it is in)."""
+        return session_id in self.established or session_id in self._establishing
 
     # --- outbound: the shell writes, queues take -----------------------------------------------------
 
@@ -235,21 +249,25 @@ class MessagePeer(trio.abc.Stream):
                 return self.connection
             method, session_id = route
             if method in ESTABLISHING_METHODS:
+                if session_id is not None:
+                    left = self._establishing.pop(session_id, 1) - 1
+                    if left:
+                        self._establishing[session_id] = left
                 if bytes(env.result) != b"null":
                     established = env.result_session() if session_id is None else session_id
                     if established is not None:
-                        self.session_queue(established)
+                        self.established.add(established)
                 return self.connection
-            if session_id is not None:
-                return self.sessions.get(session_id, self.connection)
+            if session_id is not None and session_id in self.established:
+                return self.session_queue(session_id)
             return self.connection
         session_id = env.params_session()
-        if session_id is not None:
-            return self.sessions.get(session_id, self.connection)
+        if session_id is not None and session_id in self.established:
+            return self.session_queue(session_id)
         return self.connection
 
     def session_queue(self, session_id: str) -> OutQueue:
-        """The queue of ``session_id``'s stream (created, and the session established, on first use)."""
+        """The queue of ``session_id``'s stream (created on first use)."""
         queue = self.sessions.get(session_id)
         if queue is None:
             queue = self.sessions[session_id] = OutQueue(self)
