@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import trio
 from wsproto import ConnectionType, WSConnection
+from wsproto.connection import ConnectionState
 from wsproto.events import (
     AcceptConnection,
     BytesMessage,
@@ -94,13 +95,16 @@ class WebSocketStream(trio.abc.Stream):
                 await self._write(self._ws.send(event.response()))
             elif isinstance(event, CloseConnection):
                 self._ended = True
-                try:
-                    await self._write(self._ws.send(event.response()))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
+                if self._ws.state is ConnectionState.REMOTE_CLOSING:  # the server closed first: answer
+                    try:
+                        await self._write(self._ws.send(event.response()))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
 
     async def send_eof(self) -> None:
         """Close our side (a close frame): the server ends the connection, as after a socket's end."""
+        if self._ws.state is not ConnectionState.OPEN:
+            return
         try:
             await self._write(self._ws.send(CloseConnection(code=1000)))
         except Exception as exc:  # wsproto refuses when the close is already under way
