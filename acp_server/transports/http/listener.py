@@ -2,7 +2,7 @@
 
 HTTP/1.1 and HTTP/2 over cleartext (h2c with prior knowledge, and the ``Upgrade: h2c`` dance), and
 WebSocket over HTTP/1.1. The socket is bound here (a Unix socket with mode 0600, as the NDJSON one),
-and hypercorn gets a duplicate descriptor, so the real port is known before it starts.
+and connections are served by hypercorn's protocol code (``TCPServer``) one by one, each isolated.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import trio
+from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
-from hypercorn.trio import serve
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
 
 from ..listeners import open_unix_listener
 from .app import AcpHttpApp, HttpLimits, HttpOptions
@@ -45,9 +47,8 @@ async def _bind_tcp(host: str, port: int) -> trio.socket.SocketType:
     return sock
 
 
-def _config(fd: int, limits: HttpLimits) -> Config:
+def _config(limits: HttpLimits) -> Config:
     config = Config()
-    config.bind = [f"fd://{fd}"]
     config.accesslog = None
     config.errorlog = log
     config.graceful_timeout = 0.5
@@ -55,6 +56,34 @@ def _config(fd: int, limits: HttpLimits) -> Config:
     config.websocket_max_message_size = limits.max_message_bytes
     config.h2_max_inbound_frame_size = 2**14
     return config
+
+
+async def _serve_connections(
+    app: AcpHttpApp,
+    config: Config,
+    listener: trio.SocketListener,
+    *,
+    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """hypercorn's trio worker loop, with each TCP connection isolated.
+
+    ``hypercorn.trio.serve`` runs every connection in one ``trio.serve_listeners``, where an exception
+    escaping one connection's handler (hypercorn's own protocol code meeting a malformed peer, say)
+    ends the whole listener. Here each connection runs hypercorn's ``TCPServer`` under a guard: its
+    failure is logged and closes that connection alone.
+    """
+    wrapped = ASGIWrapper(app)  # type: ignore[arg-type]
+    context = WorkerContext(None)
+
+    async def connection(stream: trio.SocketStream) -> None:
+        try:
+            await TCPServer(wrapped, config, context, {}, stream)  # type: ignore[arg-type]
+        except Exception:
+            log.warning("http: a connection failed in the HTTP layer; closing it alone", exc_info=True)
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+
+    await trio.serve_listeners(connection, [listener], task_status=task_status)
 
 
 async def serve_http(
@@ -80,26 +109,22 @@ async def serve_http(
     try:
         if address.kind == "unix":
             listener = await open_unix_listener(address.path)
-            sock = listener.socket
             url = f"unix:{address.path}"
             rules = HostRules(port=None, allow_origins=options.allow_origins)
         else:
-            sock = await _bind_tcp(address.host, address.port)
-            host, port = sock.getsockname()[:2]
+            listener = trio.SocketListener(await _bind_tcp(address.host, address.port))
+            host, port = listener.socket.getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
             url = f"http://{shown}:{port}"
             rules = HostRules(port=port, bound_host=shown, allow_origins=options.allow_origins)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot listen on http {address}: {exc.strerror or exc}") from exc
     try:
-        with sock:
-            async with trio.open_nursery() as nursery:
-                app = AcpHttpApp(handle_stream, nursery, rules, options.limits)
-                # hypercorn closes its own descriptor when it stops; ours is closed here
-                config = _config(sock.dup().detach(), options.limits)
-                await nursery.start(serve, app, config)
-                print(f"acp-server: http on {url}", file=sys.stderr, flush=True)
-                task_status.started(url)
+        async with listener, trio.open_nursery() as nursery:
+            app = AcpHttpApp(handle_stream, nursery, rules, options.limits)
+            await nursery.start(_serve_connections, app, _config(options.limits), listener)
+            print(f"acp-server: http on {url}", file=sys.stderr, flush=True)
+            task_status.started(url)
     finally:
         if address.kind == "unix":
             try:
