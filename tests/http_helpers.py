@@ -26,6 +26,13 @@ TIMEOUT_S = 20.0
 INIT = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {"protocolVersion": 1}}
 
 
+async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait until ``predicate()`` holds (a server-side effect with no event to wait on)."""
+    with trio.fail_after(timeout_s):
+        while not predicate():  # noqa: ASYNC110 - state of the server, polled
+            await trio.sleep(0.01)
+
+
 def check_error_body(response: httpx.Response) -> dict[str, Any]:
     """The body of a non-2xx answer: ``{"error", "code", ...data}``, whose data validates as the
     JSON-RPC error of the same kind would."""

@@ -19,7 +19,7 @@ import trio
 from acp_server.admission import Limits
 from acp_server.client.websocket import open_websocket
 
-from .http_helpers import INIT, TIMEOUT_S, check_error_body, http_peer, http_server
+from .http_helpers import INIT, TIMEOUT_S, check_error_body, eventually, http_peer, http_server
 
 
 async def test_health_and_a_prompt_over_http_and_sse() -> None:
@@ -210,9 +210,7 @@ async def test_websocket_handshakes_are_refused_before_the_upgrade() -> None:
                 line = await ws.receive_some()
                 assert json.loads(line)["result"]["protocolVersion"] == 1
             # the socket's end closes its peer like a socket's would
-            with trio.fail_after(5):
-                while server.connections:
-                    await trio.sleep(0.01)
+            await eventually(lambda: not server.connections)
 
 
 async def test_the_connection_cap_answers_503_and_frees_on_delete() -> None:
@@ -231,9 +229,7 @@ async def test_the_connection_cap_answers_503_and_frees_on_delete() -> None:
                 assert (r.status_code, r.json()["code"]) == (404, "unknown_connection")
                 r = await a.client.post(a.url, json=INIT)
                 assert r.status_code == 200
-                with trio.fail_after(5):
-                    while len(server.connections) != 2:  # b's shell is gone: a and the new one
-                        await trio.sleep(0.01)
+                await eventually(lambda: len(server.connections) == 2)  # b's shell is gone: a and the new one
 
 
 async def test_h2c_with_prior_knowledge() -> None:
@@ -286,9 +282,7 @@ async def test_a_connection_without_streams_ends_after_the_grace_period() -> Non
             await trio.sleep(0.6)
             assert len(server.connections) == 1
             await sock.aclose()
-            with trio.fail_after(5):
-                while server.connections:
-                    await trio.sleep(0.02)
+            await eventually(lambda: not server.connections)
 
 
 GARBAGE = [
