@@ -163,3 +163,25 @@ async def test_peer_send_all_waits_for_a_reader_and_input_reads_as_a_stream() ->
     assert await peer.connection.take() is None
     with pytest.raises(trio.ClosedResourceError):
         await peer.send_all(b"{}\n")
+
+
+async def test_batched_writes_join_a_burst_and_report_a_broken_peer() -> None:
+    """Writes made in one burst arrive in order, in one read; once the peer is gone, the next write
+    fails with ``BrokenResourceError`` (as the socket's own would)."""
+    from acp_server.transports.http.wire import BatchedWrites
+
+    a, b = trio.socket.socketpair()
+    ours, theirs = trio.SocketStream(a), trio.SocketStream(b)
+    batched = BatchedWrites(ours)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(batched.flusher)
+        for part in (b"one ", b"two ", b"three"):
+            await batched.send_all(part)
+        assert await theirs.receive_some(100) == b"one two three"
+        await theirs.aclose()
+        with pytest.raises(trio.BrokenResourceError):
+            for _ in range(100):  # the first writes may still land in the kernel's buffer
+                await batched.send_all(b"x" * 65536)
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    await batched.aclose()

@@ -22,6 +22,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from ..listeners import open_unix_listener
 from .app import AcpHttpApp, HttpLimits, HttpOptions
 from .rules import HostRules
+from .wire import BatchedWrites
 
 if TYPE_CHECKING:
     from ...server import ListenAddress
@@ -70,14 +71,19 @@ async def _serve_connections(
     ``hypercorn.trio.serve`` runs every connection in one ``trio.serve_listeners``, where an exception
     escaping one connection's handler (hypercorn's own protocol code meeting a malformed peer, say)
     ends the whole listener. Here each connection runs hypercorn's ``TCPServer`` under a guard: its
-    failure is logged and closes that connection alone.
+    failure is logged and closes that connection alone. Its socket is wrapped in
+    :class:`~.wire.BatchedWrites`, so that the writes of one burst leave together.
     """
     wrapped = ASGIWrapper(app)  # type: ignore[arg-type]
     context = WorkerContext(None)
 
     async def connection(stream: trio.SocketStream) -> None:
         try:
-            await TCPServer(wrapped, config, context, {}, stream)  # type: ignore[arg-type]
+            async with trio.open_nursery() as nursery:
+                batched = BatchedWrites(stream)
+                nursery.start_soon(batched.flusher)
+                await TCPServer(wrapped, config, context, {}, batched)  # type: ignore[arg-type]
+                nursery.cancel_scope.cancel()
         except Exception:
             log.warning("http: a connection failed in the HTTP layer; closing it alone", exc_info=True)
             with trio.CancelScope(shield=True):
