@@ -263,6 +263,14 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="N",
         help="live (in-memory) sessions at once; more get session_limit_exceeded (default 1000)",
     )
+    s.add_argument(
+        "--max-connections",
+        type=_int_arg("--max-connections", minimum=0, meaning="a non-negative integer (0: from the fd limit)"),
+        default=None,
+        metavar="N",
+        help="sockets of every listener together; a later connection is sent _acp_server/evicted "
+        "(too_many_connections) and closed (default: the fd limit less an eighth, at least 64, of head-room)",
+    )
     _add_policy_flags(s)
     _add_http_flags(s)
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="stderr log level (default warning)")
@@ -589,6 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics_tenant_labels=metrics_tenant_labels,
         http_listen=http_listen,
         http=http_options,
+        max_connections=args.max_connections if args.max_connections is not None else file_config.max_connections or 0,
     )
     tune_gc()
     try:

@@ -1,6 +1,7 @@
 """The typed configuration file (``--config acp-server.toml``) and the backend table it describes.
 
     default_backend = "claude"
+    max_connections = 1000            # sockets of every listener together (0: from the fd limit)
 
     [backends.claude]
     command = ["claude-code-acp"]     # program and arguments
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -117,6 +118,8 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_backend: str | None = None
+    #: ``--max-connections`` (0: from the fd limit)
+    max_connections: Annotated[int, msgspec.Meta(ge=0)] | None = None
     backends: dict[str, BackendConfig] = msgspec.field(default_factory=dict)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)

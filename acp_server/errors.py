@@ -5,7 +5,7 @@ message template, whether a retry can help, and the Struct of its ``data`` paylo
 ``schemas/errors/codes.json`` is generated from :data:`REGISTRY`; a test checks classes, registry and
 schemas agree. Blame is split as in h11: the peer's fault, overload, and our own bugs.
 
-    AcpError (jsonrpcserver.JsonRpcError)
+    AcpError (Exception)
     ├── RemoteProtocolError                 the peer broke JSON-RPC or ACP rules
     │   ├── ParseError                      -32700 parse_error
     │   ├── InvalidRequestError             -32600 invalid_request
@@ -50,7 +50,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import msgspec
-from jsonrpcserver.exceptions import JsonRpcError
 
 from .types import errors as data
 
@@ -101,12 +100,17 @@ __all__ = [
 RETRY_AFTER_MS = 5000
 
 
-class AcpError(JsonRpcError):
+class AcpError(Exception):
     """Base of every error sent on the wire.
 
     Subclasses set ``code``, ``kind``, ``template`` (``str.format`` over the payload's field names),
     ``retryable`` and ``data_type``. Construct with the payload's fields as keyword arguments;
     ``errorKind`` is added by the payload's tag.
+
+    Attributes:
+        code: the JSON-RPC error code; message: the error's text; data (also ``payload``): the
+            ``data`` Struct. These are the members of a JSON-RPC error object, which the core's
+            encoder writes in jsonrpcserver's error response shape.
     """
 
     code: int
@@ -116,9 +120,8 @@ class AcpError(JsonRpcError):
     data_type: ClassVar[type[data.ErrorData]]
 
     def __init__(self, **fields: Any) -> None:
-        self.payload = self.data_type(**fields)
-        message = self.template.format(**fields)
-        super().__init__(self.code, message, self.payload)
+        self.payload = self.data = self.data_type(**fields)
+        self.message = self.template.format(**fields)
 
     def __str__(self) -> str:
         return str(self.message)

@@ -32,7 +32,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from .server import ListenAddress
+from .transports.address import ListenAddress
 
 __all__ = ["CONTENT_TYPE", "METRICS_PATH", "render_metrics", "serve_metrics"]
 

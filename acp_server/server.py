@@ -8,7 +8,6 @@ are independent.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,8 +28,10 @@ from .config import BackendConfig
 from .errors import AcpError
 from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
 from .jsonrpc import Dispatcher
+from .signals import ShutdownSignals, shutdown_signals
 from .store import SessionStore
-from .transports import ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
+from .transports import ConnectionGate, ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
+from .transports.address import ListenAddress
 from .transports.timing import LatencyHistogram
 from .types.ext import LimitsCapability
 
@@ -43,23 +44,9 @@ SHUTDOWN_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
-class ListenAddress:
-    """Where to listen: ``kind`` is ``"tcp"`` (host, port) or ``"unix"`` (path)."""
-
-    kind: str
-    host: str = ""
-    port: int = 0
-    path: str = ""
-
-    def __str__(self) -> str:
-        if self.kind == "unix":
-            return f"unix:{self.path}"
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
-
-
-@dataclass(frozen=True)
 class ServerConfig:
+    """What :func:`serve` runs: transports, limits, backends, the store, the policy and metrics."""
+
     stdio: bool = False
     listen: Sequence[ListenAddress] = field(default_factory=list)
     echo_delay_ms: int = 0
@@ -79,6 +66,8 @@ class ServerConfig:
     http_listen: Sequence[ListenAddress] = field(default_factory=list)
     #: the HTTP listeners' bounds and allowed origins (an ``HttpOptions``; ``None``: the defaults)
     http: Any = None
+    #: sockets of every listener together (0: from the fd limit, see ``default_max_connections``)
+    max_connections: int = 0
 
 
 class Server:
@@ -201,6 +190,9 @@ class Server:
 async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
     """Run a server until SIGINT/SIGTERM, or until stdin ends when stdio is the only transport.
 
+    A second signal during the shutdown is absorbed; a third one stops without waiting for the answers
+    of cancelled prompts (see :mod:`acp_server.signals`).
+
     Each listener prints one line to stderr when ready: ``acp-server: listening on URL``.
     """
     configs = dict(config.backends) or {"echo": BackendConfig(kind="echo", delay_ms=config.echo_delay_ms)}
@@ -217,15 +209,20 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         store=store,
         policy=config.policy,
     )
-    try:
-        await _serve(server, config, backends, task_status)
-    finally:
-        if store is not None:
-            store.close()  # what is still queued is written (a clean shutdown loses nothing)
+    with shutdown_signals() as signals:
+        try:
+            await _serve(server, config, backends, signals, task_status)
+        finally:
+            if store is not None:
+                store.close()  # what is still queued is written (a clean shutdown loses nothing)
 
 
 async def _serve(
-    server: Server, config: ServerConfig, backends: Mapping[str, Backend], task_status: trio.TaskStatus[Server]
+    server: Server,
+    config: ServerConfig,
+    backends: Mapping[str, Backend],
+    signals: ShutdownSignals,
+    task_status: trio.TaskStatus[Server],
 ) -> None:
     async with trio.open_nursery() as nursery:
         for backend in backends.values():
@@ -240,13 +237,15 @@ async def _serve(
             except AcpError as exc:
                 log.warning("default backend %s did not start: %s", server.bridge.backend.name, exc)
         serving = trio.open_nursery()
+        gate = ConnectionGate(config.max_connections)  # one count for every listener
         async with serving as listeners:
             for addr in config.listen:
                 try:
                     if addr.kind == "tcp":
-                        bound = await listeners.start(partial(serve_tcp, host=addr.host), server.handle_stream, addr.port)
+                        tcp = partial(serve_tcp, host=addr.host, gate=gate)
+                        bound = await listeners.start(tcp, server.handle_stream, addr.port)
                     else:
-                        bound = await listeners.start(serve_unix, server.handle_stream, addr.path)
+                        bound = await listeners.start(partial(serve_unix, gate=gate), server.handle_stream, addr.path)
                 except OSError as exc:
                     raise OSError(exc.errno, f"cannot listen on {addr}: {exc.strerror or exc}") from exc
                 for listener in bound:
@@ -286,12 +285,12 @@ async def _serve(
                 listeners.start_soon(stdio_then_exit)
 
             async def on_signals() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for signum in signals:
-                        log.info("received %s: shutting down", signal.Signals(signum).name)
-                        break
-                with trio.move_on_after(SHUTDOWN_GRACE_S + 1):
-                    await server.shutdown()
+                await signals.first()
+                async with trio.open_nursery() as watching:
+                    with trio.CancelScope() as forced, trio.move_on_after(SHUTDOWN_GRACE_S + 1):
+                        watching.start_soon(signals.absorb, forced)  # a second signal is absorbed, a third forces
+                        await server.shutdown()
+                    watching.cancel_scope.cancel()
                 listeners.cancel_scope.cancel()
 
             listeners.start_soon(on_signals)

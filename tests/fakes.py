@@ -30,11 +30,11 @@ import trio.testing
 from acp_server.admission import Limits
 from acp_server.backends.base import BaseBackend, SessionSetup, Turn
 from acp_server.backends.echo import split_words
-from acp_server.bridge import SessionBridge
+from acp_server.bridge import PromptTicket, Session, SessionBridge
 from acp_server.errors import AcpError
 from acp_server.server import Server
 from acp_server.transports import ConnectionShell
-from acp_server.types.acp import AgentMessageChunk, ContentBlock, StopReason, TextContent
+from acp_server.types.acp import AgentMessageChunk, ContentBlock, PromptResult, StopReason, TextContent
 
 from .helpers import RawClient, connect, running_server
 
@@ -46,8 +46,11 @@ __all__ = [
     "ForkCall",
     "HANG_GUARD_S",
     "Pending",
+    "admit_ticket",
     "connect_shell",
     "hang_guard",
+    "open_session",
+    "prompt_outcome",
     "prompt_text",
     "responses_by_id",
     "running_bridge",
@@ -71,6 +74,42 @@ class Behaviour(enum.Enum):
 def text_blocks(text: str) -> list[ContentBlock]:
     """A prompt of one text block, as the bridge receives it."""
     return [TextContent(text=text)]
+
+
+async def open_session(bridge: SessionBridge, peer: Any, cwd: str = "/tmp") -> tuple[Session, str]:
+    """``session/new`` through the bridge's public API: the session and the caller's client id."""
+    session, client_id, _ = await bridge.open_session(cwd, [], peer)
+    return session, client_id
+
+
+def admit_ticket(bridge: SessionBridge, session_id: str, prompt: list[ContentBlock], **kwargs: Any) -> PromptTicket:
+    """:meth:`SessionBridge.admit` returning only the ticket."""
+    return bridge.admit(session_id, prompt, **kwargs)[0]
+
+
+async def prompt_outcome(bridge: SessionBridge, ticket: PromptTicket) -> PromptResult:
+    """Wait for the prompt's outcome as ``session/prompt`` does, through ``bridge.waiter``: the result,
+    or raise its error. Cancelling the wait is the request's ``$/cancel_request`` (it cancels the prompt
+    unless the prompt runs on for other connections)."""
+    waiter = bridge.waiter(ticket)
+    answers: list[tuple[Any, AcpError | None]] = []
+    answered = trio.Event()
+
+    def done(result: Any, error: AcpError | None) -> None:
+        answers.append((result, error))
+        answered.set()
+
+    waiter.subscribe(done)
+    try:
+        await answered.wait()
+    except trio.Cancelled:
+        waiter.cancel(connection_lost=False)
+        raise
+    result, error = answers[0]
+    if error is not None:
+        raise error
+    assert isinstance(result, PromptResult)
+    return result
 
 
 def prompt_text(prompt: Sequence[ContentBlock]) -> str:
@@ -113,7 +152,7 @@ class FakeBackend(BaseBackend):
         calls: every prompt call, in start order.
         order: ``("start" | "end", text)`` and ``("fork_start" | "fork_end", source id)`` in order.
         fork_calls: every fork call.
-        lifecycle: ``(method, session id)`` of every other call (open_session, cancel, set_mode,
+        lifecycle: ``(method, session id)`` of every other call (open_session, set_mode,
             close_session), in order.
         latency_s: trio seconds an unscripted (echo) prompt takes before it echoes, read when the call
             starts (0, the default: it echoes at once). Changing it models a dependency slowing down.
@@ -262,10 +301,6 @@ class FakeBackend(BaseBackend):
         await trio.lowlevel.checkpoint()
         return SessionSetup()
 
-    async def cancel(self, session_id: str) -> None:
-        self.lifecycle.append(("cancel", session_id))
-        await trio.lowlevel.checkpoint()
-
     async def set_mode(self, session_id: str, mode_id: str) -> None:
         self.lifecycle.append(("set_mode", session_id))
         await trio.lowlevel.checkpoint()
@@ -313,9 +348,6 @@ class FakePeer:
     def __init__(self) -> None:
         FakePeer._next_id += 1
         self.peer_id = FakePeer._next_id
-        self.registrations: dict[str, str] = {}
-        self.attached: set[str] = set()
-        self.turn_states = True
         self.sent: list[bytes] = []
         self.closed = False
 

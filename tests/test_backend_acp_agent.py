@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from acp_server.backends import AcpAgentBackend, ClientRequestError, ConnectionLostError, Turn
+from acp_server.backends import AcpAgentBackend, ClientGoneError, ClientRequestError, Turn
 from acp_server.backends.acp_agent import restart_delay
 from acp_server.errors import AgentError, AuthRequiredError, BackendUnavailableError
 from acp_server.types.acp import ClientCapabilities, FileSystemCapability, TextContent
@@ -183,7 +183,9 @@ async def test_acp_agent_multiplexes_two_clients_on_one_child() -> None:
 
 
 async def test_acp_agent_lifecycle_calls_reach_the_child(caplog: pytest.LogCaptureFixture) -> None:
-    """set_mode's update outside a turn goes to the session's emit; cancel() stops a turn; close is sent."""
+    """set_mode's update outside a turn goes to the session's emit; cancelling a turn (as the bridge
+    does: trio cancellation) sends session/cancel and the agent's answer ends it within the grace;
+    close is sent."""
     watcher = LineWatcher("fake-agent closed")
     agent_log = logging.getLogger(f"acp_server.agent.{NAME}")
     agent_log.addHandler(watcher)
@@ -196,16 +198,21 @@ async def test_acp_agent_lifecycle_calls_reach_the_child(caplog: pytest.LogCaptu
                 assert emit.updates == [{"sessionUpdate": "current_mode_update", "currentModeId": "code"}]
 
                 turn = make_turn("s1", "hold on", FakeClient())
+                stop: list[str] = []
                 async with trio.open_nursery() as nursery:
-                    stop: list[str] = []
+                    scope = trio.CancelScope()
 
                     async def run() -> None:
-                        stop.append(await backend.prompt(turn))
+                        with scope:
+                            stop.append(await backend.prompt(turn))
 
                     nursery.start_soon(run)
                     await recorder(turn).seen("holding")
-                    await backend.cancel("s1")
-                assert stop == ["cancelled"]
+                    started = trio.current_time()
+                    scope.cancel()
+                assert stop == [] and scope.cancelled_caught
+                assert trio.current_time() - started < backend.cancel_grace_s
+                assert not [r for r in caplog.records if "did not answer the cancelled prompt" in r.getMessage()]
 
                 await backend.close_session("s1")
                 await watcher.found.wait()
@@ -271,7 +278,7 @@ async def test_acp_agent_open_requests_answered_when_client_leaves_or_prompt_end
         async with running("--ask-permission", cancel_grace_s=10.0) as backend:
             await open_session(backend, "s1")
 
-            gone = FakeClient(respond=fail_with(ConnectionLostError()))
+            gone = FakeClient(respond=fail_with(ClientGoneError()))
             turn = make_turn("s1", "one", gone)
             assert await backend.prompt(turn) == "cancelled"
             assert recorder(turn).text == "permission:cancelled "

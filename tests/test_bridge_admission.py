@@ -29,6 +29,9 @@ from .fakes import (
     FakeBackend,
     FakePeer,
     Pending,
+    admit_ticket,
+    open_session,
+    prompt_outcome,
     responses_by_id,
     running_bridge,
     send_prompt,
@@ -154,16 +157,16 @@ async def test_admission_checks_run_in_documented_order() -> None:
     backend.hold("running")
     async with running_bridge(backend, Limits(max_pending_prompts_per_session=1)) as bridge:
         peer, other = FakePeer(), FakePeer()
-        session, client_id = bridge.new_session("/tmp", [], peer)
+        session, client_id = await open_session(bridge, peer)
         bridge.register(session, other)
         sid = session.session_id
-        bridge.admit_prompt(sid, text_blocks("running"), peer=peer)
+        admit_ticket(bridge, sid, text_blocks("running"), peer=peer)
         await backend.started("running")
         trace = _trace(bridge, peer, backend)
         refused = bridge.statistics().refused_total
 
         def admit(session_id: str, client: str | None, cancelled: bool) -> None:
-            bridge.admit_prompt(session_id, text_blocks("refused"), peer=peer, client_id=client, cancelled=cancelled)
+            admit_ticket(bridge, session_id, text_blocks("refused"), peer=peer, client_id=client, cancelled=cancelled)
 
         with pytest.raises(SessionNotFoundError) as nf:
             admit("sess_missing", "client_forged", True)
@@ -191,12 +194,12 @@ async def test_cancelled_prompt_takes_no_slot() -> None:
     backend = FakeBackend()
     async with running_bridge(backend, Limits(max_pending_prompts_per_session=1)) as bridge:
         peer = FakePeer()
-        session, _ = bridge.new_session("/tmp", [], peer)
+        session, _ = await open_session(bridge, peer)
         with pytest.raises(RequestCancelledError):
-            bridge.admit_prompt(session.session_id, text_blocks("x"), peer=peer, cancelled=True)
+            admit_ticket(bridge, session.session_id, text_blocks("x"), peer=peer, cancelled=True)
         assert session.pending_count == 0
-        ticket = bridge.admit_prompt(session.session_id, text_blocks("y"), peer=peer)
-        assert (await bridge.prompt_outcome(ticket)).stop_reason == "end_turn"
+        ticket = admit_ticket(bridge, session.session_id, text_blocks("y"), peer=peer)
+        assert (await prompt_outcome(bridge, ticket)).stop_reason == "end_turn"
         assert backend.texts_started() == ["y"]
 
 
@@ -721,34 +724,34 @@ async def test_deadline_frees_the_slot_of_a_backend_ignoring_cancel(
 async def test_runner_parks_between_prompts_and_ends_once_idle(autojump_clock: trio.testing.MockClock) -> None:
     """A session's runner outlives its empty FIFO: the next prompt runs on the same task (no task per
     busy spell), and a runner left idle for a whole sweep period ends; a later prompt starts a new one."""
-    from acp_server.bridge.bridge import RUNNER_IDLE_S
+    from acp_server.bridge.runner import RUNNER_IDLE_S
 
     backend = FakeBackend()
     async with running_bridge(backend) as bridge:
         peer = FakePeer()
-        session, _ = bridge.new_session("/tmp", [], peer)
+        session, _ = await open_session(bridge, peer)
         sid = session.session_id
-        first = bridge.admit_prompt(sid, text_blocks("one"), peer=peer)
-        assert (await bridge.prompt_outcome(first)).stop_reason == "end_turn"
+        first = admit_ticket(bridge, sid, text_blocks("one"), peer=peer)
+        assert (await prompt_outcome(bridge, first)).stop_reason == "end_turn"
         await wait_all_tasks_blocked()
-        runner = session.runner_parked
+        runner = session.runner.task
         assert runner is not None and session.runner_active
 
-        second = bridge.admit_prompt(sid, text_blocks("two"), peer=peer)
-        assert (await bridge.prompt_outcome(second)).stop_reason == "end_turn"
+        second = admit_ticket(bridge, sid, text_blocks("two"), peer=peer)
+        assert (await prompt_outcome(bridge, second)).stop_reason == "end_turn"
         await wait_all_tasks_blocked()
-        assert session.runner_parked is runner, "the parked runner took the next prompt"
+        assert session.runner.task is runner, "the parked runner took the next prompt"
 
         await trio.sleep(RUNNER_IDLE_S / 2)
-        assert session.runner_parked is runner, "a runner idle for less than a sweep period stays"
+        assert session.runner.task is runner, "a runner idle for less than a sweep period stays"
         await trio.sleep(2 * RUNNER_IDLE_S)
         await wait_all_tasks_blocked()
-        assert not session.runner_active and session.runner_parked is None
+        assert not session.runner_active and session.runner.task is None
 
-        third = bridge.admit_prompt(sid, text_blocks("three"), peer=peer)
-        assert (await bridge.prompt_outcome(third)).stop_reason == "end_turn"
+        third = admit_ticket(bridge, sid, text_blocks("three"), peer=peer)
+        assert (await prompt_outcome(bridge, third)).stop_reason == "end_turn"
         await wait_all_tasks_blocked()
-        assert session.runner_parked is not None and session.runner_parked is not runner
+        assert session.runner.task is not None and session.runner.task is not runner
         assert backend.texts_started() == ["one", "two", "three"]
 
 
@@ -757,14 +760,14 @@ async def test_close_ends_the_parked_runner_at_once() -> None:
     backend = FakeBackend()
     async with running_bridge(backend) as bridge:
         peer = FakePeer()
-        session, _ = bridge.new_session("/tmp", [], peer)
-        ticket = bridge.admit_prompt(session.session_id, text_blocks("one"), peer=peer)
-        assert (await bridge.prompt_outcome(ticket)).stop_reason == "end_turn"
+        session, _ = await open_session(bridge, peer)
+        ticket = admit_ticket(bridge, session.session_id, text_blocks("one"), peer=peer)
+        assert (await prompt_outcome(bridge, ticket)).stop_reason == "end_turn"
         await wait_all_tasks_blocked()
-        assert session.runner_parked is not None
+        assert session.runner.task is not None
         bridge.close_session(session)
         await wait_all_tasks_blocked()
-        assert not session.runner_active and session.runner_parked is None
+        assert not session.runner_active and session.runner.task is None
 
 
 async def test_latch_behaves_like_an_event() -> None:

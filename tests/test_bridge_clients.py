@@ -19,7 +19,9 @@ from acp_server.store import StoredEvent
 from .fakes import (
     FakeBackend,
     FakePeer,
+    admit_ticket,
     connect_shell,
+    open_session,
     running_bridge,
     send_prompt,
     send_request,
@@ -74,13 +76,13 @@ async def test_invalid_client_id_is_synchronous_and_nothing_runs() -> None:
 
 
 async def test_invalid_client_id_raised_by_admission_itself() -> None:
-    """``admit_prompt`` raises ``InvalidClientIdError`` from the call itself, before any await."""
+    """``admit`` raises ``InvalidClientIdError`` from the call itself, before any await."""
     backend = FakeBackend()
     async with running_bridge(backend) as bridge:
         peer = FakePeer()
-        session, _ = bridge.new_session("/tmp", [], peer)
+        session, _ = await open_session(bridge, peer)
         with pytest.raises(InvalidClientIdError):
-            bridge.admit_prompt(session.session_id, text_blocks("x"), peer=peer, client_id=FORGED)
+            admit_ticket(bridge, session.session_id, text_blocks("x"), peer=peer, client_id=FORGED)
         assert session.pending_count == 0 and not session.fifo
         await wait_all_tasks_blocked()
         assert backend.calls == []
@@ -164,17 +166,17 @@ async def test_registration_is_refcounted() -> None:
     holder, and each detaching connection stops receiving updates."""
     async with running_bridge(FakeBackend()) as bridge:
         p1, p2 = FakePeer(), FakePeer()
-        session, client_id = bridge.new_session("/tmp", [], p1)
+        session, client_id = await open_session(bridge, p1)
         assert bridge.register(session, p2, client_id) == client_id
         assert session.clients[client_id].refcount == 2
         assert session.attached == {p1, p2}
 
-        bridge.detach(session, p1, client_id)
+        bridge.release_client(session, p1, client_id)
         assert session.clients[client_id].refcount == 1
         assert session.attached == {p2}
-        assert session.session_id not in p1.registrations
+        assert bridge.clients.registration(p1, session.session_id) is None
 
-        bridge.detach(session, p2, client_id)
+        bridge.release_client(session, p2, client_id)
         assert client_id not in session.clients
         assert session.attached == set()
 
@@ -226,17 +228,17 @@ async def test_reaper_closes_only_idle_unattached_clientless_sessions(autojump_c
     backend.ignore_cancel("abandoned")
     limits = Limits(client_idle_timeout_s=5, session_idle_timeout_s=10)
     async with running_bridge(backend, limits) as bridge:
-        idle, _ = bridge.new_session("/tmp", [], None)
-        busy, _ = bridge.new_session("/tmp", [], None)
-        bridge.admit_prompt(busy.session_id, text_blocks("running"), peer=None)
-        stuck, _ = bridge.new_session("/tmp", [], None)
-        bridge.admit_prompt(stuck.session_id, text_blocks("abandoned"), peer=None)
+        idle, _ = await open_session(bridge, None)
+        busy, _ = await open_session(bridge, None)
+        admit_ticket(bridge, busy.session_id, text_blocks("running"), peer=None)
+        stuck, _ = await open_session(bridge, None)
+        admit_ticket(bridge, stuck.session_id, text_blocks("abandoned"), peer=None)
         await backend.started("abandoned")
         bridge.cancel_session(stuck.session_id, None)
         live_peer = FakePeer()
-        watched, _ = bridge.new_session("/tmp", [], live_peer)
+        watched, _ = await open_session(bridge, live_peer)
         dead_peer = FakePeer()
-        left, _ = bridge.new_session("/tmp", [], dead_peer)
+        left, _ = await open_session(bridge, dead_peer)
         dead_peer.closed = True  # closed, but the bridge was not told: it must not count as live
 
         await trio.sleep(12)

@@ -30,7 +30,7 @@ from acp_server.admission import Limits
 from acp_server.bridge import PromptTicket, Session, SessionBridge
 from acp_server.errors import AcpError, InvalidParamsError, PromptQueueFullError, SessionNotFoundError
 
-from .fakes import FakeBackend, FakePeer, running_bridge, text_blocks
+from .fakes import FakeBackend, FakePeer, admit_ticket, open_session, running_bridge, text_blocks
 from .helpers import scaled
 
 LIMIT = 2
@@ -119,8 +119,7 @@ class Tracked:
     """One admitted prompt and what its caller has seen.
 
     The caller waits the way the ``session/prompt`` handler does: through the bridge's callback
-    waiter (``bridge.waiter``) when the bridge has one, else in a task awaiting ``prompt_outcome``
-    as the connection shell runs it.
+    waiter (``bridge.waiter``), cancelled as the connection shell cancels it.
     """
 
     def __init__(self, index: int, ticket: PromptTicket, text: str, peer: FakePeer) -> None:
@@ -133,49 +132,26 @@ class Tracked:
         self.cancelled = False
         #: its connection is gone (it can get no answer any more)
         self.lost = False
-        self._scope = trio.CancelScope()
         self._deferred: Any = None
 
     @property
     def settled(self) -> bool:
         return self.ticket.done.is_set()
 
-    def start(self, bridge: SessionBridge, nursery: trio.Nursery) -> None:
-        make_waiter = getattr(bridge, "waiter", None)
-        if make_waiter is not None:
-            self._deferred = make_waiter(self.ticket)
-            self._deferred.subscribe(self._answer)
-        else:
-            nursery.start_soon(self._wait, bridge)
+    def start(self, bridge: SessionBridge) -> None:
+        self._deferred = bridge.waiter(self.ticket)
+        self._deferred.subscribe(self._answer)
 
     def cancel_request(self) -> None:
         self.cancelled = True
-        if self._deferred is not None:
-            self._deferred.cancel(connection_lost=False)
-        else:
-            self._scope.cancel()
+        self._deferred.cancel(connection_lost=False)
 
     def connection_lost(self) -> None:
         self.lost = True
-        if self._deferred is not None:
-            self._deferred.cancel(connection_lost=True)
-        else:
-            self._scope.cancel()
+        self._deferred.cancel(connection_lost=True)
 
     def _answer(self, result: Any, error: AcpError | None) -> None:
         self.answers.append(("error", error.kind) if error is not None else ("result", result.stop_reason))
-
-    async def _wait(self, bridge: SessionBridge) -> None:
-        with self._scope:
-            try:
-                result = await bridge.prompt_outcome(self.ticket)
-            except AcpError as exc:
-                self._answer(None, exc)
-            else:
-                self._answer(result, None)
-            return
-        if not self.lost:  # the shell answers a cancelled request, unless its connection is gone
-            self.answers.append(("error", "request_cancelled"))
 
 
 class Harness:
@@ -185,16 +161,20 @@ class Harness:
         self.clock = clock
         self.nursery = nursery
         self.peers = [FakePeer() for _ in range(PEERS)]
-        self.sessions = [self.open(i) for i in range(SESSIONS)]
+        self.sessions: list[Session] = []
         #: every session ever opened, and the last closed one of each slot
-        self.all_sessions = list(self.sessions)
+        self.all_sessions: list[Session] = []
         self.closed: dict[int, Session] = {}
         self.tracked: list[Tracked] = []
 
-    def open(self, slot: int) -> Session:
+    async def start(self) -> None:
+        self.sessions = [await self.open(i) for i in range(SESSIONS)]
+        self.all_sessions = list(self.sessions)
+
+    async def open(self, slot: int) -> Session:
         # Slot 0's session has every connection attached; slot 1's only the first, so that a lost
         # connection sometimes leaves others watching (its prompts run on) and sometimes not.
-        session, _ = self.bridge.new_session("/tmp", [], self.peers[0])
+        session, _ = await open_session(self.bridge, self.peers[0])
         if slot == 0:
             for peer in self.peers[1:]:
                 self.bridge.register(session, peer)
@@ -234,7 +214,7 @@ class Harness:
             before = self.unsettled(old)
             self.bridge.close_session(old)
             self.closed[op.session] = old
-            self.sessions[op.session] = self.open(op.session)
+            self.sessions[op.session] = await self.open(op.session)
             self.all_sessions.append(self.sessions[op.session])
             await trio.testing.wait_all_tasks_blocked()
             for t in before:
@@ -249,7 +229,8 @@ class Harness:
         text = f"t{index}"
         expected_full = len(self.unsettled(session)) >= LIMIT
         try:
-            ticket = self.bridge.admit_prompt(
+            ticket = admit_ticket(
+                self.bridge,
                 session.session_id, text_blocks(text), peer=peer, deadline_ms=op.deadline_ms
             )
         except SessionNotFoundError:
@@ -274,10 +255,11 @@ class Harness:
             self.backend.delay(text, 1.5)
         tracked = Tracked(index, ticket, text, peer)
         self.tracked.append(tracked)
-        tracked.start(self.bridge, self.nursery)
+        tracked.start(self.bridge)
 
     async def disconnect(self, index: int) -> None:
         old = self.peers[index]
+        registrations = {s.session_id: self.bridge.clients.registration(old, s.session_id) for s in self.sessions}
         old.closed = True
         self.bridge.peer_closed(old)
         mine = [t for t in self.tracked if t.peer is old and not t.settled]
@@ -289,8 +271,9 @@ class Harness:
             assert t.settled or any(not p.closed for p in t.ticket.session.attached)
         new = FakePeer()
         for session in self.sessions:
-            if session.session_id in old.registrations:
-                self.bridge.register(session, new, old.registrations[session.session_id])
+            registered = registrations[session.session_id]
+            if registered is not None:
+                self.bridge.register(session, new, registered)
         self.peers[index] = new
 
     # --- checks ------------------------------------------------------------------------------------
@@ -342,6 +325,7 @@ async def _run(ops: list[Any]) -> None:
     limits = Limits(max_pending_prompts_per_session=LIMIT, client_idle_timeout_s=1e6, session_idle_timeout_s=1e6)
     async with running_bridge(backend, limits) as bridge, trio.open_nursery() as callers:
         harness = Harness(bridge, backend, clock, callers)
+        await harness.start()
         for op in ops:
             await harness.apply(op)
             harness.check()

@@ -131,7 +131,7 @@ async def test_self_heal_retries_once_only() -> None:
 
             def detach_again(old: str | None, new: str) -> None:
                 # What another connection's _acp_server/detach does, done before our resend leaves.
-                bridge.detach(session_state, None, new)
+                bridge.release_client(session_state, None, new)
 
             s.session.on_self_heal = detach_again
             with pytest.raises(RpcError) as info:

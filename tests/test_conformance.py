@@ -202,12 +202,13 @@ async def test_conformance_standard_error_kinds(kind: str) -> None:
 
 
 async def test_conformance_parse_error_keeps_connection_open() -> None:
-    """An unparseable line gets -32700 with id null; the same connection then works normally."""
+    """An unparseable line gets -32700, addressed to its id when the id is readable (a truncated line),
+    else null; the same connection then works normally."""
     async with running_server() as (server, nursery):
         client = await connect(server, nursery)
-        for bad in (b"{oops\n", b'{"jsonrpc":"2.0","id":1,"method":"x"\n', b"]\n"):
+        for bad, id in ((b"{oops\n", None), (b'{"jsonrpc":"2.0","id":1,"method":"x"\n', 1), (b"]\n", None)):
             msg = await exchange_one(client, bad)
-            check_error(msg, -32700, "parse_error", id=None)
+            check_error(msg, -32700, "parse_error", id=id)
         session_id, _ = await client.new_session()
         assert (await client.prompt(session_id, "still here"))["stopReason"] == "end_turn"
 
@@ -766,7 +767,7 @@ async def test_conformance_60_mib_line_memory_bounded(monkeypatch: pytest.Monkey
         (b'{"jsonrpc":"2.0","id":"g","method":true}', [(-32600, "invalid_request")]),
         (b'{"jsonrpc":["2.0"],"id":"g","method":"x"}', [(-32600, "invalid_request")]),
         (b'{"jsonrpc":"2.0","id":"g","method":"../../etc/passwd"}', [(-32601, "method_not_found")]),
-        (b'{"jsonrpc":"2.0","id":"g","method":"session/prompt","params":{"sessionId":"nope","prompt":[]}}', [(-32002, "session_not_found")]),
+        (b'{"jsonrpc":"2.0","id":"g","method":"session/prompt","params":{"sessionId":"nope","prompt":[{"type":"text","text":"x"}]}}', [(-32002, "session_not_found")]),
         (b'{"jsonrpc":"2.0","id":"g","result":{"ok":true}}', []),
         (b'{"jsonrpc":"2.0","id":123456,"error":{"code":-1,"message":"x"}}', []),
         (b'{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"x"}}', []),

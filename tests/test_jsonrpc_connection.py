@@ -127,23 +127,25 @@ def test_connection_events_wait_for_the_whole_line(conn: Connection) -> None:
 
 
 @pytest.mark.parametrize(
-    "line",
+    ("line", "reply_id"),
     [
-        b"{not json",
-        b'{"jsonrpc":"2.0","id":1,"method":"m"',
-        b"\xff\xfe\x00\x01",
-        b'{"jsonrpc":"2.0","id":1,"method":"\xc3\x28"}',
-        b"[",
-        b"[1,",
+        (b"{not json", None),
+        (b'{"jsonrpc":"2.0","id":1,"method":"m"', 1),
+        (b"\xff\xfe\x00\x01", None),
+        (b'{"jsonrpc":"2.0","id":1,"method":"\xc3\x28"}', 1),
+        (b'{"jsonrpc":"2.0","method":"m","params":{"t":"\\ud800"},"id":"x"}', "x"),
+        (b"[", None),
+        (b"[1,", None),
     ],
-    ids=["garbage", "truncated", "binary", "bad-utf8-in-string", "open-bracket", "truncated-batch"],
+    ids=["garbage", "truncated", "binary", "bad-utf8-in-string", "lone-surrogate", "open-bracket", "truncated-batch"],
 )
-def test_connection_parse_error(conn: Connection, line: bytes) -> None:
-    """Bytes that are not UTF-8 JSON get -32700 parse_error with id null, and the next line still parses."""
+def test_connection_parse_error(conn: Connection, line: bytes, reply_id: object) -> None:
+    """Bytes that are not UTF-8 JSON get -32700 parse_error, addressed to the id when it can be read,
+    and the next line still parses."""
     ev = one(conn, line + b"\n")
     assert isinstance(ev, ErrorReply)
     msg = error_of(ev)
-    assert msg["id"] is None
+    assert msg["id"] == reply_id
     assert msg["error"]["code"] == -32700 and msg["error"]["data"]["errorKind"] == "parse_error"
     assert isinstance(one(conn, b'{"jsonrpc":"2.0","id":1,"method":"m"}\n'), Request)
 

@@ -27,6 +27,16 @@ def error_object(err: AdmissionDeferredError | CapacityUnavailableError) -> dict
     return {"code": err.code, "message": err.message, "data": msgspec.to_builtins(err.payload)}
 
 
+async def seat_for(engine: PolicyEngine, **kwargs: Any) -> Seat:
+    """A seat for a prompt accepted earlier, as the bridge's runner takes one: :meth:`PolicyEngine.enqueue`,
+    then the ticket's ``wait`` when it got one."""
+    got = engine.enqueue(**kwargs)
+    if isinstance(got, Seat):
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return got
+    return await got.wait()
+
+
 def assert_settled(engine: PolicyEngine) -> None:
     """Every gauge is back at 0 and every admitted prompt had exactly one outcome."""
     s = engine.statistics()
@@ -347,13 +357,13 @@ async def test_waiter_leaves_when_its_deadline_runs_out(autojump_clock: trio.tes
         await head.wait()
     got.release()
     with pytest.raises(WaitDeadlineExpired):  # a free seat, but not enough deadline left to start
-        await engine.wait_for_seat(deadline=trio.current_time() + 0.05)
+        await seat_for(engine, deadline=trio.current_time() + 0.05)
     assert_settled(engine)
     assert engine.statistics().expired_total == 3  # lazy, head and the last one
 
 
 async def test_accepted_head_prompts_are_never_refused(autojump_clock: trio.testing.MockClock) -> None:
-    """enqueue/wait_for_seat never refuse: not for a full room, a tenant at its cap or a long
+    """enqueue and a ticket's wait never refuse: not for a full room, a tenant at its cap or a long
     estimate; they wait for the seat the fair queue gives them."""
     engine = PolicyEngine(
         PolicyLimits(max_running_prompts=1, max_queued_prompts=0, tenant_max_running=1, interactive_max_wait_ms=1)
@@ -363,7 +373,7 @@ async def test_accepted_head_prompts_are_never_refused(autojump_clock: trio.test
     order: list[str] = []
 
     async def head(tenant: str, name: str) -> None:
-        with await engine.wait_for_seat(tenant=tenant, session_id=name) as got:
+        with await seat_for(engine, tenant=tenant, session_id=name) as got:
             order.append(got.session_id)
             await trio.sleep(1.0)
 
@@ -387,7 +397,7 @@ async def test_tenant_cap_holds_waiters_without_global_seats(autojump_clock: tri
     now_running = {"a": 0, "b": 0}
 
     async def head(tenant: str) -> None:
-        with await engine.wait_for_seat(tenant=tenant):
+        with await seat_for(engine, tenant=tenant):
             now_running[tenant] += 1
             peak[tenant] = max(peak[tenant], now_running[tenant])
             await trio.sleep(1.0)

@@ -34,7 +34,9 @@ from .fakes import (
     FakeBackend,
     FakePeer,
     Pending,
+    admit_ticket,
     hang_guard,
+    open_session,
     responses_by_id,
     send_prompt,
     text_blocks,
@@ -604,12 +606,12 @@ async def test_prompt_settled_before_its_runner_starts_gives_its_decision_back(d
     async with hang_guard(), trio.open_nursery() as nursery:
         await nursery.start(bridge.run)
         backend.hold("holder")
-        first, _ = bridge.new_session("/tmp", [], peer)
-        second, _ = bridge.new_session("/tmp", [], peer)
+        first, _ = await open_session(bridge, peer)
+        second, _ = await open_session(bridge, peer)
         if decided == "queued":
-            bridge.admit_prompt(first.session_id, text_blocks("holder"), peer=peer)
+            admit_ticket(bridge, first.session_id, text_blocks("holder"), peer=peer)
         target = second if decided == "queued" else first
-        ticket = bridge.admit_prompt(target.session_id, text_blocks("victim"), peer=peer)
+        ticket = admit_ticket(bridge, target.session_id, text_blocks("victim"), peer=peer)
         assert isinstance(ticket.seat, Queued if decided == "queued" else Seat)
         bridge.cancel_session(target.session_id, peer)  # before any task ran
         assert ticket.settled and ticket.seat is None
@@ -619,7 +621,7 @@ async def test_prompt_settled_before_its_runner_starts_gives_its_decision_back(d
         assert backend.calls_of("victim") == []
         backend.release("holder")
         await wait_all_tasks_blocked()
-        after = bridge.admit_prompt(second.session_id, text_blocks("next"), peer=peer)
+        after = admit_ticket(bridge, second.session_id, text_blocks("next"), peer=peer)
         assert isinstance(after.seat, Seat)  # the seat is free again
         await after.done.wait()
         await wait_all_tasks_blocked()

@@ -36,7 +36,8 @@ from acp_server.store.records import (
     encode_ops,
     encode_round,
 )
-from acp_server.store.writer import Checkpointer, StoreWriter, serve
+from acp_server.store.writer import StoreWriter
+from acp_server.store.writer_process import Checkpointer, serve
 
 from .helpers import rows_of, stored_events
 

@@ -27,8 +27,8 @@ async def test_turn_state_text_matches_the_wire_type_and_escapes_the_reason() ->
         await backend.started("held")
         ticket = server.bridge.sessions[sid].fifo[0]
         odd = 'a "quoted" \\ reason\n with é and \u2028'
-        server.bridge.turn_state(ticket, "queued", reason=odd, position=3)
-        server.bridge.turn_state(ticket, "failed", reason=odd)  # terminal: kept in the history too
+        server.bridge.fanout.turn_state(ticket, "queued", reason=odd, position=3)
+        server.bridge.fanout.turn_state(ticket, "failed", reason=odd)  # terminal: kept in the history too
         with trio.fail_after(5):
             while len(mine := [t for t in other.turn_states if t.get("reason") == odd]) < 2:
                 await other.notified.wait()

@@ -29,7 +29,7 @@ observed mean seat hold time); before any seat was released there is no estimate
 queue. ``retryAfterMs`` is derived from the same drain rates, clamped to [1 s, 32 s].
 
 **Accepted prompts are never refused later.** A prompt admitted behind others in its session's FIFO
-calls :meth:`PolicyEngine.wait_for_seat` (or the synchronous :meth:`PolicyEngine.enqueue` + ``wait``)
+calls :meth:`PolicyEngine.enqueue` (synchronous) and, given a :class:`Queued` ticket, its ``wait``
 when it reaches the head: it waits for the seat the fair queue gives it, whatever the room's size. A
 waiter whose deadline leaves less than ``min_deadline_left_ms`` is removed and its ``wait`` raises
 :class:`WaitDeadlineExpired`; the caller reports ``prompt_deadline_exceeded``.
@@ -59,18 +59,29 @@ import logging
 import math
 import secrets
 from collections.abc import Callable
-from fractions import Fraction
-from types import TracebackType
-from typing import Final, Literal
+from typing import Final
 
-import msgspec
 import outcome
 import trio
-from trio.lowlevel import Abort, RaiseCancelT, Task, enable_ki_protection
+from trio.lowlevel import enable_ki_protection
 
 from ..errors import RETRY_AFTER_MS, AdmissionDeferredError, CapacityUnavailableError
-from .limits import check_non_negative_int
+from .policy_limits import (
+    DECISION_KEYS,
+    DEFAULT_CLASS_SHARES,
+    QUEUE_WAIT_BOUNDS,
+    RETRY_AFTER_MAX_MS,
+    RETRY_AFTER_MIN_MS,
+    ClassStatistics,
+    PolicyLimits,
+    PolicyStatistics,
+    Reason,
+    TenantStatistics,
+    WaitHistogram,
+    seat_shares,
+)
 from .policy_queue import INTERACTIVE, PRIORITIES, Discipline, Priority, QueueEntry, WaitingRoom, rank_of
+from .seats import _CANCELLED, _EXPIRED, _FREE_SEAT, _GRANTED, _QUEUED, Queued, Seat, WaitDeadlineExpired
 
 __all__ = [
     "DECISION_KEYS",
@@ -92,348 +103,8 @@ __all__ = [
 
 logger = logging.getLogger("acp_server.admission")
 
-#: Default shares of the global seats, in percent.
-DEFAULT_CLASS_SHARES: Final[dict[str, float]] = {"critical": 10, "interactive": 60, "background": 25, "bulk": 5}
-#: The bounds of every ``retryAfterMs`` the engine serves.
-RETRY_AFTER_MIN_MS: Final = 1000
-RETRY_AFTER_MAX_MS: Final = 32000
 #: Weight of the newest seat hold time in the running mean.
 _HOLD_ALPHA: Final = 0.2
-#: Upper bounds (seconds) of the queue-wait histogram's buckets; the last one catches everything.
-QUEUE_WAIT_BOUNDS: Final[tuple[float, ...]] = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, math.inf,
-)
-
-Mode = Literal["enforce", "observe"]
-Reason = Literal["tenant_limit", "queue_full", "deadline_unreachable", "wait_too_long"]
-
-#: The keys of :attr:`PolicyStatistics.decisions`: ``outcome`` or ``outcome.reason``.
-DECISION_KEYS: Final = (
-    "run",
-    "queued",
-    "deferred.tenant_limit",
-    "rejected.queue_full",
-    "rejected.deadline_unreachable",
-    "rejected.wait_too_long",
-)
-
-
-def _check_seconds(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
-        raise ValueError(f"{name} must be a non-negative number of seconds (0 turns it off); got {value!r}")
-
-
-class PolicyLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """The bounds of the admission policy. Every limit defaults to off.
-
-    Attributes:
-        max_running_prompts: prompts running at once across the server (0: no global seats).
-        max_queued_prompts: prompts waiting for a seat, decided at arrival (0: no waiting room);
-            only used with ``max_running_prompts``.
-        tenant_max_running: seats one tenant holds at once (0: no cap).
-        tenant_overrides: tenant id -> its own cap instead of ``tenant_max_running`` (0: no cap).
-        class_shares: priority class -> its share of the seats (any positive scale, e.g. percent);
-            a class left out has no share and only borrows idle seats.
-        interactive_max_wait_ms: the longest estimated wait an interactive prompt is queued for (0: any).
-        aging_s: seconds of waiting that move a background or bulk waiter up one rank (0: no aging).
-        min_deadline_left_ms: a prompt with a deadline starts only with this much of it left, and a
-            waiter leaves the queue when less remains.
-        mode: ``"enforce"``, or ``"observe"`` to admit everything and only count what would happen.
-    """
-
-    max_running_prompts: int = 0
-    max_queued_prompts: int = 200
-    tenant_max_running: int = 0
-    tenant_overrides: dict[str, int] = msgspec.field(default_factory=dict)
-    class_shares: dict[str, float] = msgspec.field(default_factory=lambda: dict(DEFAULT_CLASS_SHARES))
-    interactive_max_wait_ms: int = 2000
-    aging_s: float = 30.0
-    min_deadline_left_ms: int = 100
-    mode: Mode = "enforce"
-
-    def __post_init__(self) -> None:
-        check_non_negative_int("max_running_prompts", self.max_running_prompts)
-        check_non_negative_int("max_queued_prompts", self.max_queued_prompts, zero="0 means no waiting room")
-        check_non_negative_int("tenant_max_running", self.tenant_max_running)
-        for tenant, cap in self.tenant_overrides.items():
-            if not isinstance(tenant, str):
-                raise TypeError(f"tenant_overrides keys must be tenant id strings; got {tenant!r}")
-            check_non_negative_int(f'tenant_overrides["{tenant}"]', cap)
-        check_non_negative_int("interactive_max_wait_ms", self.interactive_max_wait_ms)
-        check_non_negative_int("min_deadline_left_ms", self.min_deadline_left_ms, zero="0 means any time left")
-        _check_seconds("aging_s", self.aging_s)
-        for name, share in self.class_shares.items():
-            if name not in PRIORITIES:
-                raise ValueError(f"class_shares keys must be among {', '.join(PRIORITIES)}; got {name!r}")
-            if isinstance(share, bool) or not isinstance(share, (int, float)) or not share >= 0 or math.isinf(share):
-                raise ValueError(f'class_shares["{name}"] must be a non-negative number; got {share!r}')
-        if not sum(self.class_shares.values()) > 0:
-            raise ValueError("class_shares must give at least one class a positive share")
-        if self.mode not in ("enforce", "observe"):
-            raise ValueError(f'mode must be "enforce" or "observe"; got {self.mode!r}')
-
-    @property
-    def enabled(self) -> bool:
-        """True when anything is limited; False makes the engine a no-op fast path."""
-        return bool(self.max_running_prompts or self.tenant_max_running or any(self.tenant_overrides.values()))
-
-    def tenant_cap(self, tenant: str) -> int:
-        """The seats ``tenant`` may hold at once (0: no cap)."""
-        return self.tenant_overrides.get(tenant, self.tenant_max_running)
-
-
-def seat_shares(seats: int, shares: dict[str, float]) -> tuple[int, ...]:
-    """Split ``seats`` by ``shares`` with largest-remainder rounding, in rank order (critical first).
-
-    The parts sum to ``seats``; remainders that tie go to the higher-ranked class.
-    """
-    weights = [Fraction(shares.get(name, 0)) for name in PRIORITIES]
-    total = sum(weights)
-    exact = [seats * w / total for w in weights]
-    parts = [math.floor(q) for q in exact]
-    by_remainder = sorted(range(len(PRIORITIES)), key=lambda r: (-(exact[r] - parts[r]), r))
-    for rank in by_remainder[: seats - sum(parts)]:
-        parts[rank] += 1
-    return tuple(parts)
-
-
-class ClassStatistics(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    """One priority class in :class:`PolicyStatistics`.
-
-    Attributes:
-        share: its seats when all classes are busy (0 without global seats).
-        running: seats it holds now (aged waiters count in the class they were granted in).
-        waiting: prompts waiting in it now (aged waiters count in the class they climbed to).
-        oldest_wait_ms: how long its oldest waiter has waited (0: nobody waits).
-    """
-
-    share: int
-    running: int
-    waiting: int
-    oldest_wait_ms: int
-
-
-class WaitHistogram(msgspec.Struct, frozen=True, kw_only=True):
-    """Seconds waited for a seat by the waiters granted in one class (Prometheus-style, cumulative).
-
-    Attributes:
-        buckets: ``[upper bound in seconds, waiters granted within it]``, the last bound ``inf``.
-        sum: seconds waited in all; count: waiters granted.
-    """
-
-    buckets: list[tuple[float, int]]
-    sum: float
-    count: int
-
-
-class TenantStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    running: int
-    waiting: int
-
-
-class PolicyStatistics(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    """A snapshot of the engine, like ``trio.CapacityLimiter.statistics()``.
-
-    Attributes:
-        enabled: anything is limited (False: every other figure stays 0).
-        mode: ``"enforce"`` or ``"observe"``.
-        max_running_prompts: the global seats (0: none).
-        running: seats held now; waiting: prompts in the waiting room now.
-        tenants_running: tenants holding at least one seat.
-        classes: per priority class, by name.
-        decisions: arrival decisions by :data:`DECISION_KEYS` (in observe mode: what would have happened).
-        admitted_total: prompts given a seat or a ticket (decided "run" or "queued", and every enqueue).
-        granted_total, released_total: seats handed out and given back.
-        expired_total: waiters removed because their deadline ran out; cancelled_total: waiters that left.
-        retry_after_served: refusals sent with a ``retryAfterMs``; retry_after_ms_total: the sum of those.
-        queue_wait: per class, how long its granted waiters waited.
-        tenants: per tenant holding a seat or waiting: its seats and waiters (for metrics with tenant labels).
-    """
-
-    enabled: bool
-    mode: str
-    max_running_prompts: int
-    running: int
-    waiting: int
-    tenants_running: int
-    classes: dict[str, ClassStatistics]
-    decisions: dict[str, int]
-    admitted_total: int
-    granted_total: int
-    released_total: int
-    expired_total: int
-    cancelled_total: int
-    retry_after_served: int
-    retry_after_ms_total: int
-    queue_wait: dict[str, WaitHistogram]
-    tenants: dict[str, TenantStatistics]
-
-
-class WaitDeadlineExpired(Exception):
-    """A waiter's deadline left less than ``min_deadline_left_ms``: it left the queue and holds nothing.
-
-    The caller reports ``prompt_deadline_exceeded``.
-    """
-
-
-class Seat:
-    """One running prompt's seat. Release it exactly when the prompt ends; ``release`` is idempotent.
-
-    Attributes:
-        tenant, session_id: whose prompt it is.
-        priority: the class it was granted in (its own, or the one aging raised it to).
-        granted_at: the engine clock when it was granted.
-    """
-
-    __slots__ = ("_engine", "_released", "decision", "granted_at", "priority", "rank", "session_id", "tenant")
-
-    def __init__(self, engine: PolicyEngine | None, tenant: str, rank: int, session_id: str, now: float) -> None:
-        self._engine = engine
-        self._released = False
-        self.tenant = tenant
-        self.rank = rank
-        self.priority: Priority = PRIORITIES[rank]
-        self.session_id = session_id
-        self.granted_at = now
-        #: the arrival decision it came from (a key of ``decisions``; "" when not from :meth:`decide`)
-        self.decision = ""
-
-    def __repr__(self) -> str:
-        state = "released" if self._released else "held"
-        return f"<Seat {self.priority} tenant {self.tenant!r} session {self.session_id!r} {state}>"
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    @enable_ki_protection
-    def release(self) -> None:
-        """Give the seat back, handing it to the next waiter if any. Later calls do nothing."""
-        if self._released or self._engine is None:
-            return
-        self._released = True
-        self._engine._release(self)
-
-    def __enter__(self) -> Seat:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
-
-
-#: The seat handed out when nothing is limited: no bookkeeping, ``release`` does nothing.
-_FREE_SEAT: Final = Seat(None, "default", INTERACTIVE, "", 0.0)
-
-# A ticket's life: in the room, then exactly one of granted (-> claimed by wait) / expired / cancelled.
-_QUEUED: Final = 0
-_GRANTED: Final = 1
-_CLAIMED: Final = 2
-_EXPIRED: Final = 3
-_CANCELLED: Final = 4
-
-
-class Queued(QueueEntry):
-    """A prompt waiting in the room for a seat; made by :meth:`PolicyEngine.decide` or ``enqueue``.
-
-    Attributes:
-        position_hint: its 1-based place in its class when it entered (fair queuing may serve it sooner).
-        session_id: whose prompt it is.
-    """
-
-    __slots__ = ("_engine", "_expires_at", "_seat", "_state", "_task", "position_hint", "session_id")
-
-    def __init__(
-        self, engine: PolicyEngine, tenant: str, rank: int, session_id: str, expires_at: float, position: int
-    ) -> None:
-        super().__init__(tenant, rank)
-        self._engine = engine
-        self.session_id = session_id
-        self._expires_at = expires_at
-        self.position_hint = position
-        self._state = _QUEUED
-        self._seat: Seat | None = None
-        self._task: Task | None = None
-
-    def __repr__(self) -> str:
-        state = ("queued", "granted", "claimed", "expired", "cancelled")[self._state]
-        return f"<Queued {PRIORITIES[self.rank]} tenant {self.tenant!r} session {self.session_id!r} {state}>"
-
-    @property
-    def waiting(self) -> bool:
-        """True while it sits in the room."""
-        return self._state == _QUEUED
-
-    @enable_ki_protection
-    async def wait(self) -> Seat:
-        """Wait for the seat the fair queue gives this prompt, and return it (held: release it).
-
-        Raises:
-            WaitDeadlineExpired: the deadline ran out first; the ticket left the queue.
-            trio.Cancelled: cancelled first; the ticket left the queue (a grant that came first is
-                returned instead, and the cancel arrives at the next checkpoint).
-            RuntimeError: waited twice, or the ticket was given up with :meth:`cancel`.
-        """
-        try:
-            await trio.lowlevel.checkpoint_if_cancelled()
-        except trio.Cancelled:
-            self.cancel()
-            raise
-        if self._state == _QUEUED:
-            if self._task is not None:
-                raise RuntimeError(f'the ticket of session "{self.session_id}" is already being waited for')
-            try:
-                with trio.CancelScope(deadline=self._expires_at) as scope:
-                    await self._park()
-            except trio.Cancelled:
-                self._engine._cancelled_total += 1  # the abort took it out of the room
-                raise
-            if scope.cancelled_caught:
-                self._state = _EXPIRED
-                self._engine._expired_total += 1
-        else:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-        if self._state == _GRANTED:
-            assert self._seat is not None
-            self._state = _CLAIMED
-            return self._seat
-        if self._state == _EXPIRED:
-            raise WaitDeadlineExpired(f'the deadline of session "{self.session_id}" ran out while it waited for a seat')
-        raise RuntimeError(f'the ticket of session "{self.session_id}" was cancelled or already claimed')
-
-    async def _park(self) -> None:
-        self._task = trio.lowlevel.current_task()
-
-        def abort(_: RaiseCancelT) -> Abort:
-            # Runs only while still parked: a grant or expiry reschedules the task first.
-            self._engine._room.remove(self)
-            self._state = _CANCELLED
-            self._task = None
-            return Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-
-    @enable_ki_protection
-    def cancel(self) -> None:
-        """Give the ticket up: leave the room, or release a seat granted but not yet claimed by ``wait``.
-
-        A task parked in :meth:`wait` is woken with RuntimeError. A no-op once claimed, expired or cancelled.
-        """
-        if self._state == _QUEUED:
-            self._engine._room.remove(self)
-            self._state = _CANCELLED
-            self._engine._cancelled_total += 1
-            self._wake(outcome.Error(RuntimeError(f'the ticket of session "{self.session_id}" was cancelled')))
-        elif self._state == _GRANTED:
-            assert self._seat is not None
-            self._state = _CANCELLED
-            self._seat.release()
-
-    def _wake(self, value: outcome.Outcome[None]) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            trio.lowlevel.reschedule(task, value)
 
 
 class PolicyEngine:
@@ -614,21 +285,6 @@ class PolicyEngine:
         else:
             self._room.push(ticket, now)
         return ticket
-
-    async def wait_for_seat(
-        self,
-        *,
-        tenant: str = "default",
-        priority: str = "interactive",
-        deadline: float | None = None,
-        session_id: str = "",
-    ) -> Seat:
-        """:meth:`enqueue`, then wait for the seat (see :meth:`Queued.wait` for what it raises)."""
-        got = self.enqueue(tenant=tenant, priority=priority, deadline=deadline, session_id=session_id)
-        if isinstance(got, Seat):
-            await trio.lowlevel.cancel_shielded_checkpoint()  # the seat is owned: a cancel comes next
-            return got
-        return await got.wait()
 
     def statistics(self) -> PolicyStatistics:
         """A frozen snapshot of the gauges and counters."""

@@ -37,9 +37,10 @@ from typing import Final
 import msgspec
 import outcome
 import trio
-from trio.lowlevel import Abort, RaiseCancelT, Task, enable_ki_protection
+from trio.lowlevel import enable_ki_protection
 
 from ..errors import RETRY_AFTER_MS, CapacityExceededError
+from ..parking import ParkingSpot
 from .limits import check_non_negative_int, check_positive_int
 
 __all__ = ["CapacityManager", "CapacityPool", "Lease", "Permit", "PoolLimits", "PoolStatistics"]
@@ -132,9 +133,9 @@ class CapacityPool:
         self._leased = 0
         self._admitted_total = 0
         self._refused_total = 0
-        # Parked tasks, oldest first. A task leaves it exactly once: granted (popped in _release_permit),
-        # aborted by its cancel, or thrown out by its lease's release.
-        self._waiters: collections.OrderedDict[Task, Lease] = collections.OrderedDict()
+        # Leases whose call is parked for a permit, oldest first. One leaves exactly once: granted
+        # (popped in _release_permit), aborted by its cancel, or thrown out by its own release.
+        self._waiters: collections.OrderedDict[Lease, None] = collections.OrderedDict()
 
     def __repr__(self) -> str:
         return (
@@ -180,7 +181,7 @@ class CapacityPool:
         """A frozen snapshot of the pool's counters and bounds."""
         oldest = 0
         if self._waiters and trio.lowlevel.in_trio_run():
-            first = next(iter(self._waiters.values()))
+            first = next(iter(self._waiters))
             oldest = max(0, round((trio.current_time() - first._since) * 1000))
         return PoolStatistics(
             oldest_wait_ms=oldest,
@@ -206,50 +207,42 @@ class CapacityPool:
             raise trio.WouldBlock
 
     async def _park(self, lease: Lease) -> None:
-        task = trio.lowlevel.current_task()
-        self._waiters[task] = lease
+        self._waiters[lease] = None
         lease._permit = _WAITING
-        lease._task = task
         lease._since = trio.current_time()
 
-        def abort(_: RaiseCancelT) -> Abort:
-            # Runs only while the task is still parked: a grant reschedules it first, and then the
-            # cancel is seen at the caller's next checkpoint instead.
-            del self._waiters[task]
+        def abort() -> None:
+            # Runs only while the task is still parked: a grant wakes it first, and then the cancel
+            # is seen at the caller's next checkpoint instead.
+            del self._waiters[lease]
             lease._permit = _IDLE
-            lease._task = None
-            return Abort.SUCCEEDED
 
-        await trio.lowlevel.wait_task_rescheduled(abort)
+        await lease._spot.park(abort)
 
     def _release_permit(self, lease: Lease) -> None:
         lease._permit = _IDLE
         if self._waiters:
             # Hand the permit straight to the oldest waiter: ``active`` does not move.
-            task, heir = self._waiters.popitem(last=False)
+            heir, _ = self._waiters.popitem(last=False)
             heir._permit = _HOLDING
-            heir._task = None
-            trio.lowlevel.reschedule(task)
+            heir._spot.wake()
         else:
             self._active -= 1
 
     def _drop_waiter(self, lease: Lease) -> None:
         # The lease was released while its task was parked: wake the task with an error so it
         # neither waits forever nor calls the backend.
-        task = lease._task
-        assert task is not None
-        del self._waiters[task]
+        del self._waiters[lease]
         lease._permit = _IDLE
-        lease._task = None
-        trio.lowlevel.reschedule(
-            task,
+        woke = lease._spot.wake(
             outcome.Error(
                 RuntimeError(
                     f'the lease of session "{lease.session_id}" was released while this call waited for'
                     " a permit; take a new lease to call the backend"
                 )
-            ),
+            )
         )
+        assert woke, "a waiting lease has a parked call"
 
 
 class Lease:
@@ -259,14 +252,14 @@ class Lease:
     times in sequence (retries) while it is held. ``release`` returns any permit it still holds.
     """
 
-    __slots__ = ("__weakref__", "_permit", "_pool", "_released", "_since", "_task", "session_id")
+    __slots__ = ("__weakref__", "_permit", "_pool", "_released", "_since", "_spot", "session_id")
 
     def __init__(self, pool: CapacityPool, session_id: str) -> None:
         self._pool = pool
         self.session_id = session_id
         self._released = False
         self._permit: int = _IDLE
-        self._task: Task | None = None
+        self._spot = ParkingSpot()
         self._since = 0.0  # when it started waiting for a permit
 
     def __repr__(self) -> str:

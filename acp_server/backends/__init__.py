@@ -5,8 +5,8 @@ from .base import (
     Backend,
     BaseBackend,
     ClientChannel,
+    ClientGoneError,
     ClientRequestError,
-    ConnectionLostError,
     SessionSetup,
     Turn,
 )
@@ -18,7 +18,7 @@ __all__ = [
     "BaseBackend",
     "ClientChannel",
     "ClientRequestError",
-    "ConnectionLostError",
+    "ClientGoneError",
     "EchoBackend",
     "SessionSetup",
     "Turn",

@@ -23,12 +23,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Literal, cast, get_args
+from typing import Any, Final, cast, get_args
 
 import msgspec
 import trio
 
-from .. import __version__
 from ..errors import (
     AgentError,
     AuthRequiredError,
@@ -37,54 +36,24 @@ from ..errors import (
     SessionNotFoundError,
 )
 from ..jsonrpc import Notification, Request
-from ..types.acp import PROTOCOL_VERSION, StopReason
+from ..types.acp import StopReason
 from .agent_process import AgentProcess, AgentRpcError, ChildExitedError, decode_params
 from .agent_relay import RELAYED_METHODS, TurnRelay
+from .agent_start import (
+    BACKOFF_RESET_S,
+    FailureReason,
+    StartAttempt,
+    StartFailed,
+    initialize_child,
+    restart_delay,
+)
 from .base import BaseBackend, SessionSetup, Turn
 
 __all__ = ["AcpAgentBackend", "restart_delay"]
 
 log = logging.getLogger("acp_server.backends.acp_agent")
 
-FailureReason = Literal["spawn_failed", "exited", "initialize_failed"]
-
-#: the first delay of the restart backoff; each further failure doubles it
-BACKOFF_FIRST_S: Final = 0.5
-BACKOFF_MAX_S: Final = 30.0
-#: a child that stayed up this long resets the backoff
-BACKOFF_RESET_S: Final = 60.0
-
 _STOP_REASONS: Final = frozenset(get_args(StopReason))
-#: the client capabilities we advertise to the child: all that we can relay
-_CLIENT_CAPABILITIES: Final = {
-    "fs": {"readTextFile": True, "writeTextFile": True},
-    "terminal": True,
-    "elicitation": {"form": {}, "url": {}},
-}
-
-
-def restart_delay(failures: int) -> float:
-    """Seconds to wait before the next start after ``failures`` failures in a row (0 after the first)."""
-    if failures <= 1:
-        return 0.0
-    return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 2)))
-
-
-class _StartFailed(Exception):
-    def __init__(self, reason: FailureReason, exit_code: int | None) -> None:
-        super().__init__(reason)
-        self.reason: FailureReason = reason
-        self.exit_code = exit_code
-
-
-class _StartAttempt:
-    """One spawn + initialize, shared by every caller that needs the child meanwhile."""
-
-    __slots__ = ("done", "failure")
-
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.failure: tuple[FailureReason, int | None] | None = ("spawn_failed", None)
 
 
 class _Session:
@@ -144,7 +113,7 @@ class AcpAgentBackend(BaseBackend):
         self._stderr_log = logging.getLogger(f"acp_server.agent.{name}")
         self._nursery: trio.Nursery | None = None
         self._child: AgentProcess | None = None
-        self._starting: _StartAttempt | None = None
+        self._starting: StartAttempt | None = None
         self._init_result: dict[str, Any] = {}
         self._sessions: dict[str, _Session] = {}
         self._routes: dict[str, _Session] = {}  # the current child's session id -> our session
@@ -209,7 +178,7 @@ class AcpAgentBackend(BaseBackend):
                     raise BackendUnavailableError(
                         backend_id=self.name, session_id=session_id, reason=reason, exit_code=exit_code
                     )
-                attempt = self._starting = _StartAttempt()
+                attempt = self._starting = StartAttempt()
                 self._nursery.start_soon(self._start, attempt)
             await attempt.done.wait()
             if attempt.failure is not None:
@@ -218,10 +187,10 @@ class AcpAgentBackend(BaseBackend):
                     backend_id=self.name, session_id=session_id, reason=reason, exit_code=exit_code
                 )
 
-    async def _start(self, attempt: _StartAttempt) -> None:
+    async def _start(self, attempt: StartAttempt) -> None:
         try:
             child = await self._spawn_and_initialize()
-        except _StartFailed as exc:
+        except StartFailed as exc:
             attempt.failure = (exc.reason, exc.exit_code)
             self._note_failure(exc.reason, exc.exit_code)
         except Exception:
@@ -257,35 +226,8 @@ class AcpAgentBackend(BaseBackend):
             await self._nursery.start(child.serve)
         except OSError as exc:
             log.warning("backend %s: cannot start agent %r: %s", self.name, self.command, exc)
-            raise _StartFailed("spawn_failed", None) from exc
-        params = {
-            "protocolVersion": PROTOCOL_VERSION,
-            "clientCapabilities": _CLIENT_CAPABILITIES,
-            "clientInfo": {"name": "acp-server", "title": "acp-server", "version": __version__},
-        }
-        try:
-            with trio.fail_after(self.initialize_timeout_s):
-                result = await child.request("initialize", params)
-        except ChildExitedError as exc:
-            log.warning("backend %s: agent exited during initialize (code %s)", self.name, exc.exit_code)
-            raise _StartFailed("initialize_failed", exc.exit_code) from exc
-        except AgentRpcError as exc:
-            log.warning("backend %s: agent refused initialize: %s", self.name, exc.error)
-            child.kill()
-            raise _StartFailed("initialize_failed", None) from exc
-        except trio.TooSlowError as exc:
-            log.warning(
-                "backend %s: agent did not answer initialize in %s s", self.name, self.initialize_timeout_s
-            )
-            child.kill()
-            raise _StartFailed("initialize_failed", None) from exc
-        if not isinstance(result, dict) or result.get("protocolVersion") != PROTOCOL_VERSION:
-            version = result.get("protocolVersion") if isinstance(result, dict) else None
-            log.warning(
-                "backend %s: agent speaks protocol version %r, not %d", self.name, version, PROTOCOL_VERSION
-            )
-            child.kill()
-            raise _StartFailed("initialize_failed", None)
+            raise StartFailed("spawn_failed", None) from exc
+        result = await initialize_child(child, self.name, self.initialize_timeout_s)
         child.init_result = result
         self._init_result = result
         log.info("backend %s: agent pid %s ready", self.name, child.pid)
@@ -522,13 +464,6 @@ class AcpAgentBackend(BaseBackend):
         if stop_reason not in _STOP_REASONS:
             raise self._malformed("session/prompt", f"stopReason {stop_reason!r}")
         return cast(StopReason, stop_reason)
-
-    async def cancel(self, session_id: str) -> None:
-        session = self._sessions.get(session_id)
-        child = self._child
-        if session is not None and child is not None and session.child is child and session.child_sid:
-            child.notify("session/cancel", {"sessionId": session.child_sid})
-        await trio.lowlevel.checkpoint()
 
     async def set_mode(self, session_id: str, mode_id: str) -> None:
         session = self._session(session_id)

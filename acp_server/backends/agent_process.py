@@ -24,7 +24,19 @@ from typing import Any
 import msgspec
 import trio
 
-from ..jsonrpc import NEED_DATA, Batch, Connection, ErrorReply, Notification, Request, Response, TooLarge
+from ..jsonrpc import (
+    NEED_DATA,
+    Batch,
+    Connection,
+    DecodeFailure,
+    ErrorReply,
+    Notification,
+    Request,
+    Response,
+    TooLarge,
+    safe_decode,
+)
+from ..logtext import clip
 
 __all__ = ["AgentProcess", "AgentRpcError", "ChildExitedError", "PendingCall"]
 
@@ -43,7 +55,6 @@ _MUTE_GRACE_S = 2.0
 _STOP_GRACE_S = 0.5
 
 _encoder = msgspec.json.Encoder()
-_decode_any = msgspec.json.Decoder().decode
 
 
 class ChildExitedError(Exception):
@@ -353,7 +364,7 @@ class AgentProcess:
                 try:
                     self._route(item)
                 except Exception:
-                    log.exception("routing %r from agent pid %s failed", item, self.pid)
+                    log.exception("routing %s from agent pid %s failed", clip(item), self.pid)
 
     def _route(self, event: Request | Notification | Response | ErrorReply) -> None:
         if isinstance(event, Response):
@@ -412,7 +423,8 @@ def decode_params(params: msgspec.Raw | None) -> Any:
     """A request's or notification's params as plain Python values (``None`` when absent or broken)."""
     if params is None:
         return None
-    try:
-        return _decode_any(params)
-    except msgspec.DecodeError:
+    value = safe_decode(params)
+    if isinstance(value, DecodeFailure):
+        log.warning("agent params that cannot be decoded: %s", value.error)
         return None
+    return value

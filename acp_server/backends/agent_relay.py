@@ -18,7 +18,7 @@ import trio
 
 from ..types.acp import ClientCapabilities
 from .agent_process import AgentProcess
-from .base import ClientChannel, ClientRequestError, ConnectionLostError, Turn
+from .base import ClientChannel, ClientGoneError, ClientRequestError, Turn
 
 __all__ = ["RELAYED_METHODS", "TurnRelay", "answer_abandoned"]
 
@@ -120,7 +120,7 @@ class TurnRelay:
                     result = await client.request(method, params)
                 except ClientRequestError as exc:
                     child.respond_error(req_id, _error_object(exc.error))
-                except ConnectionLostError:
+                except ClientGoneError:
                     answer_abandoned(child, req_id, method, "the client disconnected")
                 except Exception:
                     log.exception("relaying %s to the client failed", method)

@@ -5,8 +5,10 @@ prompt's content blocks, ``emit`` to stream ``session/update`` payloads, and ``c
 to the connection that sent the prompt (for an agent's own requests: permission, fs, terminal), or
 ``None`` when that connection is gone. It returns a stop reason.
 
-Session lifecycle calls (``open_session``, ``close_session``, ``cancel``, ``set_mode``) let a backend
-that fronts a real agent keep the agent's sessions in step with ours; the echo agent ignores them.
+Session lifecycle calls (``open_session``, ``close_session``, ``set_mode``, ``fork``) let a backend
+that fronts a real agent keep the agent's sessions in step with ours; the echo agent ignores them. A
+turn is cancelled by trio cancellation of :meth:`Backend.prompt` (its deadline passed, its prompt was
+cancelled, or the session closed): the backend tells its agent (``session/cancel``) itself.
 Errors a backend raises are :class:`~acp_server.errors.AcpError` subclasses (``backend_unavailable``,
 ``agent_error``, ``auth_required``), so they reach the client with their own ``errorKind``.
 """
@@ -26,7 +28,7 @@ __all__ = [
     "BaseBackend",
     "ClientChannel",
     "ClientRequestError",
-    "ConnectionLostError",
+    "ClientGoneError",
     "SessionSetup",
     "Turn",
 ]
@@ -45,7 +47,7 @@ class ClientChannel(Protocol):
 
         Raises:
             ClientRequestError: the client answered with an error (``.error`` is its error object).
-            ConnectionLostError: the connection closed before it answered.
+            ClientGoneError: the connection closed before it answered.
         """
         ...
 
@@ -58,8 +60,9 @@ class ClientRequestError(Exception):
         self.error = error
 
 
-class ConnectionLostError(Exception):
-    """The client connection closed before it answered a relayed request."""
+class ClientGoneError(Exception):
+    """The client connection closed before it answered a relayed request (not the client SDK's
+    :class:`~acp_server.client.ConnectionLostError`, which is about its own connection to the server)."""
 
 
 class SessionSetup:
@@ -132,10 +135,6 @@ class Backend(Protocol):
         """Run one turn to its end; trio cancellation means it was cancelled (or its deadline passed)."""
         ...
 
-    async def cancel(self, session_id: str) -> None:
-        """Ask the agent to stop the session's running turn (``session/cancel``)."""
-        ...
-
     async def set_mode(self, session_id: str, mode_id: str) -> None:
         """Change the session's mode (``session/set_mode``)."""
         ...
@@ -175,9 +174,6 @@ class BaseBackend:
 
     async def prompt(self, turn: Turn) -> StopReason:
         raise NotImplementedError
-
-    async def cancel(self, session_id: str) -> None:
-        await trio.lowlevel.checkpoint()
 
     async def set_mode(self, session_id: str, mode_id: str) -> None:
         await trio.lowlevel.checkpoint()

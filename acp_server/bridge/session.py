@@ -7,11 +7,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from ..admission.policy import Queued
 from ..errors import AcpError
+from ..parking import ParkingSpot
 from ..types.acp import ContentBlock, PromptResult
 
 if TYPE_CHECKING:
-    from .bridge import SessionBridge
+    from ..backends.base import Backend
 
 __all__ = ["ClientReg", "ForkTicket", "Peer", "PromptTicket", "Session"]
 
@@ -28,14 +30,17 @@ class Latch:
         self._event: trio.Event | None = None
 
     def is_set(self) -> bool:
+        """The flag is up."""
         return self._flag
 
     def set(self) -> None:
+        """Raise the flag and wake whoever waits."""
         self._flag = True
         if self._event is not None:
             self._event.set()
 
     async def wait(self) -> None:
+        """Return once the flag is up (a checkpoint either way)."""
         if self._flag:
             await trio.lowlevel.checkpoint()
             return
@@ -45,18 +50,20 @@ class Latch:
 
 
 class Peer(Protocol):
-    """A connection as the bridge sees it: somewhere to send bytes, and whether it is gone."""
+    """A connection as the bridge sees it: somewhere to send bytes, and whether it is gone.
+
+    A transport hands its connections to the bridge as they are (hashable objects with these
+    members) and calls :meth:`~acp_server.bridge.SessionBridge.peer_closed` once one is gone. What
+    the bridge keeps per connection (its client ids, the sessions it receives, whether it takes turn
+    states) lives in the bridge's :class:`~acp_server.bridge.clients.ClientRegistry`, not here.
+    """
 
     peer_id: int
-    #: session id -> the client id this connection registered there
-    registrations: dict[str, str]
-    #: sessions this connection is attached to (receives their updates)
-    attached: set[str]
-    #: it receives ``_acp_server/turn_state`` (default; ``initialize`` ``_meta.turnStates: false`` opts out)
-    turn_states: bool
 
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """The connection is gone (what it is sent is dropped)."""
+        ...
 
     def send(self, data: bytes) -> None:
         """Queue a notification; a connection that cannot keep up is evicted, never waited for. A
@@ -87,8 +94,8 @@ class ClientReg:
 class PromptTicket:
     """One admitted prompt, from admission to its single, caller-visible outcome.
 
-    ``settle`` happens exactly once (the bridge guards it): the session's pending count is released
-    then, and the waiter wakes.
+    It settles exactly once (:meth:`~acp_server.bridge.settlement.Settlement.settle` guards it): the
+    session's pending count is released then, and its waiters are answered.
     """
 
     __slots__ = (
@@ -147,24 +154,35 @@ class PromptTicket:
         self.channel: Any = None
         #: the request's ``_meta`` without our own keys, passed to the agent
         self.meta: dict[str, Any] | None = None
-        #: the backend pool lease, held from admission to settlement (issue C)
+        #: the backend pool lease, held from admission to settlement
         self.lease: Any = None
         #: the prompt's number (its id is ``prompt_<seq>``) and its admission record's op in the store
         self.seq = 0
         self.store_op = 0
-        #: its class for the admission policy (issue G): ``_meta.priority``, default interactive
+        #: its class for the admission policy: ``_meta.priority``, default interactive
         self.priority = "interactive"
         #: with the policy on: its policy seat, or its ticket in the global waiting room
         self.seat: Any = None
         #: set while the runner waits in the waiting room: settling cancels the wait
         self.wait_scope: trio.CancelScope | None = None
 
-    def outcome(self) -> PromptResult:
-        """The settled result, or raise the settled error."""
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
+    def release_holds(self) -> None:
+        """Give back what the prompt holds for its backend call: its pool lease and its policy seat
+        (or its place in the waiting room). A runner waiting for the seat is woken to give it back
+        itself. Safe to call again: a released lease and a given-up seat do nothing."""
+        lease = self.lease
+        if lease is not None:
+            lease.release()
+        seat = self.seat
+        if seat is not None:
+            if self.wait_scope is not None:
+                self.wait_scope.cancel()  # the runner's wait leaves the waiting room
+                return
+            self.seat = None
+            if isinstance(seat, Queued):
+                seat.cancel()
+            else:
+                seat.release()
 
 
 class ForkTicket:
@@ -180,6 +198,18 @@ class ForkTicket:
         self.new_session: Session | None = None
         self.error: AcpError | None = None
 
+    def fail(self, error: AcpError) -> None:
+        """Settle the fork with ``error`` (its requester raises it)."""
+        self.error = error
+        self.settled = True
+        self.done.set()
+
+    def succeed(self, new: Session) -> None:
+        """Settle the fork with the new session."""
+        self.new_session = new
+        self.settled = True
+        self.done.set()
+
 
 class Session:
     """One session: id, working directory, FIFO, clients and attached connections."""
@@ -188,7 +218,6 @@ class Session:
         "abandoned",
         "attached",
         "backend",
-        "bridge",
         "clients",
         "created_ms",
         "cwd",
@@ -200,9 +229,9 @@ class Session:
         "modes",
         "next_event_id",
         "pending_count",
+        "runner",
         "runner_active",
         "runner_idle_epoch",
-        "runner_parked",
         "session_id",
         "stored_upto",
         "tenant",
@@ -212,16 +241,14 @@ class Session:
 
     def __init__(
         self,
-        bridge: SessionBridge,
         session_id: str,
         cwd: str,
         mcp_servers: list[dict[str, Any]],
-        backend: Any,
+        backend: Backend,
         now: float,
         now_ms: int,
         tenant: str = "default",
     ) -> None:
-        self.bridge = bridge
         self.session_id = session_id
         #: the tenant of the connection that created it: other tenants do not see it
         self.tenant = tenant
@@ -237,15 +264,16 @@ class Session:
         self.last_activity = now
         self.fifo: collections.deque[PromptTicket | ForkTicket] = collections.deque()
         self.pending_count = 0
-        #: a runner task exists; ``runner_parked`` is it while it waits for work (see SessionBridge._park)
+        #: a runner task exists; ``runner`` is where it parks while it waits for work (see runner.py)
         self.runner_active = False
-        self.runner_parked: trio.lowlevel.Task | None = None
+        self.runner = ParkingSpot()
         self.runner_idle_epoch = 0
         #: set while a backend call whose prompt already settled (cancelled, expired) is still running
         self.abandoned: trio.Event | None = None
         self.clients: dict[str, ClientReg] = {}
+        #: the connections that receive its updates (see ClientRegistry.attach)
         self.attached: set[Peer] = set()
-        #: (eventId, update) in order; fork copies it, issue E persists it
+        #: (eventId, update) in order; a fork copies it, the store keeps it
         self.history: list[tuple[int, Any]] = []
         self.next_event_id = 1
         #: a session restored from the store: events up to this id are on disk only, not yet in
@@ -254,6 +282,7 @@ class Session:
 
     @property
     def running_ticket(self) -> PromptTicket | None:
+        """The prompt whose backend call runs now (not yet settled), if any."""
         for item in self.fifo:
             if isinstance(item, PromptTicket) and item.running and not item.settled:
                 return item

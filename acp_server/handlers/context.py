@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..backends.base import ClientRequestError, ConnectionLostError
+from ..backends.base import ClientGoneError, ClientRequestError
 from ..jsonrpc import HandlerContext
 from ..types.acp import ClientCapabilities
 
@@ -66,7 +66,7 @@ class ConnChannel:
         try:
             response = await self._ctx.peer.request(method, params)
         except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError):
-            raise ConnectionLostError(f"the client left before answering {method}") from None
+            raise ClientGoneError(f"the client left before answering {method}") from None
         if response.error is not None:
             raise ClientRequestError(response.error)
         return response.result

@@ -47,7 +47,7 @@ def detach(ctx: ConnContext, params: SessionIdParams) -> dict[str, Any]:
     bridge = ctx.bridge
     session = bridge.get(params.session_id, ctx.tenant)
     client_id = bridge.resolve_client(session, ctx.peer, meta_client_id(params.meta))
-    bridge.detach(session, ctx.peer, client_id)
+    bridge.release_client(session, ctx.peer, client_id)
     return {}
 
 

@@ -30,7 +30,7 @@ def initialize(ctx: ConnContext, params: InitializeParams) -> InitializeResult:
         )
     ctx.tenant = tenant
     # Turn states are on unless the client opts out (a client that cannot use them saves their cost).
-    ctx.peer.turn_states = meta_bool(params.meta, "turnStates", True)
+    ctx.bridge.clients.set_turn_states(ctx.peer, meta_bool(params.meta, "turnStates", True))
     ctx.client_capabilities = params.client_capabilities
     ctx.client_info = params.client_info
     ctx.initialized = True

@@ -9,8 +9,11 @@ from typing import Any
 
 from ..admission.policy import PRIORITIES
 from ..errors import InvalidParamsError
+from ..logtext import clip
 
 __all__ = [
+    "MAX_DEADLINE_MS",
+    "MAX_META_STR",
     "OUR_META_KEYS",
     "meta_client_id",
     "meta_bool",
@@ -27,15 +30,24 @@ OUR_META_KEYS = frozenset(
 )
 
 
+#: The longest string accepted in one of our ``_meta`` keys (client ids, idempotency keys, backend names).
+MAX_META_STR = 256
+#: The longest ``_meta.deadlineMs`` accepted: 2^31 - 1 ms, about 24.8 days.
+MAX_DEADLINE_MS = 2**31 - 1
+
+
 def meta_str(meta: dict[str, Any] | None, key: str) -> str | None:
-    """``_meta.<key>``: a non-empty string, or absent."""
+    """``_meta.<key>``: a non-empty string of at most :data:`MAX_META_STR` characters, or absent."""
     if not meta:
         return None
     value = meta.get(key)
     if value is None:
         return None
-    if not isinstance(value, str) or not value:
-        raise InvalidParamsError(path=f"_meta.{key}", detail=f"must be a non-empty string; got {value!r}")
+    if not isinstance(value, str) or not value or len(value) > MAX_META_STR:
+        raise InvalidParamsError(
+            path=f"_meta.{key}",
+            detail=f"must be a non-empty string of at most {MAX_META_STR} characters; got {clip(repr(value))}",
+        )
     return value
 
 
@@ -51,8 +63,11 @@ def meta_deadline_ms(meta: dict[str, Any] | None) -> int | None:
     value = meta.get("deadlineMs")
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidParamsError(path="_meta.deadlineMs", detail=f"must be a positive integer (milliseconds); got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_DEADLINE_MS:
+        raise InvalidParamsError(
+            path="_meta.deadlineMs",
+            detail=f"must be a positive integer of milliseconds, at most {MAX_DEADLINE_MS}; got {clip(repr(value))}",
+        )
     return value
 
 
@@ -63,7 +78,7 @@ def meta_priority(meta: dict[str, Any] | None) -> str:
         return "interactive"
     if value not in PRIORITIES:
         raise InvalidParamsError(
-            path="_meta.priority", detail=f"must be one of {', '.join(PRIORITIES)}; got {value!r}"
+            path="_meta.priority", detail=f"must be one of {', '.join(PRIORITIES)}; got {clip(repr(value))}"
         )
     return str(value)
 
@@ -91,7 +106,7 @@ def meta_bool(meta: dict[str, Any] | None, key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise InvalidParamsError(path=f"_meta.{key}", detail=f"must be true or false; got {value!r}")
+        raise InvalidParamsError(path=f"_meta.{key}", detail=f"must be true or false; got {clip(repr(value))}")
     return value
 
 

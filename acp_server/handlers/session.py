@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from collections.abc import Coroutine
 from typing import Any
 
@@ -13,7 +14,9 @@ import msgspec
 from ..backends import Backend
 from ..bridge import Session
 from ..errors import InvalidParamsError, SessionNotFoundError
+from ..logtext import clip
 from ..types.acp import (
+    INT64_MAX,
     CancelParams,
     CloseSessionParams,
     ListSessionsParams,
@@ -33,6 +36,7 @@ __all__ = ["cancel", "close", "delete", "list_sessions", "new", "set_mode", "MOD
 #: The modes the echo agent offers.
 MODES = [SessionMode(id="default", name="Echo", description="Echo every prompt back word by word")]
 _PAGE = 100
+_CURSOR = re.compile(r"[0-9]{1,18}")
 
 
 def _modes(current: str) -> SessionModeState:
@@ -41,6 +45,7 @@ def _modes(current: str) -> SessionModeState:
 
 def new(ctx: ConnContext, params: NewSessionParams) -> Coroutine[Any, Any, dict[str, Any]]:
     _check_cwd(params.cwd)
+    _check_dirs(params)
     backend = ctx.bridge.backend_named(meta_str(params.meta, "backend"))
     return _open(ctx, params, backend)
 
@@ -75,14 +80,33 @@ def _after_event_id(meta: dict[str, Any] | None) -> int | None:
     if not meta or meta.get("afterEventId") is None:
         return None
     value = meta["afterEventId"]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidParamsError(path="_meta.afterEventId", detail=f"must be a non-negative integer; got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT64_MAX:
+        raise InvalidParamsError(
+            path="_meta.afterEventId", detail=f"must be an integer from 0 to {INT64_MAX}; got {clip(value)}"
+        )
     return value
 
 
+#: The longest path accepted as a working directory (Linux's PATH_MAX, terminator excluded).
+MAX_PATH_CHARS = 4095
+
+
+def _check_path(path: str, field: str) -> None:
+    if len(path) > MAX_PATH_CHARS:
+        raise InvalidParamsError(path=field, detail=f"must be at most {MAX_PATH_CHARS} characters; got {len(path)}")
+    if "\x00" in path:
+        raise InvalidParamsError(path=field, detail=f"must not contain a NUL character; got {clip(repr(path))}")
+
+
 def _check_cwd(cwd: str) -> None:
+    _check_path(cwd, "cwd")
     if not os.path.isabs(cwd):
-        raise InvalidParamsError(path="cwd", detail=f"must be an absolute path; got {cwd!r}")
+        raise InvalidParamsError(path="cwd", detail=f"must be an absolute path; got {clip(repr(cwd))}")
+
+
+def _check_dirs(params: NewSessionParams) -> None:
+    for i, directory in enumerate(params.additional_directories):
+        _check_path(directory, f"additionalDirectories[{i}]")
 
 
 def load(ctx: ConnContext, params: LoadSessionParams) -> Coroutine[Any, Any, dict[str, Any]]:
@@ -115,9 +139,12 @@ def resume(ctx: ConnContext, params: LoadSessionParams) -> Any:
 def list_sessions(ctx: ConnContext, params: ListSessionsParams) -> ListSessionsResult:
     start = 0
     if params.cursor is not None:
-        if not params.cursor.isdigit():
-            raise InvalidParamsError(path="cursor", detail="not a cursor this server issued")
+        # ours are short strings of ASCII digits (str.isdigit also takes "²" and "٣", int() not all of them)
+        if not _CURSOR.fullmatch(params.cursor):
+            raise InvalidParamsError(path="cursor", detail=f"not a cursor this server issued: {clip(repr(params.cursor))}")
         start = int(params.cursor)
+    if params.cwd is not None:
+        _check_path(params.cwd, "cwd")
     sessions = ctx.bridge.list_sessions(params.cwd, ctx.tenant)
     page = sessions[start : start + _PAGE]
     infos = [
@@ -158,7 +185,7 @@ def set_mode(ctx: ConnContext, params: SetSessionModeParams) -> Coroutine[Any, A
         offered = [m.id for m in MODES]
     if params.mode_id not in offered:
         known = ", ".join(str(m) for m in offered)
-        raise InvalidParamsError(path="modeId", detail=f"unknown mode {params.mode_id!r}; this session offers: {known}")
+        raise InvalidParamsError(path="modeId", detail=f"unknown mode {clip(repr(params.mode_id))}; this session offers: {known}")
     return _set_mode(session, params.mode_id)
 
 

@@ -16,12 +16,15 @@ from .connection import (
 )
 from .dispatch import Deferred, Dispatcher, HandlerContext, Method, invalid_params_from
 from .framing import TOO_LARGE, LineBuffer
+from .guard import MAX_DEPTH, DecodeFailure, safe_decode
 
 __all__ = [
+    "MAX_DEPTH",
     "NEED_DATA",
     "TOO_LARGE",
     "Batch",
     "Connection",
+    "DecodeFailure",
     "Deferred",
     "Dispatcher",
     "EncodedError",
@@ -37,4 +40,5 @@ __all__ = [
     "encode_error",
     "encode_result",
     "invalid_params_from",
+    "safe_decode",
 ]

@@ -15,8 +15,10 @@ from typing import Any, Final
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from ..errors import AcpError, InvalidRequestError, MessageTooLargeError, ParseError
+from ..errors import AcpError, InvalidRequestError, MessageTooLargeError
+from ..logtext import clip
 from .framing import TOO_LARGE, LineBuffer
+from .guard import DecodeFailure, decode_failure, error_of, safe_decode, scan_top_level
 
 __all__ = [
     "NEED_DATA",
@@ -174,7 +176,6 @@ _OBJECT, _ARRAY, _NULL = b"{[n"
 _encoder = msgspec.json.Encoder()
 _decode_envelope = msgspec.json.Decoder(_Envelope).decode
 _decode_batch = msgspec.json.Decoder(list[msgspec.Raw]).decode
-_decode_any = msgspec.json.Decoder().decode
 
 
 class EncodedError(bytes):
@@ -206,10 +207,6 @@ def encode_error(id: Id | None, error: AcpError) -> bytes:
     The shape of jsonrpcserver's ``serialize_error(ErrorResponse(...))``; msgspec encodes the payload Struct.
     """
     return _encoder.encode(_ErrorMsg("2.0", _ErrorObject(error.code, error.message, error.payload), id)) + b"\n"
-
-
-def _error_detail(exc: Exception) -> str:
-    return str(exc).split("\n", 1)[0][:200]
 
 
 class Connection:
@@ -256,14 +253,17 @@ class Connection:
 
     def _batch(self, line: bytes) -> Event:
         try:
-            raws = _decode_batch(line)
-        except msgspec.ValidationError as exc:
-            return self._reply(None, InvalidRequestError(detail=_error_detail(exc)))
-        except msgspec.DecodeError as exc:
-            return self._reply(None, ParseError(detail=_error_detail(exc)))
-        if not raws:
+            parts: list[bytes] = [bytes(raw) for raw in _decode_batch(line)]
+        except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
+            # One item cannot be decoded (too deep, a lone surrogate): split the array by the scan, so
+            # that every other item is taken and the broken one is answered with its own id.
+            scanned = scan_top_level(line)
+            if scanned is None or not scanned[1] or not scanned[0]:
+                return self._reply(None, error_of(exc, line))
+            parts = [line[start:end].strip() for start, end in scanned[0]]
+        if not parts:
             return self._reply(None, InvalidRequestError(detail="an empty batch is not a request"))
-        items = [self._one(bytes(raw)) for raw in raws]
+        items = [self._one(part) for part in parts]
         return Batch([item for item in items if item is not None])
 
     def _reply(self, id: Id | None, error: AcpError) -> ErrorReply:
@@ -273,11 +273,8 @@ class Connection:
         """Decode one message; ``None`` for a response that is logged and dropped."""
         try:
             env = _decode_envelope(line)
-        except msgspec.ValidationError as exc:
-            # Valid JSON of the wrong shape: an id may still be readable to address the error.
-            return self._reply(_salvage_id(line), InvalidRequestError(detail=_error_detail(exc)))
-        except msgspec.DecodeError as exc:
-            return self._reply(None, ParseError(detail=_error_detail(exc)))
+        except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
+            return self._undecodable(line, exc)
         id = env.id
         if env.method is UNSET and id is not UNSET and id is not None and id in self._pending and env.jsonrpc != "2.0":
             # A malformed answer to one of our own requests still settles it, as an error.
@@ -308,7 +305,7 @@ class Connection:
         if id is UNSET or id is None or (not env.result and env.error is UNSET):
             if id is None and env.error is not UNSET:
                 # The peer could not parse something we sent; nothing to route it to.
-                log.warning("peer reported an error without an id: %r", env.error)
+                log.warning("peer reported an error without an id: %s", clip(env.error))
                 return None
             return self._reply(
                 None if id is UNSET else id,
@@ -316,11 +313,22 @@ class Connection:
             )
         method_called = self._pending.pop(id, None)
         if method_called is None:
-            log.warning("dropping a response to unknown request id %r", id)
+            log.warning("dropping a response to unknown request id %s", clip(id))
             return None
         error = None if env.error is UNSET else env.error
-        result = _decode_any(env.result) if env.result else None
+        result = safe_decode(env.result) if env.result else None
+        if isinstance(result, DecodeFailure):
+            return _malformed_response(id, method_called, result.error)
         return Response(id, method_called, result, error)
+
+    def _undecodable(self, line: bytes, exc: Exception) -> ErrorReply | Response:
+        """A line that did not decode: the error, addressed to the id the scan finds; an answer to one
+        of our own requests settles it, as a malformed response."""
+        failure = decode_failure(line, exc)
+        id = failure.id
+        if not failure.has_method and id is not None and id in self._pending:
+            return _malformed_response(id, self._pending.pop(id), failure.error)
+        return self._reply(id, failure.error)
 
     # --- sending -----------------------------------------------------------------------------------
 
@@ -348,13 +356,6 @@ class Connection:
     send_error = staticmethod(encode_error)
 
 
-def _salvage_id(line: bytes) -> Id | None:
-    try:
-        obj = _decode_any(line)
-    except msgspec.DecodeError:
-        return None
-    if isinstance(obj, dict):
-        id = obj.get("id")
-        if isinstance(id, (int, str)) and not isinstance(id, bool):
-            return id
-    return None
+def _malformed_response(id: Id, method: str, error: AcpError) -> Response:
+    why = str(error)
+    return Response(id, method, None, {"code": error.code, "message": f"malformed response: {why}"}, why)

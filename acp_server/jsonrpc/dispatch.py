@@ -5,9 +5,10 @@ request is taken off the wire and in arrival order, which is what makes admissio
 request can run between a check and the count it changes. A handler that has to wait returns a
 coroutine; the transport shell awaits it in a task of its own (see :meth:`Dispatcher.finish`).
 
-jsonrpcserver supplies the error base class, the codes and the error response shape; its own async
-dispatch cannot run under trio, and its jsonschema request check is replaced by msgspec decoding
-into each method's params Struct. This module imports no event loop.
+Errors are answered in jsonrpcserver's error response shape (``code``, ``message``, ``data``; a test
+holds the bytes to jsonrpcserver's own serializer), without importing it: its async dispatch cannot
+run under trio, and its jsonschema request check is replaced by msgspec decoding into each method's
+params Struct. This module imports no event loop.
 """
 
 from __future__ import annotations
@@ -26,16 +27,16 @@ from ..errors import (
     MethodNotFoundError,
     NotInitializedError,
 )
+from ..logtext import clip
 from ..types.base import validation_location
 from .connection import EncodedError, Id, Notification, Request, encode_result
+from .guard import error_of
 
 __all__ = ["Deferred", "Dispatcher", "HandlerContext", "Method", "invalid_params_from"]
 
 log = logging.getLogger("acp_server.dispatch")
 
 _ARRAY = ord("[")
-
-
 
 
 class HandlerContext:
@@ -118,6 +119,10 @@ class Dispatcher:
             return self._decoders[method.params_type](data)
         except msgspec.ValidationError as exc:
             raise invalid_params_from(exc) from None
+        except (msgspec.DecodeError, RecursionError) as exc:
+            # Only text the envelope skipped can fail here: invalid UTF-8 inside params, nesting that
+            # this deeper stack cannot decode.
+            raise error_of(exc, data) from None
 
     def call(self, ctx: HandlerContext, req: Request) -> bytes | Coroutine[Any, Any, Any] | Deferred:
         """Run a request's synchronous part: the response bytes, a coroutine for :meth:`finish`, or a
@@ -135,7 +140,7 @@ class Dispatcher:
         except AcpError as exc:
             return EncodedError.of(req.id, exc)
         except Exception:
-            log.exception("handler of %s (request id %r) failed", req.method, req.id)
+            log.exception("handler of %s (request id %s) failed", clip(req.method), clip(req.id))
             return EncodedError.of(req.id, InternalError())
         if type(out) is CoroutineType or isinstance(out, Deferred):
             return out
@@ -153,7 +158,7 @@ class Dispatcher:
         except AcpError as exc:
             return EncodedError.of(req_id, exc)
         except Exception:
-            log.exception("handler of %s (request id %r) failed", method, req_id)
+            log.exception("handler of %s (request id %s) failed", clip(method), clip(req_id))
             return EncodedError.of(req_id, InternalError())
         return encode_result(req_id, result)
 
@@ -161,14 +166,14 @@ class Dispatcher:
         """Run a notification's handler; nothing is ever sent back, whatever happens."""
         method = self.notifications.get(note.method)
         if method is None:
-            log.debug("ignoring unknown notification %s", note.method)
+            log.debug("ignoring unknown notification %s", clip(note.method))
             return
         if method.requires_init and not ctx.initialized:
-            log.warning("ignoring %s before initialize", note.method)
+            log.warning("ignoring %s before initialize", clip(note.method))
             return
         try:
             method.handler(ctx, self._params(method, note.params))
         except AcpError as exc:
-            log.warning("notification %s refused: %s", note.method, exc)
+            log.warning("notification %s refused: %s", clip(note.method), clip(str(exc)))
         except Exception:
-            log.exception("notification handler of %s failed", note.method)
+            log.exception("notification handler of %s failed", clip(note.method))

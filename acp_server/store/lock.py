@@ -15,16 +15,25 @@ DEAD_OWNER_WAIT_S = 10.0
 
 
 class StateDirLocked(OSError):
-    """Another process owns the state directory; the message names its pid and the ways out."""
+    """Another process owns the state directory; the message names its pid and the ways out.
 
-    def __init__(self, directory: pathlib.Path, owner_pid: int | None) -> None:
+    Attributes:
+        owner_pid: the live process that holds the lock, when known.
+        dead_pid: the server whose pid the lock file holds, when it has exited and ``owner_pid`` is the
+            process that inherited its lock (its store writer).
+    """
+
+    def __init__(self, directory: pathlib.Path, owner_pid: int | None, dead_pid: int | None = None) -> None:
         owner = f"pid {owner_pid}" if owner_pid is not None else "another process"
+        if dead_pid is not None:
+            owner += f" (it holds the lock of server pid {dead_pid}, which has exited: stop it, or let it finish)"
         super().__init__(
             f"state directory {directory} is in use by {owner}; use another --state-dir, run with --ephemeral, "
             "or share that server with `acp-server connect URL`"
         )
         self.directory = directory
         self.owner_pid = owner_pid
+        self.dead_pid = dead_pid
 
 
 class StateLock:
@@ -61,8 +70,9 @@ class StateLock:
                 if owner is not None and not _alive(owner) and time.monotonic() < deadline:
                     time.sleep(0.02)
                     continue
+                refusal = _refusal(self.directory, fd, owner)
                 os.close(fd)
-                raise StateDirLocked(self.directory, owner) from None
+                raise refusal from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
@@ -94,3 +104,40 @@ def _read_pid(fd: int) -> int | None:
         return int(text) if text else None
     except (OSError, ValueError):
         return None
+
+
+def _refusal(directory: pathlib.Path, fd: int, recorded: int | None) -> StateDirLocked:
+    """The refusal naming the live holder: the recorded pid when it lives, else a process that has the
+    lock file open (a dead server's writer inherited the locked descriptor)."""
+    if recorded is not None and _alive(recorded):
+        return StateDirLocked(directory, recorded)
+    holders = _holders(fd)
+    return StateDirLocked(directory, holders[0] if holders else None, recorded if holders else None)
+
+
+def _holders(fd: int) -> list[int]:
+    """Live processes other than ours with the file of ``fd`` open (from ``/proc``; empty elsewhere)."""
+    target = os.fstat(fd)
+    me = os.getpid()
+    found: list[int] = []
+    try:
+        pids = sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
+    except OSError:
+        return found
+    for pid in pids:
+        if pid == me:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone, or not ours to look at
+        for name in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue
+            if st.st_ino == target.st_ino and st.st_dev == target.st_dev:
+                if _alive(pid):
+                    found.append(pid)
+                break
+    return found

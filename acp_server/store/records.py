@@ -8,7 +8,7 @@ its kind:
 - ``(ADMITS, [seq, prompt_id, session_id, seq, ...])``: admitted prompts
 - ``(SETTLES, [seq, outcome, seq, ...])``: terminal outcomes (the first one of a prompt wins)
 - ``(SESSION, id, cwd, backend, title, created_ms, updated_ms, mcp_servers_json, backend_state_json | None, tenant)``
-- ``(TITLE, id, title)``, ``(DELETE, session_id)``
+- ``(DELETE, session_id)``
 - ``(READ, read_id, session_id, after, upto)``: the transcript entries with ``after < eventId <= upto``
 
 Within a run of EVENTS/ADMITS/SETTLES the tables are independent; the other ops are barriers: what
@@ -38,7 +38,6 @@ __all__ = [
     "SERVER_RESTARTED",
     "SESSION",
     "SETTLES",
-    "TITLE",
     "TURN_STATE",
     "FrameReader",
     "RoundReader",
@@ -55,7 +54,7 @@ TURN_STATE = "_acp_server/turn_state"
 #: the terminal outcome of a prompt the server could not finish
 SERVER_RESTARTED = "server_restarted"
 
-SESSION, EVENTS, ADMITS, SETTLES, DELETE, READ, TITLE = range(7)
+SESSION, EVENTS, ADMITS, SETTLES, DELETE, READ = range(6)
 
 _HEADER = struct.Struct(">I")
 #: a round's header: payload length, round id, flags

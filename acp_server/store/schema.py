@@ -32,8 +32,9 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             backend_state TEXT,
             last_chunk INTEGER
         )""",
-        # A chunk: the events one write round added to one session, as a JSON array of
-        # [eventId, method or null, body] (method null: a session/update, body the update). Appended
+        # A chunk: the events one write round added to one session: at this version a JSON array of
+        # [eventId, method or null, body] (method null: a session/update, body the update); from
+        # version 3 on MessagePack (see below). Appended
         # in seq order and chained per session by prev, so that no index is scattered over the
         # sessions written in a round (a (session, event) key costs ~3x more per event).
         """CREATE TABLE chunks (
@@ -55,9 +56,9 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         )""",
         "CREATE INDEX prompts_unfinished ON prompts (outcome) WHERE outcome IS NULL",
     ),
-    # issue G: a session belongs to the tenant that created it; older sessions to "default"
+    # A session belongs to the tenant that created it; older sessions to "default".
     2: ("ALTER TABLE sessions ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default'",),
-    # The chain heads (sessions.last_chunk) are written every so many rounds, no longer in every
+    # The chain heads (sessions.last_chunk) are written every so many rounds, not in every
     # round: store_meta's heads_upto is the last chunk they account for, and the chunks after it
     # (few) are read at startup to bring the heads up to date. written_ms: when the chunk was written
     # (a session's updatedAt after a restart).

@@ -2,7 +2,7 @@
 
 The event loop never touches the disk. Callers *enqueue* records synchronously (no ``await``); at each
 turn of the event loop :meth:`SessionStore.run` takes what was queued as one *round*, sends it to the
-writer process (:mod:`.writer`) as one frame, and runs the callbacks that waited for it once the
+writer process (:mod:`.writer_process`) as one frame, and runs the callbacks that waited for it once the
 writer reports its commit, in enqueue order. Rounds that reach the writer while it commits an earlier
 one go in one transaction together, so a burst of prompts over many sessions costs one transaction,
 not one per record, and one pipe write each way.
@@ -45,7 +45,6 @@ from .records import (
     READS,
     SESSION,
     SETTLES,
-    TITLE,
     FrameReader,
     StoredEvent,
     StoredSession,
@@ -60,7 +59,7 @@ log = logging.getLogger("acp_server.store")
 DB_NAME = "sessions.db"
 #: how long a stopping server waits for its writer process to write what it was sent
 STOP_TIMEOUT_S = 30.0
-_WRITER_MAIN = "import sys; from acp_server.store.writer import main; sys.exit(main(sys.argv[1:]))"
+_WRITER_MAIN = "import sys; from acp_server.store.writer_process import main; sys.exit(main(sys.argv[1:]))"
 _encode = msgspec.json.Encoder().encode
 
 
@@ -220,9 +219,6 @@ class SessionStore:
         self._barrier((SESSION, meta.session_id, meta.cwd, meta.backend, meta.title, meta.created_ms,
                        meta.updated_ms, _encode(meta.mcp_servers),
                        _encode(meta.backend_state) if meta.backend_state is not None else None, meta.tenant))
-
-    def set_title(self, session_id: str, title: str | None) -> None:
-        self._barrier((TITLE, session_id, title))
 
     def delete_session(self, session_id: str) -> None:
         self._barrier((DELETE, session_id))

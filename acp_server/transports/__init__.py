@@ -1,6 +1,7 @@
 """Byte streams and listeners (stdio, TCP, Unix) and the per-connection shell. No ACP method here."""
 
 from .listeners import (
+    ConnectionGate,
     PipeStream,
     isolated,
     listener_url,
@@ -12,6 +13,7 @@ from .listeners import (
 from .shell import ConnectionShell
 
 __all__ = [
+    "ConnectionGate",
     "ConnectionShell",
     "PipeStream",
     "isolated",

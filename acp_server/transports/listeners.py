@@ -3,6 +3,13 @@
 Each listener is started with ``await nursery.start(serve_tcp, handler, port, host=...)`` and reports
 the bound listeners, so the CLI and tests learn the real port. Each connection's handler is isolated:
 an exception in it is logged and closes that connection only.
+
+The accept loop is ours rather than ``trio.serve_listeners``, for two bounds. A :class:`ConnectionGate`
+shared by every listener counts their sockets together; past its limit a new connection is sent
+``_acp_server/evicted {reason: "too_many_connections"}`` and closed at once, so the process keeps
+descriptors for its backends and its store. When ``accept`` fails for want of descriptors or memory
+(``EMFILE``, ``ENFILE``, ``ENOBUFS``, ``ENOMEM``), the loop backs off (0.1 s doubling to 1 s) and logs
+one line per episode, not one traceback per attempt.
 """
 
 from __future__ import annotations
@@ -10,14 +17,27 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import resource
 import socket as _stdsocket
 import stat
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final
 
+import msgspec
 import trio
 
-__all__ = ["PipeStream", "isolated", "listener_url", "open_unix_listener", "serve_tcp", "serve_unix", "stdio_stream"]
+__all__ = [
+    "ConnectionGate",
+    "PipeStream",
+    "default_max_connections",
+    "isolated",
+    "listener_url",
+    "open_unix_listener",
+    "serve_listeners",
+    "serve_tcp",
+    "serve_unix",
+    "stdio_stream",
+]
 
 log = logging.getLogger("acp_server.transports")
 
@@ -38,6 +58,136 @@ def isolated(handler: Handler, name: str) -> Handler:
     return run
 
 
+#: accept(2) failures that mean "out of descriptors or memory for now": back off, do not give up
+ACCEPT_CAPACITY_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_BACKOFF_FIRST_S = 0.1
+_BACKOFF_MAX_S = 1.0
+#: descriptors of the fd limit kept for what is not a client socket: stdio, the store, agent pipes, logs
+FD_HEADROOM_MIN = 64
+
+
+def default_max_connections() -> int:
+    """The default of ``--max-connections``: the soft ``RLIMIT_NOFILE`` less head-room (an eighth of it,
+    at least :data:`FD_HEADROOM_MIN`), never below 1."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(1, soft - max(FD_HEADROOM_MIN, soft // 8))
+
+
+class ConnectionGate:
+    """The open sockets of every listener together, against one limit.
+
+    Args:
+        limit: the most connections served at once; a later one is refused (0: :func:`default_max_connections`).
+    """
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit or default_max_connections()
+        self.open = 0
+        #: connections refused for the limit since start
+        self.refused = 0
+        self._refusing = False  # inside an episode of refusals (logged once)
+
+    def refusal(self) -> bytes:
+        """The notification a refused connection is sent."""
+        return _encoder.encode(_Evicted("2.0", "_acp_server/evicted", _TooMany(limit=self.limit))) + b"\n"
+
+    async def serve(self, handler: Handler, stream: trio.abc.Stream, name: str) -> None:
+        """Run ``handler(stream)`` if there is room, else refuse the connection at once."""
+        if self.open >= self.limit:
+            self.refused += 1
+            if not self._refusing:
+                self._refusing = True
+                log.warning(
+                    "%s: %d connections open, the --max-connections limit: refusing new ones "
+                    "(too_many_connections) until one closes",
+                    name,
+                    self.open,
+                )
+            with trio.move_on_after(1):
+                try:
+                    await stream.send_all(self.refusal())
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+            await trio.aclose_forcefully(stream)
+            return
+        self.open += 1
+        try:
+            await handler(stream)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+            self.open -= 1
+            if self._refusing and self.open < self.limit:
+                self._refusing = False
+                log.info("%s: below the --max-connections limit again (%d refused so far)", name, self.refused)
+
+
+class _TooMany(msgspec.Struct):
+    limit: int
+    reason: str = "too_many_connections"
+
+
+class _Evicted(msgspec.Struct):
+    jsonrpc: str
+    method: str
+    params: _TooMany
+
+
+_encoder = msgspec.json.Encoder()
+
+
+async def _accept_loop(
+    listener: trio.SocketListener, handler: Handler, gate: ConnectionGate, nursery: trio.Nursery, name: str
+) -> None:
+    backoff = 0.0  # > 0: inside an episode of accept failures
+    failures = 0
+    async with listener:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                failures += 1
+                if not backoff:
+                    log.warning(
+                        "%s: accept failed with %s (%s) with %d connections open; pausing accepts, "
+                        "retrying until it succeeds (lower --max-connections or raise the fd limit)",
+                        name,
+                        errno.errorcode.get(exc.errno, exc.errno),
+                        os.strerror(exc.errno),
+                        gate.open,
+                    )
+                    backoff = _BACKOFF_FIRST_S
+                await trio.sleep(backoff)
+                backoff = min(2 * backoff, _BACKOFF_MAX_S)
+                continue
+            if backoff:
+                log.info("%s: accepting again after %d failed accepts", name, failures)
+                backoff, failures = 0.0, 0
+            nursery.start_soon(gate.serve, handler, stream, name)
+
+
+async def serve_listeners(
+    handler: Handler,
+    listeners: Sequence[trio.SocketListener],
+    *,
+    gate: ConnectionGate | None = None,
+    name: str = "listener",
+    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Accept on every listener and run ``handler(stream)`` for each connection (isolated: see
+    :func:`isolated`), within ``gate``'s limit (default: a gate of its own)."""
+    gate = gate or ConnectionGate()
+    run = isolated(handler, name)
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(_accept_loop, listener, run, gate, nursery, name)
+        task_status.started(list(listeners))
+
+
 def listener_url(listener: trio.abc.Listener[Any]) -> str:
     """``tcp://HOST:PORT`` or ``unix:/path`` for a bound listener."""
     sock = listener.socket  # type: ignore[attr-defined]
@@ -54,11 +204,12 @@ async def serve_tcp(
     port: int,
     *,
     host: str,
+    gate: ConnectionGate | None = None,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve TCP connections on every address ``host`` resolves to."""
+    """Serve TCP connections on every address ``host`` resolves to (within ``gate``: see :func:`serve_listeners`)."""
     listeners = await trio.open_tcp_listeners(port, host=host)
-    await trio.serve_listeners(isolated(handler, f"tcp {host}:{port}"), listeners, task_status=task_status)
+    await serve_listeners(handler, listeners, gate=gate, name=f"tcp {host}:{port}", task_status=task_status)
 
 
 def _socket_is_live(path: str) -> bool:
@@ -109,12 +260,13 @@ async def serve_unix(
     handler: Handler,
     path: str,
     *,
+    gate: ConnectionGate | None = None,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve connections on a Unix socket at ``path``; the socket file is removed on exit."""
+    """Serve connections on a Unix socket at ``path`` (within ``gate``); the socket file is removed on exit."""
     listener = await open_unix_listener(path)
     try:
-        await trio.serve_listeners(isolated(handler, f"unix {path}"), [listener], task_status=task_status)
+        await serve_listeners(handler, [listener], gate=gate, name=f"unix {path}", task_status=task_status)
     finally:
         try:
             os.unlink(path)

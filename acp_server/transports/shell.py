@@ -49,6 +49,8 @@ from ..jsonrpc import (
     TooLarge,
     encode_error,
 )
+from ..logtext import clip
+from ..parking import ParkingSpot
 from ..types.acp import CancelRequestParams
 from .timing import LatencyHistogram
 
@@ -131,10 +133,6 @@ class ConnectionShell:
         self.dispatcher = dispatcher
         self.max_outbound_bytes = max_outbound_bytes
         self.max_inflight = max_inflight_requests
-        self.registrations: dict[str, str] = {}
-        self.attached: set[str] = set()
-        #: the bridge sends it ``_acp_server/turn_state`` (``initialize`` may opt out)
-        self.turn_states = True
         self.evicted = False
         self._on_close = on_close
         self._closed = False
@@ -142,7 +140,7 @@ class ConnectionShell:
         self._out_bytes = 0
         self._refusal_latency = refusal_latency
         self._refusals_queued: list[int] = []  # read stamps of the refusals now in _out
-        self._writer_parked: trio.lowlevel.Task | None = None  # the writer, waiting for output
+        self._writer_spot = ParkingSpot()  # where the writer waits for output
         self._writer_coalesce = False
         self._drained = trio.Event()
         self._drained.set()
@@ -199,17 +197,10 @@ class ConnectionShell:
         once), so the writer lets the other runnable tasks go first, to send both in one write. An
         answer first (a refusal, a quick method) goes out without that extra pass.
         """
-        task = self._writer_parked
-        if task is not None:
-            self._writer_parked = None
+        if self._writer_spot.wake():
             self._writer_coalesce = update
-            trio.lowlevel.reschedule(task)
         if self._drained.is_set():
             self._drained = trio.Event()
-
-    def _writer_abort(self, raise_cancel: Any) -> trio.lowlevel.Abort:
-        self._writer_parked = None
-        return trio.lowlevel.Abort.SUCCEEDED
 
     async def _wait_for_room(self) -> None:
         while self._out_bytes > self.max_outbound_bytes and not self._closed:
@@ -302,8 +293,7 @@ class ConnectionShell:
             while True:
                 if not self._out:
                     self._drained.set()
-                    self._writer_parked = trio.lowlevel.current_task()
-                    await trio.lowlevel.wait_task_rescheduled(self._writer_abort)
+                    await self._writer_spot.park()
                     if self._writer_coalesce:
                         # Let the tasks woken with us queue their part first: a turn's last updates
                         # and its answer then leave in one write (one system call, one peer wakeup).
@@ -399,12 +389,12 @@ class ConnectionShell:
     def _cancel_request(self, note: Notification) -> None:
         try:
             params = _decode_cancel(note.params or b"{}")
-        except msgspec.ValidationError as exc:
-            log.warning("%s: ignoring malformed $/cancel_request: %s", self.name, exc)
+        except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
+            log.warning("%s: ignoring malformed $/cancel_request: %s", self.name, clip(str(exc)))
             return
         slot = self._slots.get(params.request_id)
         if slot is None:
-            log.debug("%s: $/cancel_request for %r, which is not in flight", self.name, params.request_id)
+            log.debug("%s: $/cancel_request for %s, which is not in flight", self.name, clip(params.request_id))
             return
         slot.cancelled = True
         if slot.scope is not None:

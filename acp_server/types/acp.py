@@ -6,7 +6,7 @@ Unknown fields are ignored, so newer clients keep working.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -52,6 +52,13 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 
+#: The longest session id read (ours are 37 characters; a longer one cannot name a session).
+MAX_SESSION_ID_CHARS = 256
+#: The largest integer of the ACP schema's ``int64`` fields.
+INT64_MAX = 2**63 - 1
+
+SessionId = Annotated[str, msgspec.Meta(max_length=MAX_SESSION_ID_CHARS)]
+
 StopReason = Literal["end_turn", "max_tokens", "max_turn_requests", "refusal", "cancelled"]
 
 
@@ -84,7 +91,7 @@ class ResourceLink(_Block, tag="resource_link", kw_only=True):
     title: str | None = None
     description: str | None = None
     mime_type: str | None = None
-    size: int | None = None
+    size: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
 
 
 class EmbeddedResource(_Block, tag="resource", kw_only=True):
@@ -118,7 +125,7 @@ class Implementation(Wire, kw_only=True):
 
 
 class InitializeParams(Wire, kw_only=True):
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: Annotated[int, msgspec.Meta(ge=0, le=65535)] = PROTOCOL_VERSION  # uint16 in the schema
     client_capabilities: ClientCapabilities = msgspec.field(default_factory=ClientCapabilities)
     client_info: Implementation | None = None
     meta: Meta = meta_field()
@@ -181,7 +188,7 @@ class SessionModeState(Wire, kw_only=True):
 
 
 class NewSessionResult(Wire, kw_only=True):
-    session_id: str
+    session_id: SessionId
     modes: SessionModeState | None = None
     meta: Meta = meta_field()
 
@@ -189,7 +196,7 @@ class NewSessionResult(Wire, kw_only=True):
 class SessionIdParams(Wire, kw_only=True):
     """Params of every request that names one session and nothing else (close, heartbeat, detach, fork)."""
 
-    session_id: str
+    session_id: SessionId
     meta: Meta = meta_field()
 
 
@@ -204,20 +211,20 @@ class CancelParams(SessionIdParams, kw_only=True):
 class LoadSessionParams(Wire, kw_only=True):
     """``session/load`` and ``session/resume`` (``mcpServers`` is ignored by resume)."""
 
-    session_id: str
+    session_id: SessionId
     cwd: str
     mcp_servers: list[dict[str, Any]] = msgspec.field(default_factory=list)
     meta: Meta = meta_field()
 
 
 class SetSessionModeParams(Wire, kw_only=True):
-    session_id: str
+    session_id: SessionId
     mode_id: str
     meta: Meta = meta_field()
 
 
 class SetConfigOptionParams(Wire, kw_only=True):
-    session_id: str
+    session_id: SessionId
     config_id: str
     value: str | bool
     meta: Meta = meta_field()
@@ -230,7 +237,7 @@ class ListSessionsParams(Wire, kw_only=True):
 
 
 class SessionInfo(Wire, kw_only=True):
-    session_id: str
+    session_id: SessionId
     cwd: str
     title: str | None = None
     updated_at: str | None = None
@@ -246,8 +253,8 @@ class ListSessionsResult(Wire, kw_only=True):
 
 
 class PromptParams(Wire, kw_only=True):
-    session_id: str
-    prompt: list[ContentBlock]
+    session_id: SessionId
+    prompt: Annotated[list[ContentBlock], msgspec.Meta(min_length=1)]
     meta: Meta = meta_field()
 
 
@@ -272,7 +279,7 @@ SessionUpdate = AgentMessageChunk | UserMessageChunk
 
 
 class SessionNotification(Wire, kw_only=True):
-    session_id: str
+    session_id: SessionId
     update: Any  # a SessionUpdate Struct, or an update dict relayed from an agent
     meta: Meta = meta_field()
 

@@ -56,8 +56,10 @@ class ParseErrorData(ErrorData, tag="parse_error"):
     detail: str
 
 
-class InvalidRequestData(ErrorData, tag="invalid_request"):
+class InvalidRequestData(ErrorData, tag="invalid_request", omit_defaults=True):
     detail: str
+    #: set when the message nests deeper than this: a depth of arrays and objects that always decodes
+    max_depth: int | None = None
 
 
 class MethodNotFoundData(ErrorData, tag="method_not_found"):

@@ -11,7 +11,6 @@ import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
@@ -19,13 +18,11 @@ from hypercorn.config import Config
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
+from ..address import ListenAddress
 from ..listeners import open_unix_listener
 from .app import AcpHttpApp, HttpLimits, HttpOptions
 from .rules import HostRules
 from .wire import BatchedWrites
-
-if TYPE_CHECKING:
-    from ...server import ListenAddress
 
 __all__ = ["serve_http"]
 

@@ -1,0 +1,207 @@
+"""The client registry: client ids on sessions, and everything the bridge keeps per connection.
+
+Two kinds of membership, kept apart by name:
+
+- a *client id* (``client_<uuid>``) is registered on a session and counted by its holders
+  (:meth:`ClientRegistry.register`, :meth:`~ClientRegistry.release`); it outlives connections until
+  it idles past ``client_idle_timeout_s`` (:meth:`~ClientRegistry.expire_idle`);
+- a connection is *attached* to a session while it receives the session's updates
+  (:meth:`~ClientRegistry.attach`, :meth:`~ClientRegistry.detach`); a closed connection is detached
+  from everything (:meth:`~ClientRegistry.peer_closed`).
+
+Per connection the registry keeps a :class:`PeerState`: the client id it registered on each session,
+the sessions it is attached to, and whether it takes ``_acp_server/turn_state`` notifications. A
+transport never holds any of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import trio
+
+from ..errors import InvalidClientIdError
+from .session import ClientReg, Peer, Session
+
+__all__ = ["ClientRegistry", "PeerState"]
+
+log = logging.getLogger("acp_server.bridge")
+
+
+def now_ms() -> int:
+    """The wall clock in epoch milliseconds (what ``lastSeenAt`` and session timestamps report)."""
+    return time.time_ns() // 1_000_000
+
+
+class PeerState:
+    """What the bridge keeps for one connection."""
+
+    __slots__ = ("registrations", "sessions", "turn_states")
+
+    def __init__(self) -> None:
+        #: session id -> the client id this connection registered there
+        self.registrations: dict[str, str] = {}
+        #: the sessions this connection is attached to (receives the updates of)
+        self.sessions: set[Session] = set()
+        #: it receives ``_acp_server/turn_state`` (``initialize`` ``_meta.turnStates: false`` opts out)
+        self.turn_states = True
+
+
+class ClientRegistry:
+    """Client ids per session and state per connection (see the module docstring)."""
+
+    __slots__ = ("peers",)
+
+    def __init__(self) -> None:
+        #: every connection the bridge knows, until :meth:`peer_closed`
+        self.peers: dict[Peer, PeerState] = {}
+
+    def state(self, peer: Peer) -> PeerState:
+        """The connection's state (created on first use)."""
+        state = self.peers.get(peer)
+        if state is None:
+            state = self.peers[peer] = PeerState()
+        return state
+
+    def set_turn_states(self, peer: Peer, enabled: bool) -> None:
+        """Whether ``peer`` receives ``_acp_server/turn_state`` (what it chose at ``initialize``)."""
+        self.state(peer).turn_states = enabled
+
+    def turn_states(self, peer: Peer) -> bool:
+        """Whether ``peer`` receives ``_acp_server/turn_state`` (default: yes)."""
+        state = self.peers.get(peer)
+        return state is None or state.turn_states
+
+    def registration(self, peer: Peer, session_id: str) -> str | None:
+        """The client id ``peer`` registered on session ``session_id``, if any."""
+        state = self.peers.get(peer)
+        return state.registrations.get(session_id) if state is not None else None
+
+    # --- client ids --------------------------------------------------------------------------------
+
+    def register(self, session: Session, peer: Peer | None, requested: str | None = None) -> str:
+        """Register a client on ``session``: re-use ``requested`` if it is registered there, else mint one.
+
+        Registration never fails; the caller's connection (unless closed) is attached to the session.
+
+        Returns:
+            The client id.
+        """
+        now = trio.current_time()
+        reg = session.clients.get(requested) if requested else None
+        if reg is not None:
+            reg.refcount += 1
+            reg.last_seen, reg.last_seen_ms = now, now_ms()
+        else:
+            client_id = f"client_{uuid.uuid4()}"
+            reg = session.clients[client_id] = ClientReg(client_id, now, now_ms())
+        session.last_activity = now
+        if peer is not None and not peer.closed:
+            state = self.state(peer)
+            state.registrations[session.session_id] = reg.client_id
+            session.attached.add(peer)
+            state.sessions.add(session)
+        return reg.client_id
+
+    def resolve(self, session: Session, peer: Peer | None, requested: str | None) -> str | None:
+        """The client id a request acts as, marked as seen now.
+
+        Absent ``requested``: the connection's own registration on the session, else anonymous (``None``).
+
+        Raises:
+            InvalidClientIdError: ``requested`` is not registered on the session.
+        """
+        now = trio.current_time()
+        if requested is not None:
+            reg = session.clients.get(requested)
+            if reg is None:
+                raise InvalidClientIdError(session_id=session.session_id, client_id=requested)
+        else:
+            state = self.peers.get(peer) if peer is not None else None
+            own = state.registrations.get(session.session_id) if state is not None else None
+            reg = session.clients.get(own) if own is not None else None
+            if reg is None:
+                return None
+        reg.last_seen, reg.last_seen_ms = now, now_ms()
+        session.last_activity = now
+        return reg.client_id
+
+    @staticmethod
+    def heartbeat(session: Session, client_id: str | None) -> int:
+        """Mark activity.
+
+        Returns:
+            The last-seen time (epoch ms) of the client, or of the session.
+        """
+        session.last_activity = trio.current_time()
+        if client_id is not None:
+            return session.clients[client_id].last_seen_ms
+        return now_ms()
+
+    def release(self, session: Session, peer: Peer | None, client_id: str | None) -> None:
+        """Drop one holder of ``client_id`` (``_acp_server/detach``); the connection is detached once
+        it no longer holds a registration on the session."""
+        if client_id is not None:
+            reg = session.clients.get(client_id)
+            if reg is not None:
+                reg.refcount -= 1
+                if reg.refcount <= 0:
+                    del session.clients[client_id]
+        if peer is not None:
+            state = self.peers.get(peer)
+            own = state.registrations.get(session.session_id) if state is not None else None
+            if own is None or own == client_id or own not in session.clients:
+                if state is not None:
+                    state.registrations.pop(session.session_id, None)
+                self.detach(session, peer)
+        session.last_activity = trio.current_time()
+
+    @staticmethod
+    def expire_idle(session: Session, cut: float) -> None:
+        """Drop the session's client ids last seen at or before ``cut`` (trio clock)."""
+        for cid in [c for c, reg in session.clients.items() if reg.last_seen <= cut]:
+            log.info("client id %s of %s expired", cid, session.session_id)
+            del session.clients[cid]
+
+    # --- attachment --------------------------------------------------------------------------------
+
+    def attach(self, session: Session, peer: Peer) -> None:
+        """``peer`` receives the session's updates from now on (a closed one is not attached)."""
+        if not peer.closed:
+            session.attached.add(peer)
+            state = self.peers.get(peer)
+            if state is None:
+                state = self.peers[peer] = PeerState()
+            state.sessions.add(session)
+
+    def detach(self, session: Session, peer: Peer) -> None:
+        """``peer`` stops receiving the session's updates (its client ids stay registered)."""
+        session.attached.discard(peer)
+        state = self.peers.get(peer)
+        if state is not None:
+            state.sessions.discard(session)
+
+    def peer_closed(self, peer: Peer) -> None:
+        """A connection is gone: it receives nothing more and is forgotten (its client ids stay with
+        their sessions)."""
+        state = self.peers.pop(peer, None)
+        if state is not None:
+            for session in state.sessions:
+                session.attached.discard(peer)
+
+    def session_closed(self, session: Session) -> None:
+        """The session ended: every connection is detached from it and every client id dropped."""
+        session_id = session.session_id
+        for peer in session.attached:
+            state = self.peers.get(peer)
+            if state is not None:
+                state.sessions.discard(session)
+                state.registrations.pop(session_id, None)
+        session.attached.clear()
+        session.clients.clear()
+
+    def any_live(self, session: Session) -> bool:
+        """Some connection attached to ``session`` is still open."""
+        return any(not p.closed for p in session.attached)

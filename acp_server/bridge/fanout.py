@@ -1,0 +1,244 @@
+"""The fan-out: a session's updates and turn states, recorded in order and sent to its connections.
+
+It owns the wire encoding of what the bridge sends on its own: ``session/update`` (live and replayed:
+one encoder, :func:`encode_update`) and ``_acp_server/turn_state``, both built as text around the
+update's JSON (our session, client and prompt ids need no escaping, and these run several times per
+prompt). Every update takes the session's next ``eventId`` and goes to its history, and through the
+persistence seam to the store.
+
+:class:`FanOut` sends at once. :class:`CommitFanOut` (with a store) holds what it sends, and the
+answers of settled prompts, until the write round they follow is committed: durable before visible,
+and a round's updates and answers leave a connection in one write. Consecutive messages for the same
+connections are joined into one send.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any, TypeAlias
+
+import msgspec
+
+from ..store import TURN_STATE, StoredEvent
+from ..types.ext import TERMINAL_TURN_STATES
+from .clients import ClientRegistry, now_ms
+from .persistence import Persistence
+from .session import Peer, PromptTicket, Session
+
+__all__ = ["CommitFanOut", "FanOut", "encode_update"]
+
+log = logging.getLogger("acp_server.bridge")
+
+_encoder = msgspec.json.Encoder()
+
+#: what a write round's commit lets out, in order: consecutive messages for the same connections
+#: (sent as one), or a settled prompt to answer
+_HeldBack: TypeAlias = "tuple[tuple[Peer, ...], list[bytes]] | PromptTicket"
+
+
+class _ExtMsg(msgspec.Struct):
+    """An extension notification replayed from the transcript (a stored turn state)."""
+
+    jsonrpc: str
+    method: str
+    params: dict[str, Any]
+
+
+def encode_update(session_id: str, event_id: int, body: bytes, originator: str | None = None) -> bytes:
+    """One ``session/update`` line: SessionNotification's shape around ``body`` (the update's JSON).
+
+    ``originator``: the client id whose prompt caused it (``_meta.originatorClientId``); replays carry none.
+    """
+    meta = (
+        f'{{"eventId":{event_id}}}' if originator is None
+        else f'{{"eventId":{event_id},"originatorClientId":"{originator}"}}'
+    )
+    return b"".join((
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"', session_id.encode(),
+        b'","update":', body, b',"_meta":', meta.encode(), b"}}\n",
+    ))
+
+
+def answer(ticket: PromptTicket) -> None:
+    """Wake whoever waits on a settled prompt."""
+    ticket.done.set()
+    waiters, ticket.waiters = ticket.waiters, []
+    for waiter in waiters:
+        waiter.notify(ticket.result, ticket.error)
+
+
+class FanOut:
+    """Records and sends a session's updates; this one sends at once (no store).
+
+    Args:
+        clients: who is attached, and who takes turn states.
+        persistence: where updates are recorded.
+    """
+
+    def __init__(self, clients: ClientRegistry, persistence: Persistence) -> None:
+        self._clients = clients
+        self._peer_states = clients.peers
+        self._persistence = persistence
+        self._add_event = persistence.add_event
+
+    def emit(self, session: Session, update: Any, originator: str | None, *, exclude: Peer | None = None) -> None:
+        """Record ``update`` in the session's history and send it to every attached connection but
+        ``exclude``; ``originator`` is the client id whose prompt caused it."""
+        event_id = session.next_event_id
+        session.next_event_id = event_id + 1
+        session.history.append((event_id, update))
+        if not session.attached:
+            self._add_event(session.session_id, event_id, update)
+            return
+        body = _encoder.encode(update)  # once, for the wire and the store
+        self._add_event(session.session_id, event_id, body)
+        if exclude is not None and len(session.attached) == 1 and exclude in session.attached:
+            return  # a prompt's own text, to the one connection that sent it: nobody else to tell
+        self.send(session, encode_update(session.session_id, event_id, body, originator), exclude)
+
+    def turn_state(self, ticket: PromptTicket, state: str, *, reason: str | None = None, position: int | None = None) -> None:
+        """Send ``_acp_server/turn_state`` for ``ticket`` to every connection attached to its session
+        that takes turn states.
+
+        It takes the session's next ``eventId`` like an update. The terminal states (completed,
+        failed, cancelled) are also kept in the transcript (replayed by load, stored with a store);
+        the others are live only.
+        """
+        session = ticket.session
+        event_id = session.next_event_id
+        session.next_event_id = event_id + 1
+        # TurnStateParams' shape (tests decode every one into it); the reason (a stop reason may come
+        # from an agent) is JSON-encoded.
+        fields = f'"promptId":"{ticket.prompt_id}","state":"{state}","at":{now_ms()}'
+        if reason is not None:
+            fields += ',"reason":' + _encoder.encode(reason).decode()
+        if position is not None:
+            fields += f',"positionHint":{position}'
+        if state in TERMINAL_TURN_STATES:
+            text = ("{" + fields + "}").encode()
+            session.history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
+            self._add_event(session.session_id, event_id, text, TURN_STATE)
+        attached = session.attached
+        states = self._peer_states
+        if len(attached) == 1:  # the usual case, without a generator
+            (peer,) = attached
+            peers: tuple[Peer, ...] = (peer,) if states[peer].turn_states else ()
+        else:
+            peers = tuple(p for p in attached if states[p].turn_states)
+        if not peers:
+            return
+        data = (
+            f'{{"jsonrpc":"2.0","method":"{TURN_STATE}","params":{{"sessionId":"{session.session_id}",{fields},'
+            f'"_meta":{{"eventId":{event_id}}}}}}}\n'
+        ).encode()
+        self.send(session, data, None, peers)
+
+    def send(self, session: Session, data: bytes, exclude: Peer | None, peers: tuple[Peer, ...] | None = None) -> None:
+        """Send ``data`` to ``peers`` (default: every connection attached to ``session``) but ``exclude``."""
+        if peers is None:
+            peers = tuple(session.attached)
+        for peer in peers:
+            if peer is not exclude:
+                peer.send(data)
+
+    def hold_answer(self, ticket: PromptTicket) -> None:
+        """A prompt settled: its waiters may be answered (:meth:`answer_waiters`)."""
+        ticket.done.set()
+
+    def answer_waiters(self, ticket: PromptTicket) -> None:
+        """Answer the waiters of a settled prompt now."""
+        waiters, ticket.waiters = ticket.waiters, []
+        for waiter in waiters:  # last: a callback may start the connection's next request
+            waiter.notify(ticket.result, ticket.error)
+
+    async def replay(self, session: Session, peer: Peer, after_event_id: int) -> None:
+        """Send the session's history after ``after_event_id`` to ``peer`` alone (the caller attaches it).
+
+        Replayed updates keep their original ``eventId`` and carry no ``originatorClientId``. They wait
+        for the connection's writer instead of overflowing; entries recorded meanwhile are sent too, in
+        order (no gap, no duplicate once the caller attaches the connection without an ``await``).
+        """
+        turn_states = self._clients.turn_states(peer)
+        session_id = session.session_id
+        history = session.history
+        index = 0
+        while index < len(history) and history[index][0] <= after_event_id:
+            index += 1
+        while True:
+            end = len(history)
+            for event_id, update in history[index:end]:
+                if isinstance(update, StoredEvent):
+                    if not turn_states and (update.method or TURN_STATE) == TURN_STATE:
+                        continue  # the connection opted out at initialize
+                    params = msgspec.json.decode(update.body)
+                    params.update(sessionId=session_id, _meta={"eventId": event_id})
+                    await peer.send_reliably(_encoder.encode(_ExtMsg("2.0", update.method or TURN_STATE, params)) + b"\n")
+                    continue
+                await peer.send_reliably(encode_update(session_id, event_id, _encoder.encode(update)))
+            index = end
+            if len(history) == index:
+                break
+
+
+class CommitFanOut(FanOut):
+    """With a store: messages and answers wait for the commit of the write round they follow."""
+
+    def __init__(self, clients: ClientRegistry, persistence: Persistence) -> None:
+        super().__init__(clients, persistence)
+        #: what the current write round's commit lets out, in order (see :meth:`_round`)
+        self._held: list[_HeldBack] | None = None
+        self._held_generation = 0
+
+    def send(self, session: Session, data: bytes, exclude: Peer | None, peers: tuple[Peer, ...] | None = None) -> None:
+        """Queue ``data`` for ``peers`` (default: every connection attached to ``session``) but
+        ``exclude``, to be sent once the current write round is committed."""
+        if peers is None:
+            peers = tuple(session.attached)
+        if exclude is not None:
+            peers = tuple(p for p in peers if p is not exclude)
+            if not peers:
+                return
+        held = self._held
+        if held is None or self._held_generation != self._persistence.generation:
+            held = self._round()
+        if held:
+            last = held[-1]
+            if type(last) is tuple and last[0] == peers:
+                last[1].append(data)  # the same connections as the message before: one send for both
+                return
+        held.append((peers, [data]))
+
+    def hold_answer(self, ticket: PromptTicket) -> None:
+        """The prompt's answer waits for the commit of its terminal record, in order with the updates."""
+        self._round().append(ticket)
+
+    def answer_waiters(self, ticket: PromptTicket) -> None:
+        """The answer waits; its requests no longer count as running on their connections."""
+        for waiter in list(ticket.waiters):  # last: a callback may start the connection's next request
+            waiter.settled()
+
+    def _round(self) -> list[_HeldBack]:
+        """What waits for the commit of the current write round (one store callback per round)."""
+        persistence = self._persistence
+        held = self._held
+        if held is None or self._held_generation != persistence.generation:
+            held = self._held = []
+            self._held_generation = persistence.generation
+            persistence.after_round(partial(self._committed, held))  # also covers what is appended later
+        return held
+
+    @staticmethod
+    def _committed(held: list[_HeldBack]) -> None:
+        """A write round is committed: send its messages and answer its prompts, in order."""
+        for entry in held:
+            try:
+                if isinstance(entry, PromptTicket):
+                    answer(entry)
+                else:
+                    peers, parts = entry
+                    data = parts[0] if len(parts) == 1 else b"".join(parts)
+                    for peer in peers:
+                        peer.send(data)  # a closed one drops it
+            except Exception:
+                log.exception("after a store commit: %r failed", entry)

@@ -1,0 +1,315 @@
+"""The session runner: one task per busy session runs its FIFO, one turn at a time, in arrival order.
+
+For each prompt at the head it waits (with a store) for the prompt's admission record to commit,
+takes a policy seat (the admission policy on), then calls the backend in its own task: under the
+backend pool's permit, with a :class:`~acp_server.backends.base.Turn` whose ``emit`` goes to the
+fan-out. A fork at the head branches the session on its backend. Outcomes go to the
+:class:`~acp_server.bridge.settlement.Settlement`; the runner settles nothing by itself.
+
+The runner outlives an empty FIFO: it parks, and the next prompt wakes it (a task per busy spell, not
+per prompt: with a store each answer waits for a commit, so a busy session's FIFO empties between
+turns). :meth:`SessionRunner.stop_idle` ends one parked for a whole sweep period, a closed session's
+at once.
+
+A prompt that settles while its call is still running (cancelled, expired) leaves that call
+*abandoned*: the FIFO's next prompt waits for it (the agent is still busy), while a fork that reaches
+the head then fails at once (:meth:`Settlement.fail_head_forks`).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any
+
+import outcome
+import trio
+
+from ..admission.policy import PolicyEngine, Queued, Seat, WaitDeadlineExpired
+from ..admission.pool import Lease
+from ..backends.base import ClientChannel, Turn
+from ..errors import AcpError, InternalError
+from ..types.acp import PromptResult, UserMessageChunk
+from .fanout import FanOut
+from .persistence import Persistence
+from .session import ForkTicket, PromptTicket, Session
+from .sessions import SessionTable
+from .settlement import Settlement, cancelled_result
+
+__all__ = ["RUNNER_IDLE_S", "SessionRunner"]
+
+log = logging.getLogger("acp_server.bridge")
+
+#: how long (one to two sweeps) a session's runner stays parked with an empty FIFO before it ends
+RUNNER_IDLE_S = 1.0
+
+
+class _TurnChannel:
+    """A prompt's client channel that reports ``paused_for_approval`` while a permission request is open."""
+
+    __slots__ = ("_fanout", "_inner", "_open", "_ticket")
+
+    def __init__(self, fanout: FanOut, inner: ClientChannel, ticket: PromptTicket) -> None:
+        self._fanout = fanout
+        self._inner = inner
+        self._ticket = ticket
+        self._open = 0
+
+    @property
+    def capabilities(self) -> Any:
+        """The sender's capabilities."""
+        return self._inner.capabilities
+
+    async def request(self, method: str, params: Any) -> Any:
+        """Relay the agent's request to the prompt's sender."""
+        if method != "session/request_permission":
+            return await self._inner.request(method, params)
+        ticket = self._ticket
+        self._open += 1
+        if self._open == 1 and not ticket.settled:
+            self._fanout.turn_state(ticket, "paused_for_approval")
+        try:
+            return await self._inner.request(method, params)
+        finally:
+            self._open -= 1
+            if not self._open and not ticket.settled:
+                self._fanout.turn_state(ticket, "running")
+
+
+class SessionRunner:
+    """Runs the sessions' FIFOs (see the module docstring).
+
+    Args:
+        table: the live sessions (a closed session's runner ends; a fork adds one).
+        settlement: where outcomes go.
+        fanout: turn states, the prompt's own text and the agent's updates.
+        persistence: the commit a head prompt waits for; a fork's new session is recorded there.
+        policy: the admission policy (seats).
+    """
+
+    def __init__(
+        self,
+        table: SessionTable,
+        settlement: Settlement,
+        fanout: FanOut,
+        persistence: Persistence,
+        policy: PolicyEngine,
+    ) -> None:
+        self._table = table
+        self._settlement = settlement
+        self._fanout = fanout
+        self._persistence = persistence
+        self._policy = policy
+        #: where runner tasks start (set while the bridge runs)
+        self.nursery: trio.Nursery | None = None
+        #: counts :meth:`stop_idle`'s sweeps; a runner parks with the current one
+        self._epoch = 0
+
+    def enqueue(self, session: Session, item: PromptTicket | ForkTicket) -> None:
+        """Append ``item`` to the session's FIFO, and make sure a runner will take it.
+
+        Raises:
+            InternalError: the bridge is not running.
+        """
+        fifo = session.fifo
+        fifo.append(item)
+        if session.runner_active:
+            if session.runner.task is not None and len(fifo) == 1:
+                self._nudge(session)  # an idle runner: it takes this one (no new task)
+            return
+        if self.nursery is None:
+            raise InternalError()
+        session.runner_active = True
+        self.nursery.start_soon(self._run, session)
+
+    def _nudge(self, session: Session) -> None:
+        """Wake the session's parked runner once its FIFO's head may run: now, or (with a store) when
+        the head's admission record is committed."""
+        head = session.fifo[0]
+        if isinstance(head, PromptTicket) and self._persistence.committed < head.store_op:
+            self._persistence.when_committed(head.store_op, partial(self.wake, session, True))
+        else:
+            self.wake(session, True)
+
+    @staticmethod
+    def wake(session: Session, go: bool) -> None:
+        """Resume the session's parked runner (if it is parked): to look at its FIFO again (``go``), or
+        to end if the FIFO is empty (idle too long, or the session closed)."""
+        runner = session.runner
+        if runner.task is not None:
+            runner.wake(outcome.Value(go))
+
+    async def _run(self, session: Session) -> None:
+        """Run the session's FIFO until it is closed, or idle for a sweep."""
+        fifo = session.fifo
+        persistence = self._persistence
+        policy = self._policy
+        try:
+            while True:
+                # One cancel scope serves the calls until one is cancelled (its prompt settled while
+                # it ran): then a fresh one, so the cancel reaches no later call. A scope per call
+                # cost ~10% of an echo prompt's CPU. Nothing cancels it while the runner is parked.
+                with trio.CancelScope() as scope:
+                    while True:
+                        if not fifo:
+                            if not self._table.is_live(session):
+                                return  # closed
+                            session.runner_idle_epoch = self._epoch
+                            if not await session.runner.park() and not fifo:
+                                return
+                            continue
+                        item = fifo[0]
+                        if item.settled:
+                            fifo.popleft()
+                            continue
+                        if isinstance(item, ForkTicket):
+                            await self._fork(session, item)
+                            fifo.popleft()
+                            continue
+                        if persistence.committed < item.store_op:
+                            # its admission record first
+                            persistence.when_committed(item.store_op, partial(self.wake, session, True))
+                            await session.runner.park()
+                            continue  # re-check: it may have settled meanwhile
+                        if policy.enabled and not await self._take_seat(item):
+                            continue  # settled while it waited for a seat: the loop drops it
+                        await self._call_backend(item, scope)
+                        fifo.popleft()
+                        if scope.cancel_called:
+                            break  # the call finished before the cancel reached it
+        finally:
+            session.runner_active = False
+            session.runner.task = None
+
+    async def stop_idle(self) -> None:
+        """Every :data:`RUNNER_IDLE_S`, end the runners parked with an empty FIFO since the last sweep."""
+        while True:
+            await trio.sleep(RUNNER_IDLE_S)
+            epoch = self._epoch
+            self._epoch = epoch + 1
+            for session in list(self._table.live.values()):
+                if session.runner.parked and not session.fifo and session.runner_idle_epoch < epoch:
+                    self.wake(session, False)
+
+    async def _take_seat(self, ticket: PromptTicket) -> bool:
+        """Hold a policy seat for the head prompt: the one decided at arrival, or one from the fair
+        queue (never refused: an accepted prompt waits). False when the prompt settled meanwhile."""
+        got = ticket.seat
+        if got is None:
+            session = ticket.session
+            got = ticket.seat = self._policy.enqueue(
+                tenant=session.tenant,
+                priority=ticket.priority,
+                deadline=ticket.deadline if ticket.deadline_ms else None,
+                session_id=session.session_id,
+            )
+            if isinstance(got, Queued) and got.waiting:
+                self._fanout.turn_state(ticket, "queued", position=got.position_hint)
+        if isinstance(got, Seat):
+            return True
+        seat: Seat | None = None
+        with trio.CancelScope() as scope:
+            ticket.wait_scope = scope
+            try:
+                seat = await got.wait()
+            except WaitDeadlineExpired:
+                pass
+            finally:
+                ticket.wait_scope = None
+        if seat is None:
+            ticket.seat = None
+            if not scope.cancelled_caught:
+                self._settlement.expire(ticket)  # too little of its deadline left to start
+            return False
+        ticket.seat = seat
+        if ticket.settled:
+            ticket.release_holds()
+            return False
+        return True
+
+    async def _call_backend(self, ticket: PromptTicket, scope: trio.CancelScope) -> None:
+        """Run the head prompt's backend call under the runner's ``scope`` (cancelled if it settles first)."""
+        session = ticket.session
+        ticket.running = True
+        channel = ticket.channel
+        fanout = self._fanout
+        turn = Turn(
+            session.session_id,
+            ticket.prompt_id,
+            ticket.prompt,
+            partial(self._emit_for, ticket),
+            _TurnChannel(fanout, channel, ticket) if channel is not None else None,
+            ticket.meta,
+        )
+        lease = ticket.lease
+        result: PromptResult | None = None
+        error: AcpError | None = None
+        try:
+            ticket.call_scope = scope
+            try:
+                if lease is not None:
+                    await self._permit(ticket, lease)  # at most max_active calls; FIFO
+                fanout.turn_state(ticket, "running")
+                for block in ticket.prompt:  # the prompt's own text, to the session's other connections
+                    fanout.emit(session, UserMessageChunk(content=block), ticket.client_id, exclude=ticket.sender)
+                stop_reason = await session.backend.prompt(turn)
+            finally:
+                ticket.call_scope = None  # the call is over: settling now abandons nothing
+            result = PromptResult(stop_reason=stop_reason, meta={"promptId": ticket.prompt_id})
+        except AcpError as exc:
+            result, error = None, exc
+        except trio.Cancelled:
+            self._settlement.settle(ticket, cancelled_result(ticket), None)
+            raise
+        except Exception:
+            log.exception("backend %s failed on %s of session %s", session.backend.name, ticket.prompt_id, session.session_id)
+            result, error = None, InternalError()
+        finally:
+            ticket.release_holds()  # the lease with its permit; the seat (busy sessions take turns)
+            abandoned = session.abandoned
+            if abandoned is not None:
+                session.abandoned = None
+                abandoned.set()
+        self._settlement.settle(ticket, result, error)  # no-op when it settled first (cancel, deadline, crash)
+
+    def _emit_for(self, ticket: PromptTicket, update: Any) -> None:
+        """A running prompt's update (dropped once the prompt settled)."""
+        if not ticket.settled:
+            self._fanout.emit(ticket.session, update, ticket.client_id)
+
+    async def _permit(self, ticket: PromptTicket, lease: Lease) -> None:
+        """Take the backend pool's permit, reporting ``waiting_for_dependency`` when it has to wait."""
+        try:
+            lease.acquire_permit_nowait()
+        except trio.WouldBlock:
+            self._fanout.turn_state(ticket, "waiting_for_dependency")
+            await lease.acquire_permit()
+
+    async def _fork(self, session: Session, item: ForkTicket) -> None:
+        """Branch ``session`` on its backend into a new live session with a copy of its transcript."""
+        table = self._table
+        try:
+            table.check_limit()
+        except AcpError as exc:
+            item.fail(exc)
+            return
+        await table.load_transcript(session)
+        new = table.build(session.backend, session.cwd, list(session.mcp_servers), session.tenant)
+        try:
+            await session.backend.fork(session.session_id, new.session_id)
+        except AcpError as exc:
+            item.fail(exc)
+            return
+        except Exception:
+            log.exception("backend fork of %s failed", session.session_id)
+            item.fail(InternalError())
+            return
+        new.history = list(session.history)
+        new.next_event_id = session.next_event_id
+        new.mode_id = session.mode_id
+        new.modes = session.modes
+        new.title = session.title
+        table.add(new)
+        self._persistence.save_session(new)
+        self._persistence.copy_transcript(new)
+        item.succeed(new)
