@@ -398,3 +398,27 @@ async def test_a_slow_websocket_reader_is_evicted_while_another_peer_prompts() -
                     assert (await fast.prompt(sid, "after"))["result"]["stopReason"] == "end_turn"
                 finally:
                     raw.close()
+
+
+async def test_a_unix_socket_listener(tmp_path: Any) -> None:
+    """``--http-listen unix:/path``: mode 0600, any port in ``Host`` (there is none), ACP served."""
+    import os
+    import stat
+
+    from acp_server.server import ListenAddress
+    from acp_server.transports.http import HttpOptions, serve_http
+
+    from .helpers import running_server
+
+    path = str(tmp_path / "h.sock")
+    with trio.fail_after(TIMEOUT_S):
+        async with running_server() as (server, nursery):
+            url = await nursery.start(serve_http, server.handle_stream, ListenAddress("unix", path=path), HttpOptions())
+            assert url == f"unix:{path}"
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+            transport = httpx.AsyncHTTPTransport(uds=path)
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+                assert (await c.get("/health")).json() == {"status": "ok"}
+                r = await c.post("/acp", json=INIT)
+                assert r.status_code == 200 and r.headers["acp-connection-id"]
+            nursery.cancel_scope.cancel()

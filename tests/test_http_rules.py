@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import msgspec
 import pytest
@@ -185,3 +186,34 @@ async def test_batched_writes_join_a_burst_and_report_a_broken_peer() -> None:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     await batched.aclose()
+
+
+def test_http_flags_and_the_http_config_table(tmp_path: pathlib.Path) -> None:
+    """``[http]`` in ``--config`` sets the listeners and bounds; flags override it; bad values name
+    the flag or key."""
+    from acp_server.cli import _build, http_from
+
+    parser, serve = _build()
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[http]\nlisten = ["http://127.0.0.1:0", "unix:/tmp/x.sock"]\nmax_connections = 7\n'
+        'connection_grace_s = 2.5\nallow_origin = ["https://app.example"]\n'
+    )
+    args = parser.parse_args(["serve", "--config", str(config)])
+    listen, options = http_from(args, serve)
+    assert [str(a) for a in listen] == ["tcp://127.0.0.1:0", "unix:/tmp/x.sock"]
+    assert (options.limits.max_connections, options.limits.connection_grace_s) == (7, 2.5)
+    assert options.allow_origins == frozenset({"https://app.example"})
+    args = parser.parse_args(
+        ["serve", "--config", str(config), "--http-listen", "tcp://127.0.0.1:0", "--http-max-connections", "3",
+         "--http-connection-grace-s", "0", "--http-allow-origin", "http://localhost:3000"]
+    )
+    listen, options = http_from(args, serve)
+    assert [str(a) for a in listen] == ["tcp://127.0.0.1:0"]
+    assert (options.limits.max_connections, options.limits.connection_grace_s) == (3, 0.0)
+    assert options.allow_origins == frozenset({"http://localhost:3000"})
+    assert http_from(parser.parse_args(["serve"]), serve) == ([], None)
+    for bad in (["--http-listen", "ftp://x"], ["--http-max-connections", "0"], ["--http-allow-origin", "https://a.example/path"],
+                ["--http-listen", "http://10.1.2.3:80"]):
+        with pytest.raises(SystemExit):
+            http_from(parser.parse_args(["serve", *bad]), serve)
