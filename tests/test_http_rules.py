@@ -217,3 +217,23 @@ def test_http_flags_and_the_http_config_table(tmp_path: pathlib.Path) -> None:
                 ["--http-listen", "http://10.1.2.3:80"]):
         with pytest.raises(SystemExit):
             http_from(parser.parse_args(["serve", *bad]), serve)
+
+
+async def test_peer_input_waits_while_the_shell_does_not_read() -> None:
+    """What is fed past ``limit`` unread bytes waits (the POST or the WebSocket waits) until the shell
+    reads; nothing is dropped."""
+    peer = MessagePeer(limit=1 << 20)
+    fed = trio.Event()
+
+    async def feed_more() -> None:
+        await peer.feed_when_room(b'{"n":2}', 8)
+        fed.set()
+
+    await peer.feed_when_room(b'{"n":1,"pad":"xxxxxxxx"}', 8)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(feed_more)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not fed.is_set()
+        assert await peer.receive_some() == b'{"n":1,"pad":"xxxxxxxx"}\n'
+        await fed.wait()
+    assert await peer.receive_some() == b'{"n":2}\n'

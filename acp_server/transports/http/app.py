@@ -248,7 +248,7 @@ class AcpHttpApp:
             raise SessionNotEstablishedError(session_id=session_id[:128])
         if env.is_request:
             conn.peer.note_request(env, session_id)
-        conn.peer.feed(body)
+        await conn.peer.feed_when_room(body, self.limits.max_message_bytes)
         await self._answer(send, 202, b"", cors)
 
     async def _initialize(self, id: Any, body: bytes, send: Send, cors: list[tuple[bytes, bytes]]) -> None:
@@ -362,7 +362,7 @@ class AcpHttpApp:
                         shell_done.set()
 
                 nursery.start_soon(shell)
-                await pump_websocket(conn.peer, send, receive, shell_done)
+                await pump_websocket(conn.peer, send, receive, shell_done, limits.max_message_bytes)
         finally:
             self.connections.pop(conn.id, None)
 

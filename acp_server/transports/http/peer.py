@@ -122,6 +122,7 @@ class MessagePeer(trio.abc.Stream):
         self._waiters: dict[Any, ResponseWaiter] = {}
         self._inbound = bytearray()
         self._inbound_ready = trio.Event()
+        self._inbound_taken = trio.Event()
         self._eof = False
         self._closed = False
         self._partial = b""
@@ -139,10 +140,20 @@ class MessagePeer(trio.abc.Stream):
         self._inbound += b"\n"
         self._inbound_ready.set()
 
+    async def feed_when_room(self, message: bytes, limit: int) -> None:
+        """:meth:`feed`, once the shell has read what was fed before down to ``limit`` bytes: a client
+        whose shell stopped reading (it pauses at four times ``--max-inflight-requests`` waiting)
+        waits in its POST or its WebSocket, as a socket's sender waits on a full buffer."""
+        while len(self._inbound) > limit and not (self._eof or self._closed):
+            self._inbound_taken = trio.Event()
+            await self._inbound_taken.wait()
+        self.feed(message)
+
     def end_input(self) -> None:
         """The client is gone (DELETE, WebSocket closed, grace period over): the shell reads the end."""
         self._eof = True
         self._inbound_ready.set()
+        self._inbound_taken.set()
 
     @property
     def inbound_bytes(self) -> int:
@@ -156,6 +167,7 @@ class MessagePeer(trio.abc.Stream):
             self._inbound_ready = trio.Event()
             await self._inbound_ready.wait()
         size = max_bytes or 65536
+        self._inbound_taken.set()
         if len(self._inbound) <= size:
             data = bytes(self._inbound)
             self._inbound.clear()
@@ -312,6 +324,7 @@ class MessagePeer(trio.abc.Stream):
             self._closed = True
             self._eof = True
             self._inbound_ready.set()
+            self._inbound_taken.set()
             self.connection.close()
             for queue in self.sessions.values():
                 queue.close()

@@ -76,7 +76,9 @@ async def pump_sse(
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def pump_websocket(peer: MessagePeer, send: Send, receive: Receive, shell_done: trio.Event) -> None:
+async def pump_websocket(
+    peer: MessagePeer, send: Send, receive: Receive, shell_done: trio.Event, max_message_bytes: int
+) -> None:
     """Carry one JSON-RPC message per text frame both ways until either side ends.
 
     Text frames go to :meth:`MessagePeer.feed`; binary frames are ignored. When the client leaves,
@@ -94,7 +96,7 @@ async def pump_websocket(peer: MessagePeer, send: Send, receive: Receive, shell_
                     if kind == "websocket.receive":
                         text = message.get("text")
                         if text is not None:
-                            peer.feed(text.encode())
+                            await peer.feed_when_room(text.encode(), max_message_bytes)
                     elif kind == "websocket.disconnect":
                         peer.end_input()
                         return
