@@ -7,7 +7,9 @@ Scenarios (``--only NAME``, repeatable; all by default):
 3. ``overload``: 3x the prompts the pending limit admits (clients honouring ``retryAfterMs``, and
    clients re-sending at once), against 1x; the cost of a refusal, server-side and round trip.
 4. ``scale``: RSS per idle session at 10,000 sessions; 1,000 connections prompting at once.
-5. ``http``: the SDK client over our ``/acp`` (HTTP+SSE, WebSocket) and our TCP listener, and over the
+5. ``openai``: the ``openai`` backend against a scripted model server answering at once: server CPU
+   per prompt and per streamed token, latency added to the first chunk, cancel to stream closed.
+6. ``http``: the SDK client over our ``/acp`` (HTTP+SSE, WebSocket) and our TCP listener, and over the
    SDK's own remote server (``acp.http`` under hypercorn): server CPU per echo prompt and prompts/s.
 
 Prints a Markdown table (each figure with the command that reproduces it) and writes JSON to
@@ -34,12 +36,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from openai_bench import OpenAISizes, run_openai
 from procfs import cpu_source, percentile
 from http_ab import HttpSizes, run_http
 from sdk_ab import AbSizes, Totals, run_ab
 from servers import BENCH, BenchError, TcpServer, acp_server_argv, sdk_echo_argv, server_flags, shell_command
 
-SCENARIOS = ("sdk", "pipelined", "overload", "scale", "http")
+SCENARIOS = ("sdk", "pipelined", "overload", "scale", "openai", "http")
 DEFAULT_OUT = BENCH / "results" / "latest.json"
 TEXT = "the quick brown fox jumps over the lazy dog"
 #: Trivial requests in flight: enough that the server never waits for the client between batches.
@@ -522,11 +525,42 @@ def scenario_scale(report: Report, sizes: Sizes) -> None:
     report.add("scale", "RSS per open connection", "bytes", conns["rss_per_connection_bytes"])
 
 
+# --- scenario 5 ----------------------------------------------------------------------------------
+
+
+def scenario_openai(report: Report, sizes: Sizes) -> None:
+    counts = OpenAISizes(prompts=10, tokens=50, cancels=5, latency_prompts=5, warmup=2) if report.tiny else (
+        OpenAISizes(prompts=200, tokens=200, cancels=50, latency_prompts=100, warmup=20)
+    )
+    progress(f"5: {counts.prompts} prompts of {counts.tokens} deltas, {counts.cancels} cancels on the openai backend")
+    raw = run_openai(counts)
+    report.scenarios["openai"] = raw
+    report.add("openai", f"server CPU per prompt ({counts.tokens} streamed deltas)", "us", raw["cpu_per_prompt_us"])
+    report.add("openai", f"server CPU per prompt ({counts.tokens // 10} streamed deltas)", "us",
+               raw["cpu_per_short_prompt_us"])
+    report.add("openai", "server CPU per streamed token (marginal: the difference of the two)", "us",
+               raw["cpu_per_token_us"])
+    added = raw["first_chunk_added_ms_p50"]
+    report.add(
+        "openai", "first agent_message_chunk after the model's first byte, p50", "ms", added,
+        goal="<= 2 ms", met=added <= 2.0,
+    )
+    report.add("openai", "first agent_message_chunk after the model's first byte, p99", "ms",
+               raw["first_chunk_added_ms_p99"])
+    closed = raw["cancel_to_close_ms_p50"]
+    report.add(
+        "openai", "session/cancel to the model stream closed, p50", "ms", closed,
+        goal="<= 100 ms", met=closed <= 100.0,
+    )
+    report.add("openai", "session/cancel to the model stream closed, max", "ms", raw["cancel_to_close_ms_max"])
+
+
 RUNNERS: dict[str, Callable[[Report, Sizes], None]] = {
     "sdk": scenario_sdk,
     "pipelined": scenario_pipelined,
     "overload": scenario_overload,
     "scale": scenario_scale,
+    "openai": scenario_openai,
     "http": scenario_http,
 }
 
