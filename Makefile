@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_DEV := $(VENV)/.installed-dev
 LISTEN ?= tcp://127.0.0.1:4170
+HTTP_LISTEN ?= http://127.0.0.1:4171
 PYTEST_ARGS ?=
 
 .PHONY: run test test-full lint schemas bench bench-instr bench-instr-record clean
@@ -26,7 +27,8 @@ $(STAMP_DEV): pyproject.toml | $(PY)
 
 run: $(STAMP_RUN)
 	@echo "acp-server: serving the echo agent on $(LISTEN); in another terminal of this checkout: $(VENV)/bin/acp-server prompt --connect $(LISTEN) \"hello\" (editors: $(CURDIR)/$(VENV)/bin/acp-server connect $(LISTEN))" >&2
-	$(VENV)/bin/acp-server serve --listen $(LISTEN)
+	@echo "acp-server: ACP over HTTP and WebSocket at $(HTTP_LISTEN)/acp (GET $(HTTP_LISTEN)/health)" >&2
+	$(VENV)/bin/acp-server serve --listen $(LISTEN) --http-listen $(HTTP_LISTEN)
 
 lint: $(STAMP_DEV)
 	$(VENV)/bin/ruff check acp_server tests

@@ -15,6 +15,7 @@ import shlex
 import socket
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
@@ -123,6 +124,26 @@ def parse_metrics_listen(text: str, flag: str = "--metrics-listen") -> ListenAdd
         raise argparse.ArgumentTypeError(f"{flag} {text!r} is not of the form {accepted}") from None
 
 
+def parse_http_listen(text: str, flag: str = "--http-listen") -> ListenAddress:
+    """``http://HOST:PORT`` or ``tcp://HOST:PORT`` (port 0: any free port) or ``unix:/path``."""
+    accepted = "http://HOST:PORT or tcp://HOST:PORT (PORT 0-65535, 0 = any free port) or unix:/absolute/path"
+    if text.startswith("http://"):
+        text = "tcp://" + text[len("http://") :]
+    try:
+        return parse_listen(text, flag)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{flag} {text!r} is not of the form {accepted}") from None
+
+
+def _origin_arg(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query or text.endswith("/"):
+        raise argparse.ArgumentTypeError(
+            f"--http-allow-origin {text!r} is not an origin: scheme://host[:port], no path (e.g. https://app.example)"
+        )
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line."""
     return _build()[0]
@@ -143,7 +164,11 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         description="Relay stdin/stdout to a running acp-server, byte for byte, until it closes the connection "
         "(with --token, an authenticate is sent after the client's initialize and its answer kept back).",
     )
-    c.add_argument("url", metavar="URL", help="tcp://HOST:PORT, tls://HOST:PORT or unix:/path of a running acp-server")
+    c.add_argument(
+        "url",
+        metavar="URL",
+        help="tcp://HOST:PORT, tls://HOST:PORT, unix:/path, http://HOST:PORT/acp or ws://HOST:PORT/acp of a running acp-server",
+    )
     auth_cli.add_connect_flags(c)
     d = sub.add_parser(
         "doctor",
@@ -303,6 +328,7 @@ def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "_meta.turnStates overrides it per connection; default on)",
     )
     _add_policy_flags(s)
+    _add_http_flags(s)
     add_serve_flags(s)
     s.add_argument(
         "--drain-timeout-s",
@@ -387,6 +413,85 @@ def _add_policy_flags(s: argparse.ArgumentParser) -> None:
         default=None,
         help="add per-tenant series labelled with tenant ids (unbounded and possibly sensitive; default off)",
     )
+
+
+def _add_http_flags(s: argparse.ArgumentParser) -> None:
+    # Defaults are None ("not given") so that an [http] table in --config stands unless overridden.
+    g = s.add_argument_group(
+        "ACP over HTTP and WebSocket",
+        "The remote transport of ACP at /acp (Streamable HTTP with SSE, and WebSocket) and GET /health. "
+        "In --config, the [http] table takes listen, max_connections, connection_grace_s and allow_origin; "
+        "flags override the file.",
+    )
+    g.add_argument(
+        "--http-listen",
+        action="append",
+        type=parse_http_listen,
+        default=None,
+        metavar="URL",
+        help="serve /acp at http://HOST:PORT (also tcp://HOST:PORT; loopback only; port 0 = any free port) "
+        "or unix:/path; repeatable (default: none)",
+    )
+    g.add_argument(
+        "--http-max-connections",
+        type=_int_arg("--http-max-connections", minimum=1, meaning="a positive integer"),
+        metavar="N",
+        help="/acp connections and WebSockets at once; the next initialize gets 503 (default 256)",
+    )
+    g.add_argument(
+        "--http-connection-grace-s",
+        type=_non_negative_seconds_arg("--http-connection-grace-s", "0 closes it at once"),
+        metavar="S",
+        help="a connection with no event stream open is kept S seconds, then closed (default 10)",
+    )
+    g.add_argument(
+        "--http-allow-origin",
+        action="append",
+        type=_origin_arg,
+        default=None,
+        metavar="ORIGIN",
+        help="a foreign origin (scheme://host[:port]) allowed besides the listener's own; repeatable",
+    )
+
+
+def http_from(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, file_config: FileConfig | None = None
+) -> tuple[list[ListenAddress], Any]:
+    """The HTTP listeners and their options (an ``HttpOptions``): the ``[http]`` table, then the flags."""
+    if file_config is None:
+        file_config = _file_config(args, parser)
+    table = file_config.http
+    listen: list[ListenAddress] = args.http_listen or []
+    if not listen:
+        try:
+            listen = [parse_http_listen(u, f"--config {args.config}: http.listen") for u in table.listen]
+        except argparse.ArgumentTypeError as exc:
+            parser.error(str(exc))
+    origins = args.http_allow_origin or []
+    if not origins:
+        try:
+            origins = [_origin_arg(o) for o in table.allow_origin]
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--config {args.config}: http.allow_origin: {exc}")
+    max_connections = args.http_max_connections or table.max_connections
+    grace = args.http_connection_grace_s if args.http_connection_grace_s is not None else table.connection_grace_s
+    if max_connections is not None and max_connections < 1:
+        parser.error(f"--config {args.config}: http.max_connections must be a positive integer; got {max_connections}")
+    if grace is not None and not (0 <= grace < math.inf):
+        parser.error(f"--config {args.config}: http.connection_grace_s must be a non-negative number; got {grace}")
+    for addr in listen:
+        if addr.kind == "tcp":
+            _check_loopback(parser, addr, "--http-listen")
+    if not listen:
+        return [], None
+    from .transports.http import HttpLimits, HttpOptions  # hypercorn loads only when asked
+
+    base = HttpLimits()
+    limits = HttpLimits(
+        max_connections=max_connections if max_connections is not None else base.max_connections,
+        connection_grace_s=grace if grace is not None else base.connection_grace_s,
+    )
+    return listen, HttpOptions(limits=limits, allow_origins=frozenset(origins))
 
 
 def _on_off(flag: str) -> Callable[[str], bool]:
@@ -610,6 +715,7 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
     backends, default_backend = backends_from(args, serve_parser, file_config)
     policy = policy_from(args, serve_parser, file_config)
     metrics_listen, metrics_tenant_labels = metrics_from(args, serve_parser, file_config)
+    http_listen, http_options = http_from(args, serve_parser, file_config)
     return ServerConfig(
         stdio=args.stdio,
         listen=listen,
@@ -621,6 +727,8 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
         policy=policy,
         metrics_listen=metrics_listen,
         metrics_tenant_labels=metrics_tenant_labels,
+        http_listen=http_listen,
+        http=http_options,
         max_connections=args.max_connections if args.max_connections is not None else file_config.max_connections or 0,
         turn_states=args.turn_states if args.turn_states is not None else file_config.turn_states,
         auth=auth,

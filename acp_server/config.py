@@ -60,6 +60,12 @@
     url = "redis://127.0.0.1:6379/0"
     prefix = "acp-server"
 
+    [http]                            # ACP over HTTP and WebSocket at /acp, GET /health
+    listen = ["http://127.0.0.1:4171"]
+    max_connections = 256             # /acp connections and WebSockets at once
+    connection_grace_s = 10           # a connection with no stream open is kept this long
+    allow_origin = ["https://editor.example"]   # foreign origins allowed besides the listener's own
+
 An unknown key or a bad value is a :class:`ConfigError` naming the key (``backends.claude.max_active``).
 """
 
@@ -82,6 +88,7 @@ __all__ = [
     "ConfigError",
     "CoordinatorConfig",
     "FileConfig",
+    "HttpConfig",
     "MetricsConfig",
     "TlsConfig",
     "load_config",
@@ -201,6 +208,15 @@ class CoordinatorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         return {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not None}
 
 
+class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``[http]`` table: the ``/acp`` listeners (``None``/empty: not in the file)."""
+
+    listen: list[str] = msgspec.field(default_factory=list)
+    max_connections: int | None = None
+    connection_grace_s: float | None = None
+    allow_origin: list[str] = msgspec.field(default_factory=list)
+
+
 class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_backend: str | None = None
     #: ``--max-connections`` (0: from the fd limit)
@@ -219,6 +235,7 @@ class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: ``--drain-timeout-s``: after a connection's input ends, seconds its accepted requests may run in
     #: (absent: 30); when set, also on SIGTERM, seconds running prompts may finish in (0: cancel them)
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
 
 
 def _path_of(exc: msgspec.ValidationError, prefix: str) -> tuple[str, str]:

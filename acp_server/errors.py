@@ -34,6 +34,18 @@ schemas agree. Blame is split as in h11: the peer's fault, overload, and our own
     │   ├── AuthRequiredError               -32000 auth_required
     │   │   └── TokenRequiredError                     (the gateway's own: authenticate acp-server-token)
     │   └── AgentError                      -32012 agent_error (the agent's own error, wrapped)
+    ├── HttpError                           HTTP-only refusals of /acp (the body, never JSON-RPC)
+    │   ├── RouteNotFoundError              -32600 route_not_found (404)
+    │   ├── MethodNotAllowedError           -32600 method_not_allowed (405)
+    │   ├── ForbiddenHostError              -32600 forbidden_host (403)
+    │   ├── ForbiddenOriginError            -32600 forbidden_origin (403)
+    │   ├── UnsupportedMediaTypeError       -32600 unsupported_media_type (415)
+    │   ├── NotAcceptableError              -32600 not_acceptable (406)
+    │   ├── MissingHeaderError              -32600 missing_header (400)
+    │   ├── UnknownConnectionError          -32600 unknown_connection (404)
+    │   ├── SessionNotEstablishedError      -32600 session_not_established (404)
+    │   ├── BatchNotSupportedError          -32600 batch_not_supported (501)
+    │   └── TooManyConnectionsError         -32011 too_many_connections (503, Retry-After)
     └── InternalError                       -32603 internal (bugs only: overload is never -32603)
 """
 
@@ -46,6 +58,18 @@ import msgspec
 from .types import errors as data
 
 __all__ = [
+    "BatchNotSupportedError",
+    "ForbiddenHostError",
+    "ForbiddenOriginError",
+    "HttpError",
+    "MethodNotAllowedError",
+    "MissingHeaderError",
+    "NotAcceptableError",
+    "RouteNotFoundError",
+    "SessionNotEstablishedError",
+    "TooManyConnectionsError",
+    "UnknownConnectionError",
+    "UnsupportedMediaTypeError",
     "REGISTRY",
     "AgentError",
     "AuthRequiredError",
@@ -338,6 +362,98 @@ class AgentError(BackendError):
     kind = "agent_error"
     template = 'Backend "{backend_id}" answered with error {agent_code}: {agent_message}'
     data_type = data.AgentErrorData
+
+
+class HttpError(AcpError):
+    """A refusal of the HTTP layer of ``/acp``, sent as the body of a non-2xx answer (never on JSON-RPC).
+
+    ``status`` is the HTTP status it goes with.
+    """
+
+    code = -32600
+    status: ClassVar[int] = 400
+
+
+class RouteNotFoundError(HttpError):
+    kind = "route_not_found"
+    status = 404
+    template = "No route {path}; ACP is served at /acp (and GET /health)"
+    data_type = data.RouteNotFoundData
+
+
+class MethodNotAllowedError(HttpError):
+    kind = "method_not_allowed"
+    status = 405
+    template = "{path} does not take {method} (the Allow header and data.allowed list what it takes)"
+    data_type = data.MethodNotAllowedData
+
+
+class ForbiddenHostError(HttpError):
+    kind = "forbidden_host"
+    status = 403
+    template = 'Host "{host}" is not this server\'s (127.0.0.1, localhost, [::1] or the bound address)'
+    data_type = data.ForbiddenHostData
+
+
+class ForbiddenOriginError(HttpError):
+    kind = "forbidden_origin"
+    status = 403
+    template = 'Origin "{origin}" is not allowed; list it with --http-allow-origin'
+    data_type = data.ForbiddenOriginData
+
+
+class UnsupportedMediaTypeError(HttpError):
+    kind = "unsupported_media_type"
+    status = 415
+    template = 'POST /acp takes Content-Type application/json; got "{content_type}"'
+    data_type = data.UnsupportedMediaTypeData
+
+
+class NotAcceptableError(HttpError):
+    kind = "not_acceptable"
+    status = 406
+    template = 'GET /acp opens an event stream: send Accept: text/event-stream (or Upgrade: websocket); got "{accept}"'
+    data_type = data.NotAcceptableData
+
+
+class MissingHeaderError(HttpError):
+    kind = "missing_header"
+    status = 400
+    template = "This request needs the {header} header"
+    data_type = data.MissingHeaderData
+
+
+class UnknownConnectionError(HttpError):
+    kind = "unknown_connection"
+    status = 404
+    template = 'No connection "{connection_id}" (closed, expired, or the server restarted): initialize again'
+    data_type = data.UnknownConnectionData
+
+
+class SessionNotEstablishedError(HttpError):
+    kind = "session_not_established"
+    status = 404
+    template = (
+        'Session "{session_id}" is not established on this connection; '
+        "session/new, session/load, session/resume or _acp_server/fork it first"
+    )
+    data_type = data.SessionNotEstablishedData
+
+
+class BatchNotSupportedError(HttpError):
+    kind = "batch_not_supported"
+    status = 501
+    template = "POST /acp takes one JSON-RPC message, not a batch"
+    data_type = data.BatchNotSupportedData
+
+
+class TooManyConnectionsError(HttpError):
+    code = -32011
+    kind = "too_many_connections"
+    status = 503
+    template = "The HTTP listener holds its limit of {limit} connections; retry after {retry_after_ms} ms"
+    retryable = True
+    data_type = data.TooManyConnectionsData
 
 
 class InternalError(AcpError):

@@ -77,6 +77,10 @@ class ServerConfig:
     metrics_listen: ListenAddress | None = None
     #: label tenant series with tenant ids (unbounded, possibly sensitive: off by default)
     metrics_tenant_labels: bool = False
+    #: where ``/acp`` and ``/health`` are served over HTTP (``tcp`` or ``unix``; none by default)
+    http_listen: Sequence[ListenAddress] = field(default_factory=list)
+    #: the HTTP listeners' bounds and allowed origins (an ``HttpOptions``; ``None``: the defaults)
+    http: Any = None
     #: sockets of every listener together (0: from the fd limit, see ``default_max_connections``)
     max_connections: int = 0
     #: send ``_acp_server/turn_state`` to connections whose ``initialize`` does not say (``--turn-states``)
@@ -391,6 +395,22 @@ async def _serve(
                     server.stats_snapshot,
                     config.metrics_listen,
                 )
+
+            if config.http_listen:
+                from dataclasses import replace
+
+                from .transports.http import HttpOptions, serve_http  # hypercorn loads only when asked
+
+                options = config.http if config.http is not None else HttpOptions()
+                lim = server.limits  # one source for the message and queue bounds of every transport
+                options = replace(
+                    options,
+                    limits=replace(
+                        options.limits, max_message_bytes=lim.max_message_bytes, max_outbound_bytes=lim.outbound_bytes
+                    ),
+                )
+                for addr in config.http_listen:
+                    await listeners.start(serve_http, server.handle_stream, addr, options)
 
             async def stdio_then_exit() -> None:
                 await server.handle_stream(stdio_stream(), "stdio", trusted=True, socket=False)

@@ -11,6 +11,8 @@ Scenarios (``--only NAME``, repeatable; all by default):
    per prompt and per streamed token, latency added to the first chunk, cancel to stream closed.
 6. ``coordinator``: shared limits: admission latency and CPU, local vs Redis, Redis' CPU per admission
    (``bench/coordinator.py``, with its own ``redis-server``).
+7. ``http``: the SDK client over our ``/acp`` (HTTP+SSE, WebSocket) and our TCP listener, and over the
+   SDK's own remote server (``acp.http`` under hypercorn): server CPU per echo prompt and prompts/s.
 
 Prints a Markdown table (each figure with the command that reproduces it) and writes JSON to
 ``bench/results/latest.json``. ``--tiny`` (or ``BENCH_TINY=1``) runs everything with tiny counts, in
@@ -38,11 +40,12 @@ from typing import Any
 
 from openai_bench import OpenAISizes, run_openai
 from procfs import cpu_source, percentile
+from http_ab import HttpSizes, run_http
 from sdk_ab import AbSizes, Totals, run_ab
 from servers import BENCH, BenchError, TcpServer, acp_server_argv, sdk_echo_argv, server_flags, shell_command
 from startup import median_ms, startup_runs
 
-SCENARIOS = ("sdk", "pipelined", "overload", "scale", "openai", "coordinator")
+SCENARIOS = ("sdk", "pipelined", "overload", "scale", "openai", "coordinator", "http")
 DEFAULT_OUT = BENCH / "results" / "latest.json"
 TEXT = "the quick brown fox jumps over the lazy dog"
 #: Trivial requests in flight: enough that the server never waits for the client between batches.
@@ -61,6 +64,7 @@ class Sizes:
     idle_sessions: int
     connections: int
     startup_runs: int = 1  # fresh processes per start-up figure (the median is reported)
+    http: HttpSizes = HttpSizes(rounds=3, warmup=30, prompts=300, text=TEXT)
 
 
 FULL = Sizes(
@@ -86,6 +90,7 @@ TINY = Sizes(
     refusal_round_trips=20,
     idle_sessions=200,
     connections=20,
+    http=HttpSizes(rounds=1, warmup=2, prompts=10, text=TEXT),
 )
 
 
@@ -216,6 +221,36 @@ def scenario_sdk(report: Report, sizes: Sizes) -> None:
         f"Scenario 1: prompts of {words} words ({words} updates each) over stdio, {ab.rounds} alternating "
         "A/B round(s); prompts/s and latency are bounded by the SDK client (the same on both sides), the "
         "server CPU per prompt is the agent process's own, read from /proc."
+    )
+
+
+def scenario_http(report: Report, sizes: Sizes) -> None:
+    """ACP's remote transport: our /acp (SSE, WebSocket) and TCP, and the SDK's own remote server."""
+    hs = sizes.http
+    progress(f"6: SDK client -> our /acp (SSE, WS), our TCP, the SDK's acp.http server; {hs.rounds} rounds")
+    runs, commands = run_http(hs)
+    per = {
+        name: {
+            "prompts": r.prompts,
+            "prompts_per_s": r.prompts / r.seconds,
+            "cpu_us_per_prompt": r.cpu_s * 1e6 / r.prompts,
+            "rounds": r.rounds,
+        }
+        for name, r in runs.items()
+    }
+    report.scenarios["http"] = {"servers": commands, "sizes": asdict(hs), **per}
+    tcp, sse, ws, sdk = (per[k]["cpu_us_per_prompt"] for k in ("ours_tcp", "ours_sse", "ours_ws", "sdk_sse"))
+    for key, label in (("ours_tcp", "TCP NDJSON"), ("ours_ws", "/acp WebSocket"), ("ours_sse", "/acp HTTP+SSE")):
+        report.add("http", f"{label}: prompts/s (sequential, 1 session)", "1/s", per[key]["prompts_per_s"],
+                   sdk=per["sdk_sse"]["prompts_per_s"])
+    report.add("http", "TCP NDJSON: server CPU per prompt", "µs", tcp)
+    report.add("http", "/acp WebSocket: server CPU per prompt", "µs", ws, goal="<= 1.5x our TCP", met=ws <= 1.5 * tcp)
+    report.add("http", "/acp HTTP+SSE: server CPU per prompt", "µs", sse, sdk=sdk, goal="<= 1/2 of SDK", met=sse <= sdk / 2)
+    report.notes.append(
+        f"Scenario 6: the SDK's own clients (create_http_stream, create_websocket_stream, and its stdio "
+        f"connection over a TCP socket) send {hs.prompts} sequential echo prompts of {len(hs.text.split())} words "
+        "per run; the SDK column is the SDK's acp.http server (create_asgi_app under hypercorn) serving "
+        "its echo agent to the same HTTP client. CPU is the server process's own, from /proc."
     )
 
 
@@ -599,6 +634,7 @@ RUNNERS: dict[str, Callable[[Report, Sizes], None]] = {
     "scale": scenario_scale,
     "openai": scenario_openai,
     "coordinator": scenario_coordinator,
+    "http": scenario_http,
 }
 
 

@@ -7,6 +7,8 @@ on trio. Usage::
     python tests/sdk_driver.py tcp://127.0.0.1:PORT        # connects to a running server
     python tests/sdk_driver.py unix:/path/to.sock
     python tests/sdk_driver.py connect:tcp://127.0.0.1:PORT  # spawns `python -m acp_server connect URL`
+    python tests/sdk_driver.py http://127.0.0.1:PORT/acp     # the SDK's Streamable HTTP client
+    python tests/sdk_driver.py ws://127.0.0.1:PORT/acp       # the SDK's WebSocket client
 
 The scenario: ``initialize`` -> ``session/new`` -> one prompt -> three concurrent prompts on the session
 -> a prompt cancelled with ``session/cancel`` while it runs -> one more prompt -> ``_acp_server/stats``.
@@ -43,7 +45,10 @@ RESULT_MODELS: dict[str, type[BaseModel]] = {
     "session/new": schema.NewSessionResponse,
     "session/prompt": schema.PromptResponse,
     "session/list": schema.ListSessionsResponse,
+    "session/load": schema.LoadSessionResponse,
 }
+#: The model of the params of each request an agent behind us may send the client (relayed).
+REQUEST_MODELS: dict[str, type[BaseModel]] = {"session/request_permission": schema.RequestPermissionRequest}
 #: The model of each notification's params.
 NOTIFICATION_MODELS: dict[str, type[BaseModel]] = {"session/update": schema.SessionNotification}
 TIMEOUT_S = 30.0
@@ -96,6 +101,9 @@ class RecordingClient:
     def __init__(self) -> None:
         self.updates: list[tuple[str, Any]] = []
         self.agent_chunk = asyncio.Event()
+        #: answer permission requests with "allow" (the agent scenario) instead of refusing them
+        self.allow = False
+        self.permission_requests = 0
 
     async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
         self.updates.append((session_id, update))
@@ -103,7 +111,10 @@ class RecordingClient:
             self.agent_chunk.set()
 
     async def request_permission(self, *args: Any, **kwargs: Any) -> Any:
-        raise acp.RequestError.method_not_found("session/request_permission")
+        if not self.allow:
+            raise acp.RequestError.method_not_found("session/request_permission")
+        self.permission_requests += 1
+        return schema.RequestPermissionResponse(outcome=schema.AllowedOutcome(outcome="selected", option_id="allow"))
 
     def agent_text(self, start: int = 0) -> str:
         return "".join(
@@ -169,7 +180,11 @@ def validate_all(recorder: Recorder) -> tuple[dict[str, int], list[str]]:
             continue
         if "method" in msg:
             if "id" in msg:
-                failures.append(f"{what}: the echo agent sent a request to the client")
+                request_model = REQUEST_MODELS.get(msg["method"])
+                if request_model is None:
+                    failures.append(f"{what}: the echo agent sent a request to the client")
+                else:
+                    check(request_model, msg.get("params"), what)
                 continue
             check(schema.AgentNotification, msg, what, exact=False)
             if msg["method"] == TURN_STATE:
@@ -224,6 +239,21 @@ async def connect(
             observers=[recorder],
         ) as (conn, _process):
             yield conn
+        return
+    if target.startswith(("http://", "ws://")):
+        if target.startswith("http://"):
+            from acp.http import create_http_stream
+
+            transport = create_http_stream(target)
+        else:
+            from acp.ws import create_websocket_stream
+
+            transport = await create_websocket_stream(target)
+        conn = acp.connect_to_agent(cast(acp.Client, client), transport, observers=[recorder])
+        try:
+            yield conn
+        finally:
+            await conn.close()
         return
     if target.startswith("tcp://"):
         parts = urlsplit(target)
@@ -305,16 +335,77 @@ async def scenario(target: str, delay_ms: int) -> dict[str, Any]:
     return out
 
 
+async def agent_scenario(target: str) -> dict[str, Any]:
+    """Against a server whose backend ``agent`` is ``tests/agents/fake_agent.py --ask-permission`` and
+    whose echo backend is slow, with a pending limit of 1: a permission request relayed from the agent
+    and answered here; ``$/cancel_request`` of a running prompt; a ``prompt_queue_full`` refusal; then
+    ``session/load`` on a second connection, which replays the session."""
+    client = RecordingClient()
+    client.allow = True
+    recorder = Recorder()
+    out: dict[str, Any] = {"target": target}
+    info = schema.Implementation(name="sdk-driver", version="0")
+    cwd = tempfile.gettempdir()
+    async with connect(target, client, recorder, 0) as conn:
+        await conn.initialize(protocol_version=acp.PROTOCOL_VERSION, client_capabilities=schema.ClientCapabilities(), client_info=info)
+        agent = (await conn.new_session(cwd=cwd, mcp_servers=[], backend="agent")).session_id
+        mark = len(client.updates)
+        done = await conn.prompt(session_id=agent, prompt=[text("with permission")])
+        out["permission"] = {
+            "stopReason": done.stop_reason, "text": client.agent_text(mark), "asked": client.permission_requests
+        }
+
+        echo = (await conn.new_session(cwd=cwd, mcp_servers=[])).session_id
+        out["echoSession"] = echo
+        client.agent_chunk.clear()
+        running = asyncio.create_task(conn.prompt(session_id=echo, prompt=[text("cancelled by its id")]))
+        await client.agent_chunk.wait()
+        request_id = max(i for i, m in recorder.request_methods.items() if m == "session/prompt")
+        await conn._conn.send_notification("$/cancel_request", {"requestId": request_id})
+        try:
+            out["cancelRequest"] = {"stopReason": (await running).stop_reason}
+        except acp.RequestError as exc:
+            out["cancelRequest"] = {"code": exc.code, "data": exc.data}
+
+        client.agent_chunk.clear()
+        long = asyncio.create_task(conn.prompt(session_id=echo, prompt=[text("holding the only slot")]))
+        await client.agent_chunk.wait()
+        try:
+            await conn.prompt(session_id=echo, prompt=[text("one too many")])
+            out["refusal"] = None
+        except acp.RequestError as exc:
+            out["refusal"] = {"code": exc.code, "message": str(exc), "data": exc.data}
+        out["long"] = (await long).stop_reason
+
+    second = RecordingClient()
+    recorder2 = Recorder()
+    async with connect(target, second, recorder2, 0) as conn:
+        await conn.initialize(protocol_version=acp.PROTOCOL_VERSION, client_capabilities=schema.ClientCapabilities(), client_info=info)
+        await conn.load_session(cwd=cwd, session_id=echo, mcp_servers=[])
+        out["replayKinds"] = second.kinds()
+        out["replayText"] = second.agent_text()
+        mark = len(second.updates)
+        after = await conn.prompt(session_id=echo, prompt=[text("after the load")])
+        out["afterLoad"] = {"stopReason": after.stop_reason, "text": second.agent_text(mark)}
+    out["received"] = len(recorder.incoming) + len(recorder2.incoming)
+    counts, failures = validate_all(recorder)
+    counts2, failures2 = validate_all(recorder2)
+    out["failures"] = failures + failures2
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target", help="stdio, tcp://HOST:PORT or unix:/path")
     parser.add_argument(
         "--echo-delay-ms", type=int, default=500, help="for stdio: the spawned server's echo delay"
     )
+    parser.add_argument("--scenario", choices=("echo", "agent"), default="echo", help="what to run (see above)")
     args = parser.parse_args()
     errors = SdkErrors()
     logging.getLogger().addHandler(errors)
-    summary = asyncio.run(asyncio.wait_for(scenario(args.target, args.echo_delay_ms), TIMEOUT_S))
+    run = agent_scenario(args.target) if args.scenario == "agent" else scenario(args.target, args.echo_delay_ms)
+    summary = asyncio.run(asyncio.wait_for(run, TIMEOUT_S))
     summary["sdkErrors"] = errors.records
     json.dump(summary, sys.stdout)
     sys.stdout.write("\n")

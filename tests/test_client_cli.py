@@ -111,9 +111,14 @@ def test_connection_refused_exits_1() -> None:
 def test_bad_url_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     """A malformed ``--connect`` exits 2 naming the flag and what it accepts."""
     with pytest.raises(SystemExit) as info:
-        client_cli.main(["prompt", "--connect", "http://x", "hi"])
+        client_cli.main(["prompt", "--connect", "ftp://x", "hi"])
     assert info.value.code == 2
-    assert "--connect 'http://x': unknown scheme; accepted: tcp://HOST:PORT, tls://HOST:PORT or unix:/absolute/path" in capsys.readouterr().err
+    accepted = "tcp://HOST:PORT, tls://HOST:PORT, unix:/absolute/path, http://HOST:PORT/acp or ws://HOST:PORT/acp"
+    assert f"--connect 'ftp://x': unknown scheme; accepted: {accepted}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        client_cli.main(["prompt", "--connect", "http://x", "hi"])  # an HTTP endpoint needs its path
+    assert info.value.code == 2
+    assert "the endpoint's path, e.g. /acp, is needed" in capsys.readouterr().err
 
 
 def test_add_commands_mounts_on_another_parser() -> None:

@@ -54,6 +54,18 @@ EXPECTED_CODES = {
     "rate_limited": -32014,
     "lease_lost": -32015,
     "duplicate_in_flight": -32016,
+    # HTTP-only refusals of /acp (bodies of non-2xx answers, never JSON-RPC errors)
+    "route_not_found": -32600,
+    "method_not_allowed": -32600,
+    "forbidden_host": -32600,
+    "forbidden_origin": -32600,
+    "unsupported_media_type": -32600,
+    "not_acceptable": -32600,
+    "missing_header": -32600,
+    "unknown_connection": -32600,
+    "session_not_established": -32600,
+    "batch_not_supported": -32600,
+    "too_many_connections": -32011,
 }
 
 KINDS = sorted(REGISTRY)

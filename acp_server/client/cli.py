@@ -102,7 +102,7 @@ def _connect_flag(p: argparse.ArgumentParser) -> None:
         type=_url,
         default=default_url(),
         metavar="URL",
-        help=f"tcp://HOST:PORT or unix:/path of a running acp-server (default: ${ENV_URL}, else {DEFAULT_URL})",
+        help=f"tcp://HOST:PORT, tls://HOST:PORT, unix:/path, http://HOST:PORT/acp or ws://HOST:PORT/acp of a running acp-server (default: ${ENV_URL}, else {DEFAULT_URL})",
     )
 
 

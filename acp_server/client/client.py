@@ -43,12 +43,22 @@ Target = str | Sequence[str] | trio.abc.Stream
 
 def parse_url(url: str) -> tuple[str, str, int]:
     """``tcp://HOST:PORT`` -> ``("tcp", host, port)`` (``tls://`` -> ``("tls", host, port)``); ``unix:/path``
-    (or ``unix:///path``) -> ``("unix", path, 0)``.
+    (or ``unix:///path``) -> ``("unix", path, 0)``; ``http://HOST:PORT/acp`` and ``ws://HOST:PORT/acp``
+    (ACP's remote transport) -> ``("http"|"ws", url, port)``.
 
     Raises:
         ValueError: any other form (the message says what is accepted).
     """
-    accepted = "tcp://HOST:PORT, tls://HOST:PORT or unix:/absolute/path"
+    accepted = "tcp://HOST:PORT, tls://HOST:PORT, unix:/absolute/path, http://HOST:PORT/acp or ws://HOST:PORT/acp"
+    if url.startswith(("http://", "ws://")):
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or not parts.path.strip("/"):
+            raise ValueError(f"{url!r} is not of the form {accepted} (the endpoint's path, e.g. /acp, is needed)")
+        return parts.scheme, url, port or 80
     if url.startswith("unix:"):
         path = url[len("unix:") :]
         if path.startswith("//"):
@@ -317,6 +327,12 @@ async def _open_stream(target: Target, ca_file: str | None = None) -> AsyncItera
         return
     if isinstance(target, str):
         kind, where, port = parse_url(target)
+        if kind in ("http", "ws"):
+            from .remote import open_remote_stream
+
+            async with open_remote_stream(where) as remote:
+                yield remote
+            return
         if kind == "tcp":
             stream = await trio.open_tcp_stream(where, port)
         elif kind == "tls":

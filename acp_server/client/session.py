@@ -7,6 +7,7 @@ cannot be decoded. A prompt whose caller is cancelled keeps its slot until the s
 ``$/cancel_request`` (the server still counts it until then).
 
 Self-heal: when a prompt's admission answers ``invalid_client_id`` (the id expired or was detached),
+or ``session_not_established`` (an ``/acp`` connection that has not loaded or resumed the session),
 the session re-registers with ``session/resume`` without a client id, takes the new id, and sends the
 prompt again, once, in the same slot. That is safe because an admission error means it never ran.
 Concurrent prompts share one resume; a failed resume is raised to all of them and forgotten, so a
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
-from ..errors import InvalidClientIdError
+from ..errors import InvalidClientIdError, SessionNotEstablishedError
 from ..types.acp import PromptResult
 from .connection import Call, Id
 from .errors import ClientError, ConnectionLostError, PendingPromptLimitError, ProtocolError, RpcError
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from .client import Client
 
 __all__ = ["PromptCall", "PromptInput", "SessionClient", "client_id_of"]
+
+#: Refusals a ``session/resume`` cures: a stale client id, and (over ``/acp``) a session used on an
+#: HTTP connection before it was established there (a new connection after a restart).
+_HEALED_BY_RESUME = frozenset({InvalidClientIdError.kind, SessionNotEstablishedError.kind})
 
 log = logging.getLogger("acp_server.client")
 
@@ -400,7 +405,7 @@ class PromptCall:
                 try:
                     return await self._send(attempt, sent_id, slot)
                 except RpcError as exc:
-                    if exc.kind != InvalidClientIdError.kind or healed or self._cancelled:
+                    if exc.kind not in _HEALED_BY_RESUME or healed or self._cancelled:
                         raise
                 healed = True  # at most one resume and one resend per attempt: no loop
                 with self._interruptible():

@@ -1,5 +1,8 @@
 """``acp-server connect URL``: relay this process's stdin/stdout to a running server, byte for byte.
 
+Over ``http://.../acp`` and ``ws://.../acp`` (ACP's remote transport) the bytes are NDJSON lines,
+each carried as one message (:mod:`acp_server.client.remote`).
+
 An editor that can only spawn its agent as a command gets a share of one long-lived server: the
 command it spawns is this relay. Nothing is parsed: bytes go through as they come, with one exception:
 given a token (``--token`` or ``ACP_SERVER_TOKEN``), the relay sends its own ``authenticate``
@@ -108,7 +111,16 @@ async def relay_stdio(url: str, token: str | None = None, ca_file: str | None = 
     When stdin ends, the write side is shut down and the server's last answers still reach stdout.
     With ``token``, the relay authenticates after the client's ``initialize`` (see the module).
     """
-    sock = await open_url(url, ca_file)
+    if url.startswith(("http://", "ws://")):
+        from ..client.remote import open_remote_stream
+
+        async with open_remote_stream(url) as remote:
+            await _relay(remote, token)
+        return
+    await _relay(await open_url(url, ca_file), token)
+
+
+async def _relay(sock: trio.abc.HalfCloseableStream | trio.abc.Stream, token: str | None) -> None:
     stdin = trio.lowlevel.FdStream(os.dup(0))
     stdout = trio.lowlevel.FdStream(os.dup(1))
     async with sock, stdin, stdout, trio.open_nursery() as nursery:
@@ -134,7 +146,7 @@ async def relay_stdio(url: str, token: str | None = None, ca_file: str | None = 
             if pending:
                 await sock.send_all(pending)
             try:
-                await sock.send_eof()
+                await sock.send_eof()  # type: ignore[union-attr]  # each stream here has one
             except trio.BrokenResourceError:
                 pass
             if isinstance(sock, _TlsRelayStream):

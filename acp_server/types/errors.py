@@ -12,6 +12,17 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = [
+    "BatchNotSupportedData",
+    "ForbiddenHostData",
+    "ForbiddenOriginData",
+    "MethodNotAllowedData",
+    "MissingHeaderData",
+    "NotAcceptableData",
+    "RouteNotFoundData",
+    "SessionNotEstablishedData",
+    "TooManyConnectionsData",
+    "UnknownConnectionData",
+    "UnsupportedMediaTypeData",
     "AdmissionDeferredData",
     "IdempotencyKeyConflictData",
     "AgentErrorData",
@@ -204,4 +215,51 @@ class DuplicateInFlightData(ErrorData, tag="duplicate_in_flight"):
     session_id: str
     idempotency_key: str
     replica_id: str
+    retry_after_ms: int
+
+
+class RouteNotFoundData(ErrorData, tag="route_not_found"):
+    path: str
+
+
+class MethodNotAllowedData(ErrorData, tag="method_not_allowed"):
+    path: str
+    method: str
+    allowed: list[str]
+
+
+class ForbiddenHostData(ErrorData, tag="forbidden_host"):
+    host: str
+
+
+class ForbiddenOriginData(ErrorData, tag="forbidden_origin"):
+    origin: str
+
+
+class UnsupportedMediaTypeData(ErrorData, tag="unsupported_media_type"):
+    content_type: str
+
+
+class NotAcceptableData(ErrorData, tag="not_acceptable"):
+    accept: str
+
+
+class MissingHeaderData(ErrorData, tag="missing_header"):
+    header: str
+
+
+class UnknownConnectionData(ErrorData, tag="unknown_connection"):
+    connection_id: str
+
+
+class SessionNotEstablishedData(ErrorData, tag="session_not_established"):
+    session_id: str
+
+
+class BatchNotSupportedData(ErrorData, tag="batch_not_supported"):
+    pass
+
+
+class TooManyConnectionsData(ErrorData, tag="too_many_connections"):
+    limit: int
     retry_after_ms: int

@@ -1,0 +1,379 @@
+"""The ASGI app of the HTTP listener: ``GET /health`` and ``/acp`` (the RFD's Streamable HTTP and
+WebSocket transport, routed as the official Python SDK 0.12.1's own server routes it).
+
+The app translates and holds no session state: each ``/acp`` connection id (and each WebSocket) is a
+:class:`~.peer.MessagePeer` served by the server's per-connection shell, exactly as a socket is, so
+admission, errors, client ids, turn states, ``$/cancel_request`` and fan-out are the NDJSON ones.
+
+Checks, in this order (the first that fails answers, with :func:`~.rules.error_body`): route and method
+(404, 405), ``Host`` and ``Origin`` (403), content type (415; 406 for a GET without
+``Accept: text/event-stream``), size (413), JSON (400 ``parse_error``), batch (501), connection id
+(400, 404), session id (400, 404). ``initialize`` opens a connection (503 with ``Retry-After`` at
+``max_connections``) and answers 200 with ``Acp-Connection-Id``; every other POST answers 202 and its
+response comes on an event stream.
+
+A connection with no stream open is kept ``connection_grace_s`` seconds, then its input ends as a
+closed socket's would. Each connection runs in the listener's nursery, isolated: its failure is
+logged and ends it alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from ...errors import (
+    AcpError,
+    HttpError,
+    InternalError,
+    MessageTooLargeError,
+    MethodNotAllowedError,
+    MissingHeaderError,
+    RouteNotFoundError,
+    SessionNotEstablishedError,
+    TooManyConnectionsError,
+    UnknownConnectionError,
+)
+from .peer import MessagePeer
+from .rules import (
+    ACP_PATH,
+    CONNECTION_HEADER,
+    HEALTH_PATH,
+    SESSION_HEADER,
+    SESSION_SCOPED_METHODS,
+    HostRules,
+    check_accept,
+    check_content_type,
+    cors_headers,
+    decode_inbound,
+    error_body,
+    header,
+)
+from .streams import Receive, Send, pump_sse, pump_websocket
+
+__all__ = ["AcpHttpApp", "HttpLimits", "HttpOptions"]
+
+log = logging.getLogger("acp_server.http")
+
+StreamHandler = Callable[[trio.abc.Stream, str], Awaitable[None]]
+
+_ACP_METHODS = ["GET", "POST", "DELETE", "OPTIONS"]
+_JSON = (b"content-type", b"application/json")
+_HEALTH_BODY = b'{"status":"ok"}'
+_CONNECTION_KEY = CONNECTION_HEADER.lower().encode()
+_SESSION_KEY = SESSION_HEADER.lower().encode()
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """The bounds of one HTTP listener (flags in parentheses).
+
+    Attributes:
+        max_connections: live ``/acp`` connections and WebSockets (``--http-max-connections``).
+        connection_grace_s: how long a connection without a stream is kept (``--http-connection-grace-s``).
+        max_message_bytes: the largest POST body or text frame (``--max-message-bytes``).
+        max_outbound_bytes: what one stream's queue holds before the connection stalls and, past the
+            shell's own bound, is evicted (``--max-outbound-bytes``).
+        initialize_timeout_s: how long an ``initialize`` POST waits for its answer.
+        retry_after_s: the ``Retry-After`` of a 503.
+    """
+
+    max_connections: int = 256
+    connection_grace_s: float = 10.0
+    max_message_bytes: int = 50 * 1024 * 1024
+    max_outbound_bytes: int = 100 * 1024 * 1024
+    initialize_timeout_s: float = 30.0
+    retry_after_s: int = 1
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """What every HTTP listener of a server shares: its bounds and the foreign origins it allows."""
+
+    limits: HttpLimits = field(default_factory=HttpLimits)
+    allow_origins: frozenset[str] = field(default_factory=frozenset)
+
+
+class _Connection:
+    __slots__ = ("id", "peer")
+
+    def __init__(self, id: str, peer: MessagePeer) -> None:
+        self.id = id
+        self.peer = peer
+
+
+def _status(exc: AcpError) -> int:
+    if isinstance(exc, HttpError):
+        return exc.status
+    if isinstance(exc, MessageTooLargeError):
+        return 413
+    if isinstance(exc, InternalError):
+        return 500
+    return 400
+
+
+class AcpHttpApp:
+    """The ASGI 3 application (see the module docstring).
+
+    Args:
+        handle_stream: serves one connection's byte stream until it ends (the server's shell).
+        nursery: where connections run (they outlive the request that opened them).
+        rules: the ``Host``/``Origin`` rules of this listener.
+        limits: its bounds.
+    """
+
+    def __init__(self, handle_stream: StreamHandler, nursery: trio.Nursery, rules: HostRules, limits: HttpLimits) -> None:
+        self.handle_stream = handle_stream
+        self.nursery = nursery
+        self.rules = rules
+        self.limits = limits
+        self.connections: dict[str, _Connection] = {}
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "websocket":
+            await self._websocket(scope, receive, send)
+        elif kind == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+
+    # --- answers --------------------------------------------------------------------------------------
+
+    async def _answer(
+        self, send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]], *, json: bool = True
+    ) -> None:
+        out = [_JSON, *headers] if json and body else list(headers)
+        await send({"type": "http.response.start", "status": status, "headers": out})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _refuse(self, send: Send, exc: AcpError, headers: list[tuple[bytes, bytes]]) -> None:
+        extra = list(headers)
+        if isinstance(exc, MethodNotAllowedError):
+            extra.append((b"allow", ", ".join(exc.payload.allowed).encode()))  # type: ignore[attr-defined]
+        if isinstance(exc, TooManyConnectionsError):
+            extra.append((b"retry-after", str(self.limits.retry_after_s).encode()))
+        await self._answer(send, _status(exc), error_body(exc), extra)
+
+    # --- HTTP -----------------------------------------------------------------------------------------
+
+    def _route(self, path: str, method: str) -> AcpError | None:
+        if path == HEALTH_PATH:
+            return None if method in ("GET", "HEAD") else MethodNotAllowedError(path=path, method=method, allowed=["GET"])
+        if path != ACP_PATH:
+            return RouteNotFoundError(path=path)
+        if method not in _ACP_METHODS:
+            return MethodNotAllowedError(path=path, method=method, allowed=_ACP_METHODS)
+        return None
+
+    async def _http(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        headers = scope["headers"]
+        method = scope["method"]
+        origin = header(headers, b"origin")
+        cors = cors_headers(origin, self.rules, preflight=method == "OPTIONS")
+        refusal = (
+            self._route(scope["path"], method)
+            or self.rules.check_host(header(headers, b"host"))
+            or self.rules.check_origin(origin)
+        )
+        if refusal is not None:
+            await self._refuse(send, refusal, cors)
+            return
+        try:
+            if scope["path"] == HEALTH_PATH:
+                await self._answer(send, 200, _HEALTH_BODY if method == "GET" else b"", cors)
+            elif method == "OPTIONS":
+                await self._answer(send, 204, b"", [*cors, (b"allow", ", ".join(_ACP_METHODS).encode())])
+            elif method == "POST":
+                await self._post(headers, receive, send, cors)
+            elif method == "GET":
+                await self._get(headers, receive, send, cors)
+            else:
+                await self._delete(headers, send, cors)
+        except AcpError as exc:
+            await self._refuse(send, exc, cors)
+
+    def _connection(self, headers: list[tuple[bytes, bytes]]) -> _Connection:
+        connection_id = header(headers, _CONNECTION_KEY)
+        if connection_id is None:
+            raise MissingHeaderError(header=CONNECTION_HEADER)
+        conn = self.connections.get(connection_id)
+        if conn is None:
+            raise UnknownConnectionError(connection_id=connection_id[:128])
+        return conn
+
+    async def _read_body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> bytes | None:
+        limit = self.limits.max_message_bytes
+        declared = header(headers, b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            raise MessageTooLargeError(limit=limit)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            if len(body) > limit:
+                raise MessageTooLargeError(limit=limit)
+            if not message.get("more_body", False):
+                return bytes(body)
+
+    async def _post(self, headers: list[tuple[bytes, bytes]], receive: Receive, send: Send, cors: list[tuple[bytes, bytes]]) -> None:
+        refusal = check_content_type(header(headers, b"content-type"))
+        if refusal is not None:
+            raise refusal
+        body = await self._read_body(headers, receive)
+        if body is None:
+            return  # the client left before its body was in
+        env = decode_inbound(body)
+        if env.is_request and env.method == "initialize":
+            await self._initialize(env.id, body, send, cors)
+            return
+        conn = self._connection(headers)
+        session_id = header(headers, _SESSION_KEY)
+        if session_id is None and env.method in SESSION_SCOPED_METHODS:
+            raise MissingHeaderError(header=SESSION_HEADER)
+        if session_id is not None and not conn.peer.has_session(session_id):
+            raise SessionNotEstablishedError(session_id=session_id[:128])
+        if env.is_request:
+            conn.peer.note_request(env, session_id)
+        await conn.peer.feed_when_room(body, self.limits.max_message_bytes)
+        await self._answer(send, 202, b"", cors)
+
+    async def _initialize(self, id: Any, body: bytes, send: Send, cors: list[tuple[bytes, bytes]]) -> None:
+        limits = self.limits
+        if len(self.connections) >= limits.max_connections:
+            raise TooManyConnectionsError(limit=limits.max_connections, retry_after_ms=limits.retry_after_s * 1000)
+        conn = self._open(multiplex=False)
+        waiter = conn.peer.expect_response(id)
+        conn.peer.feed(body)
+        with trio.move_on_after(limits.initialize_timeout_s):
+            await waiter.done.wait()
+        if not waiter.data:
+            conn.peer.end_input()
+            self.connections.pop(conn.id, None)
+            log.warning("http: initialize got no answer in %.0f s; connection dropped", limits.initialize_timeout_s)
+            raise InternalError()
+        await self._answer(send, 200, waiter.data, [*cors, (_CONNECTION_KEY, conn.id.encode())])
+
+    async def _get(self, headers: list[tuple[bytes, bytes]], receive: Receive, send: Send, cors: list[tuple[bytes, bytes]]) -> None:
+        refusal = check_accept(header(headers, b"accept"))
+        if refusal is not None:
+            raise refusal
+        conn = self._connection(headers)
+        session_id = header(headers, _SESSION_KEY)
+        if session_id is not None and not conn.peer.may_stream(session_id):
+            raise SessionNotEstablishedError(session_id=session_id[:128])
+        peer = conn.peer
+        queue = peer.connection if session_id is None else peer.session_queue(session_id)
+        extra = [*cors, (_CONNECTION_KEY, conn.id.encode())]
+        if session_id is not None:
+            extra.append((_SESSION_KEY, session_id.encode()))
+        await pump_sse(peer, queue, send, receive, extra)
+
+    async def _delete(self, headers: list[tuple[bytes, bytes]], send: Send, cors: list[tuple[bytes, bytes]]) -> None:
+        conn = self._connection(headers)
+        self.connections.pop(conn.id, None)
+        conn.peer.end_input()
+        await self._answer(send, 202, b"", cors)
+
+    # --- connections ---------------------------------------------------------------------------------
+
+    def _open(self, *, multiplex: bool) -> _Connection:
+        conn_id = secrets.token_hex(16)
+        peer = MessagePeer(limit=self.limits.max_outbound_bytes, multiplex=multiplex)
+        conn = self.connections[conn_id] = _Connection(conn_id, peer)
+        if not multiplex:
+            self.nursery.start_soon(self._run, conn)
+        return conn
+
+    async def _run(self, conn: _Connection) -> None:
+        """Serve one HTTP connection until its shell ends; its failure is its own."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._grace, conn.peer)
+                await self.handle_stream(conn.peer, f"http {conn.id[:8]}")
+                nursery.cancel_scope.cancel()
+        except Exception:
+            log.exception("http %s: connection failed; closing it", conn.id[:8])
+        finally:
+            self.connections.pop(conn.id, None)
+            with trio.CancelScope(shield=True):
+                await conn.peer.aclose()
+
+    async def _grace(self, peer: MessagePeer) -> None:
+        """End the connection's input once it has had no stream open for the grace period."""
+        grace = self.limits.connection_grace_s
+        while True:
+            while peer.streams_open:
+                await peer.wait_streams_change()
+            with trio.move_on_after(grace) as idle:
+                while not peer.streams_open:
+                    await peer.wait_streams_change()
+            if idle.cancelled_caught:
+                log.info("http: a connection had no stream for %.1f s; closing it", grace)
+                peer.end_input()
+                return
+
+    # --- WebSocket ----------------------------------------------------------------------------------
+
+    async def _websocket(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        message = await receive()
+        if message["type"] != "websocket.connect":
+            return
+        headers = scope["headers"]
+        limits = self.limits
+        refusal: AcpError | None = (
+            RouteNotFoundError(path=scope["path"])
+            if scope["path"] != ACP_PATH
+            else self.rules.check_host(header(headers, b"host"))
+            or self.rules.check_origin(header(headers, b"origin"))
+        )
+        if refusal is None and len(self.connections) >= limits.max_connections:
+            refusal = TooManyConnectionsError(limit=limits.max_connections, retry_after_ms=limits.retry_after_s * 1000)
+        if refusal is not None:
+            await self._deny(scope, send, refusal)
+            return
+        conn = self._open(multiplex=True)
+        await send({"type": "websocket.accept", "headers": [(_CONNECTION_KEY, conn.id.encode())]})
+        shell_done = trio.Event()
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def shell() -> None:
+                    try:
+                        await self.handle_stream(conn.peer, f"ws {conn.id[:8]}")
+                    except Exception:
+                        log.exception("ws %s: connection failed; closing it", conn.id[:8])
+                    finally:
+                        with trio.CancelScope(shield=True):
+                            await conn.peer.aclose()
+                        shell_done.set()
+
+                nursery.start_soon(shell)
+                await pump_websocket(conn.peer, send, receive, shell_done, limits.max_message_bytes)
+        finally:
+            self.connections.pop(conn.id, None)
+
+    async def _deny(self, scope: dict[str, Any], send: Send, exc: AcpError) -> None:
+        """Refuse a WebSocket handshake with an HTTP answer (before the upgrade), else a close."""
+        if "websocket.http.response" in scope.get("extensions", {}):
+            headers = [_JSON]
+            if isinstance(exc, TooManyConnectionsError):
+                headers.append((b"retry-after", str(self.limits.retry_after_s).encode()))
+            await send({"type": "websocket.http.response.start", "status": _status(exc), "headers": headers})
+            await send({"type": "websocket.http.response.body", "body": error_body(exc)})
+        else:
+            await send({"type": "websocket.close", "code": 1008})
+

@@ -1,0 +1,136 @@
+"""``serve_http``: the HTTP listener, hypercorn's trio worker in the server's nursery.
+
+HTTP/1.1 and HTTP/2 over cleartext (h2c with prior knowledge, and the ``Upgrade: h2c`` dance), and
+WebSocket over HTTP/1.1. The socket is bound here (a Unix socket with mode 0600, as the NDJSON one),
+and connections are served by hypercorn's protocol code (``TCPServer``) one by one, each isolated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable
+
+import trio
+from hypercorn.app_wrappers import ASGIWrapper
+from hypercorn.config import Config
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+
+from ..address import ListenAddress
+from ..listeners import open_unix_listener
+from .app import AcpHttpApp, HttpLimits, HttpOptions
+from .rules import HostRules
+from .wire import BatchedWrites
+
+__all__ = ["serve_http"]
+
+log = logging.getLogger("acp_server.http")
+
+
+async def _bind_tcp(host: str, port: int) -> trio.socket.SocketType:
+    infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
+    if not infos:
+        raise OSError(f"cannot resolve {host!r}")
+    family, type_, proto, _, sockaddr = infos[0]
+    sock = trio.socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        await sock.bind(sockaddr)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _config(limits: HttpLimits) -> Config:
+    config = Config()
+    config.accesslog = None
+    config.errorlog = log
+    config.graceful_timeout = 0.5
+    config.include_server_header = False
+    config.websocket_max_message_size = limits.max_message_bytes
+    config.h2_max_inbound_frame_size = 2**14
+    return config
+
+
+async def _serve_connections(
+    app: AcpHttpApp,
+    config: Config,
+    listener: trio.SocketListener,
+    *,
+    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """hypercorn's trio worker loop, with each TCP connection isolated.
+
+    ``hypercorn.trio.serve`` runs every connection in one ``trio.serve_listeners``, where an exception
+    escaping one connection's handler (hypercorn's own protocol code meeting a malformed peer, say)
+    ends the whole listener. Here each connection runs hypercorn's ``TCPServer`` under a guard: its
+    failure is logged and closes that connection alone. Its socket is wrapped in
+    :class:`~.wire.BatchedWrites`, so that the writes of one burst leave together.
+    """
+    wrapped = ASGIWrapper(app)  # type: ignore[arg-type]
+    context = WorkerContext(None)
+
+    async def connection(stream: trio.SocketStream) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                batched = BatchedWrites(stream)
+                nursery.start_soon(batched.flusher)
+                await TCPServer(wrapped, config, context, {}, batched)  # type: ignore[arg-type]
+                nursery.cancel_scope.cancel()
+        except Exception:
+            log.warning("http: a connection failed in the HTTP layer; closing it alone", exc_info=True)
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+
+    await trio.serve_listeners(connection, [listener], task_status=task_status)
+
+
+async def serve_http(
+    handle_stream: Callable[[trio.abc.Stream, str], Awaitable[None]],
+    address: ListenAddress,
+    options: HttpOptions,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``/acp`` and ``/health`` on ``address`` until cancelled.
+
+    Once bound it prints ``acp-server: http on http://HOST:PORT`` (or ``unix:/path``) to stderr and
+    reports that URL. Hypercorn's logs go to the ``acp_server.http`` logger (stderr, never stdout).
+
+    Args:
+        handle_stream: serves one connection's byte stream (the server's per-connection shell).
+        address: ``tcp`` (port 0: any free port) or ``unix``.
+        options: bounds and allowed origins.
+
+    Raises:
+        OSError: the address cannot be bound (the message names it).
+    """
+    try:
+        if address.kind == "unix":
+            listener = await open_unix_listener(address.path)
+            url = f"unix:{address.path}"
+            rules = HostRules(port=None, allow_origins=options.allow_origins)
+        else:
+            listener = trio.SocketListener(await _bind_tcp(address.host, address.port))
+            host, port = listener.socket.getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            url = f"http://{shown}:{port}"
+            rules = HostRules(port=port, bound_host=shown, allow_origins=options.allow_origins)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on http {address}: {exc.strerror or exc}") from exc
+    try:
+        async with listener, trio.open_nursery() as nursery:
+            app = AcpHttpApp(handle_stream, nursery, rules, options.limits)
+            await nursery.start(_serve_connections, app, _config(options.limits), listener)
+            print(f"acp-server: http on {url}", file=sys.stderr, flush=True)
+            task_status.started(url)
+    finally:
+        if address.kind == "unix":
+            try:
+                os.unlink(address.path)
+            except OSError:
+                pass
