@@ -410,7 +410,7 @@ async def _serve(
                     ),
                 )
                 for addr in config.http_listen:
-                    await listeners.start(serve_http, server.handle_stream, addr, options)
+                    await listeners.start(partial(serve_http, gate=gate), server.handle_stream, addr, options)
 
             async def stdio_then_exit() -> None:
                 await server.handle_stream(stdio_stream(), "stdio", trusted=True, socket=False)

@@ -93,8 +93,9 @@ class ConnectionGate:
         """The notification a refused connection is sent."""
         return _encoder.encode(_Evicted("2.0", "_acp_server/evicted", _TooMany(limit=self.limit))) + b"\n"
 
-    async def serve(self, handler: Handler, stream: trio.abc.Stream, name: str) -> None:
-        """Run ``handler(stream)`` if there is room, else refuse the connection at once."""
+    async def serve(self, handler: Handler, stream: trio.abc.Stream, name: str, refusal: bytes | None = None) -> None:
+        """Run ``handler(stream)`` if there is room, else send ``refusal`` (default: the NDJSON
+        ``_acp_server/evicted`` of :meth:`refusal`) and close the connection at once."""
         if self.open >= self.limit:
             self.refused += 1
             if not self._refusing:
@@ -107,7 +108,13 @@ class ConnectionGate:
                 )
             with trio.move_on_after(1):
                 try:
-                    await stream.send_all(self.refusal())
+                    await stream.send_all(refusal if refusal is not None else self.refusal())
+                    if isinstance(stream, trio.abc.HalfCloseableStream):
+                        await stream.send_eof()
+                    # What the peer already sent is read (for at most the second above), so that the
+                    # close is a FIN after our answer, not a reset that may discard it.
+                    while await stream.receive_some(65536):
+                        pass
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     pass
             await trio.aclose_forcefully(stream)
@@ -139,7 +146,12 @@ _encoder = msgspec.json.Encoder()
 
 
 async def _accept_loop(
-    listener: trio.SocketListener, handler: Handler, gate: ConnectionGate, nursery: trio.Nursery, name: str
+    listener: trio.SocketListener,
+    handler: Handler,
+    gate: ConnectionGate,
+    nursery: trio.Nursery,
+    name: str,
+    refusal: bytes | None,
 ) -> None:
     backoff = 0.0  # > 0: inside an episode of accept failures
     failures = 0
@@ -167,7 +179,7 @@ async def _accept_loop(
             if backoff:
                 log.info("%s: accepting again after %d failed accepts", name, failures)
                 backoff, failures = 0.0, 0
-            nursery.start_soon(gate.serve, handler, stream, name)
+            nursery.start_soon(gate.serve, handler, stream, name, refusal)
 
 
 async def serve_listeners(
@@ -176,15 +188,17 @@ async def serve_listeners(
     *,
     gate: ConnectionGate | None = None,
     name: str = "listener",
+    refusal: bytes | None = None,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept on every listener and run ``handler(stream)`` for each connection (isolated: see
-    :func:`isolated`), within ``gate``'s limit (default: a gate of its own)."""
+    :func:`isolated`), within ``gate``'s limit (default: a gate of its own); a connection past the
+    limit is sent ``refusal`` (default: NDJSON ``_acp_server/evicted``) and closed."""
     gate = gate or ConnectionGate()
     run = isolated(handler, name)
     async with trio.open_nursery() as nursery:
         for listener in listeners:
-            nursery.start_soon(_accept_loop, listener, run, gate, nursery, name)
+            nursery.start_soon(_accept_loop, listener, run, gate, nursery, name, refusal)
         task_status.started(list(listeners))
 
 

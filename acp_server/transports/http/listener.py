@@ -11,7 +11,9 @@ import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable
+from functools import partial
 
+import msgspec
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
@@ -19,7 +21,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
 from ..address import ListenAddress
-from ..listeners import open_unix_listener
+from ..listeners import ConnectionGate, open_unix_listener, serve_listeners
 from .app import AcpHttpApp, HttpLimits, HttpOptions
 from .rules import HostRules
 from .wire import BatchedWrites
@@ -61,9 +63,12 @@ async def _serve_connections(
     config: Config,
     listener: trio.SocketListener,
     *,
+    gate: ConnectionGate | None = None,
+    name: str = "http",
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """hypercorn's trio worker loop, with each TCP connection isolated.
+    """hypercorn's trio worker loop, with each TCP connection isolated (and counted by ``gate``, the
+    server's ``--max-connections`` shared with its other listeners, when given).
 
     ``hypercorn.trio.serve`` runs every connection in one ``trio.serve_listeners``, where an exception
     escaping one connection's handler (hypercorn's own protocol code meeting a malformed peer, say)
@@ -86,7 +91,32 @@ async def _serve_connections(
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
 
-    await trio.serve_listeners(connection, [listener], task_status=task_status)
+    if gate is None:
+        await trio.serve_listeners(connection, [listener], task_status=task_status)
+        return
+    await serve_listeners(
+        connection,  # type: ignore[arg-type]
+        [listener],
+        gate=gate,
+        name=name,
+        refusal=_http_refusal(gate.limit),
+        task_status=task_status,
+    )
+
+
+def _http_refusal(limit: int) -> bytes:
+    """The whole HTTP/1.1 answer to a connection past ``--max-connections``: 503 with the error body."""
+    body = msgspec.json.encode({
+        "error": f"The server holds its limit of {limit} connections (--max-connections); retry later",
+        "code": "too_many_connections",
+        "limit": limit,
+        "retryAfterMs": 1000,
+    })
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
 
 
 async def serve_http(
@@ -94,6 +124,7 @@ async def serve_http(
     address: ListenAddress,
     options: HttpOptions,
     *,
+    gate: ConnectionGate | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``/acp`` and ``/health`` on ``address`` until cancelled.
@@ -105,6 +136,8 @@ async def serve_http(
         handle_stream: serves one connection's byte stream (the server's per-connection shell).
         address: ``tcp`` (port 0: any free port) or ``unix``.
         options: bounds and allowed origins.
+        gate: the count of open sockets shared with the server's other listeners (``--max-connections``);
+            a connection past it is answered 503 ``too_many_connections`` and closed.
 
     Raises:
         OSError: the address cannot be bound (the message names it).
@@ -125,7 +158,9 @@ async def serve_http(
     try:
         async with listener, trio.open_nursery() as nursery:
             app = AcpHttpApp(handle_stream, nursery, rules, options.limits)
-            await nursery.start(_serve_connections, app, _config(options.limits), listener)
+            await nursery.start(
+                partial(_serve_connections, gate=gate, name=f"http {address}"), app, _config(options.limits), listener
+            )
             print(f"acp-server: http on {url}", file=sys.stderr, flush=True)
             task_status.started(url)
     finally:
