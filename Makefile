@@ -6,6 +6,13 @@ STAMP_RUN := $(VENV)/.installed-run
 STAMP_DEV := $(VENV)/.installed-dev
 LISTEN ?= tcp://127.0.0.1:4170
 PYTEST_ARGS ?=
+# make test runs the suite on PYTEST_WORKERS pytest-xdist workers, then the tests marked serial (those
+# that time a child process and must not compete with a second worker for the CPU) alone.
+PYTEST_WORKERS ?= 2
+# exit status 5: the selection (PYTEST_ARGS) has no test in that pass
+PYTEST = $(PY) -m pytest -q -p no:cacheprovider
+PARALLEL = $(PYTEST) -n $(PYTEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+SERIAL = $(PYTEST) -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 .PHONY: run test test-full lint schemas bench clean
 
@@ -33,10 +40,12 @@ lint: $(STAMP_DEV)
 	$(VENV)/bin/mypy
 
 test: $(STAMP_DEV) lint
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PARALLEL)
+	$(SERIAL)
 
 test-full: $(STAMP_DEV)
-	ACP_SERVER_FULL=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	export ACP_SERVER_FULL=1; $(PARALLEL)
+	export ACP_SERVER_FULL=1; $(SERIAL)
 
 schemas: $(STAMP_DEV)
 	$(PY) -m acp_server.schemagen schemas
