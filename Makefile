@@ -7,6 +7,9 @@ STAMP_DEV := $(VENV)/.installed-dev
 LISTEN ?= tcp://127.0.0.1:4170
 HTTP_LISTEN ?= http://127.0.0.1:4171
 PYTEST_ARGS ?=
+# make test runs the suite on PYTEST_WORKERS pytest-xdist workers (exit status 5: PYTEST_ARGS selected no test).
+PYTEST_WORKERS ?= 2
+PARALLEL = $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 .PHONY: run test test-full lint schemas bench bench-instr bench-instr-record clean
 
@@ -40,10 +43,10 @@ redis-server:
 	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 
 test: $(STAMP_DEV) lint redis-server
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PARALLEL)
 
 test-full: $(STAMP_DEV) redis-server
-	ACP_SERVER_FULL=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	export ACP_SERVER_FULL=1; $(PARALLEL)
 	$(PY) bench/instr.py
 
 schemas: $(STAMP_DEV)

@@ -126,6 +126,7 @@ def test_normalize_origin() -> None:
         ([f"Bearer {SECRET}", f"Bearer {SECRET}"], None),
         ("Bearer " + "a" * 600, None),
     ],
+    ids=lambda value: value.replace(SECRET, "SECRET") if isinstance(value, str) else None,
 )
 def test_parse_bearer(header: str | list[str] | None, expected: str | None) -> None:
     assert parse_bearer(header) == expected

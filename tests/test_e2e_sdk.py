@@ -33,6 +33,8 @@ DRIVER = Path(__file__).with_name("sdk_driver.py")
 #: chunk finds it still running even on a slow machine.
 ECHO_DELAY_MS = 500
 START_TIMEOUT_S = 15.0
+#: how long stop() waits for the output of an ended server to reach end of file
+PUMP_EOF_TIMEOUT_S = 10.0
 
 
 class ServerProcess:
@@ -54,19 +56,21 @@ class ServerProcess:
         self.stdout_lines: list[bytes] = []
         self._stderr_q: queue.Queue[str | None] = queue.Queue()
         self._stdout_q: queue.Queue[bytes | None] = queue.Queue()
+        self._pumps: list[threading.Thread] = []
         assert self.proc.stderr is not None
         self._pump(self.proc.stderr, self._stderr_q, lambda b: b.decode(errors="replace").rstrip("\n"))
         if self.proc.stdout is not None:
             self._pump(self.proc.stdout, self._stdout_q, lambda b: b)
 
-    @staticmethod
-    def _pump(pipe: IO[bytes], out: queue.Queue[Any], convert: Callable[[bytes], Any]) -> None:
+    def _pump(self, pipe: IO[bytes], out: queue.Queue[Any], convert: Callable[[bytes], Any]) -> None:
         def run() -> None:
             for raw in iter(pipe.readline, b""):
                 out.put(convert(raw))
             out.put(None)
 
-        threading.Thread(target=run, daemon=True).start()
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        self._pumps.append(thread)
 
     def _next(self, q: queue.Queue[Any], seen: list[Any], deadline: float, what: str) -> Any:
         try:
@@ -127,6 +131,11 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+        # The pumps read to end of file first (on a busy machine they may lag behind, and a child of
+        # the server may hold the pipes a moment longer): a pipe closed under a reading thread loses
+        # the rest of the output and its end of file, or raises in that thread.
+        for thread in self._pumps:
+            thread.join(PUMP_EOF_TIMEOUT_S)
         for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if pipe is not None:
                 pipe.close()

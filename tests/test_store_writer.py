@@ -159,6 +159,30 @@ def test_compaction_merges_a_prompt_admitted_and_settled_in_its_slice_into_one_r
     writer.close()
 
 
+def test_a_slice_of_rounds_logged_together_deletes_only_the_log_rows_it_applied(tmp_path: pathlib.Path) -> None:
+    """Rounds logged in one transaction keep a log row each: a compaction slice that applies the first
+    two deletes only their rows, so another connection sees every round (in the tables or still in the
+    log) and a writer killed right after the slice loses none."""
+    writer = writer_on(tmp_path)
+    writer.log([encode_ops(one_prompt(n, "s1", 2 * n - 1)) for n in (1, 2, 3)])
+    assert writer.compact(2) == 2 and writer.logged == 1
+    direct = sqlite3.connect(tmp_path / "sessions.db")
+    try:
+        assert direct.execute("SELECT seq FROM log").fetchall() == [(3,)]
+        assert direct.execute("SELECT seq FROM prompts ORDER BY seq").fetchall() == [(1,), (2,)]
+    finally:
+        direct.close()
+    assert rows_of(tmp_path, "SELECT seq FROM prompts ORDER BY seq") == [(1,), (2,), (3,)]
+    assert writer.db is not None
+    writer.db.close()  # killed between two slices
+    writer.db = None
+    store = SessionStore(tmp_path)
+    store.open()
+    store.close()
+    assert rows_of(tmp_path, "SELECT seq, outcome FROM prompts ORDER BY seq") == [(n, "end_turn") for n in (1, 2, 3)]
+    assert [e for _, e, _, _ in stored_events(tmp_path, "s1")] == [1, 2, 3, 4, 5, 6]
+
+
 def test_the_log_of_a_killed_writer_is_applied_at_the_next_open(tmp_path: pathlib.Path) -> None:
     """Logged rounds are durable: a writer that dies before applying them leaves them to the next
     open, which applies them before marking the unfinished prompts server_restarted."""

@@ -338,11 +338,9 @@ class StoreWriter:
         end of the ``log`` table. :meth:`compact` applies them to the tables later, in bulk."""
         db = self._conn()
         now = _now_ms()
-        seq = self._log_seq
-        rows: list[Any] = []
-        for payload in payloads:
-            seq += 1
-            rows += (seq, payload)
+        # each round its own row number: compact() deletes the log up to the last round it applied
+        numbered = [(self._log_seq + i, payload) for i, payload in enumerate(payloads, start=1)]
+        rows = [v for row in numbered for v in row]
         db.execute("BEGIN")
         try:
             _in_batches(db, _log_sql, 2, rows, (now,))
@@ -351,8 +349,8 @@ class StoreWriter:
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
-        self._log_seq = seq
-        self._pending.extend((seq, now, payload) for payload in payloads)
+        self._log_seq += len(numbered)
+        self._pending.extend((seq, now, payload) for seq, payload in numbered)
         self.transactions += 1
 
     def compact(self, limit: int | None = None) -> int:
