@@ -368,6 +368,9 @@ async def _serve(
         serving = trio.open_nursery()
         gate = ConnectionGate(config.max_connections)  # one count for every listener
         async with serving as listeners:
+            if server.auth is not None or tls is not None:
+                # before any listener is announced: a SIGHUP after "listening on" must find its handler
+                await listeners.start(credentials_upkeep, server, tls)
             for addr in config.listen:
                 try:
                     if addr.kind == "tcp":
@@ -434,7 +437,5 @@ async def _serve(
                 listeners.cancel_scope.cancel()
 
             listeners.start_soon(on_signals)
-            if server.auth is not None or tls is not None:
-                listeners.start_soon(credentials_upkeep, server, tls)
             task_status.started(server)
         nursery.cancel_scope.cancel()

@@ -168,17 +168,25 @@ def reload_credentials(server: Server, tls: ServerTls | None = None) -> None:
         evict_revoked(server)
 
 
-async def credentials_upkeep(server: Server, tls: ServerTls | None) -> None:
-    """Reload tokens and certificates on SIGHUP; evict connections of expired tokens as they expire."""
+async def credentials_upkeep(
+    server: Server, tls: ServerTls | None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Reload tokens and certificates on SIGHUP; evict connections of expired tokens as they expire.
 
-    async def on_hangup() -> None:
+    Started with ``nursery.start``: the SIGHUP handler is in place before it reports started, so a
+    SIGHUP sent once the listeners are announced reloads instead of ending the process.
+    """
+
+    async def on_hangup(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with trio.open_signal_receiver(signal.SIGHUP) as signals:
+            task_status.started()
             async for _ in signals:
                 log.info("SIGHUP: reloading the tokens file and the certificates")
                 reload_credentials(server, tls)
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(on_hangup)
+        await nursery.start(on_hangup)
+        task_status.started()
         while server.auth is not None:
             await trio.sleep(EXPIRY_CHECK_S)
             evict_revoked(server)
