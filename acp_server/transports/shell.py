@@ -111,6 +111,8 @@ class ConnectionShell:
         name: for logs.
         refusal_latency: where to record each overload refusal's time from read to written (see the
             module docstring); ``None`` records nothing.
+        refusal_kinds: where to count each overload refusal written, by ``errorKind``.
+        transport: what the connection came over (``tcp``, ``ws``, ...), for statistics.
     """
 
     def __init__(
@@ -125,9 +127,13 @@ class ConnectionShell:
         on_close: Callable[[ConnectionShell], None] | None = None,
         name: str = "connection",
         refusal_latency: LatencyHistogram | None = None,
+        refusal_kinds: dict[str, int] | None = None,
+        transport: str = "stream",
     ) -> None:
         self.peer_id = next(_ids)
         self.name = name
+        self.transport = transport
+        self._refusal_kinds = refusal_kinds
         self.stream = stream
         self.core = Connection(max_message_bytes=max_message_bytes)
         self.dispatcher = dispatcher
@@ -324,6 +330,9 @@ class ConnectionShell:
 
     def _reply_error(self, data: bytes, slot: _Slot, reply: Callable[[bytes], None]) -> None:
         """Queue an error answer; an overload refusal is timed until its bytes are written."""
+        error = getattr(data, "error", None)
+        if self._refusal_kinds is not None and isinstance(error, OverloadError):
+            self._refusal_kinds[error.kind] = self._refusal_kinds.get(error.kind, 0) + 1
         if (
             self._refusal_latency is not None
             and isinstance(getattr(data, "error", None), OverloadError)
