@@ -91,14 +91,16 @@ export class SessionsView {
   async create() {
     try {
       const result = await this.rpc.call("session/new", { cwd: CWD, mcpServers: [] });
+      this.show(result.sessionId, CWD);
+      this.attached(result);
       await this.refresh();
-      await this.open(result.sessionId, CWD);
     } catch (err) {
       this.showError(err);
     }
   }
 
-  async open(sessionId, cwd) {
+  /** Show an empty transcript for `sessionId` (what the server sends next fills it). */
+  show(sessionId, cwd) {
     this.current = { sessionId, cwd, clientId: null };
     this.transcript.replaceChildren();
     this.agentMessage = null;
@@ -107,14 +109,31 @@ export class SessionsView {
     setText(this.title, sessionId);
     this.setTurn("none", "loading", "");
     for (const li of this.list.children) li.toggleAttribute("aria-current", li.dataset.sessionId === sessionId);
+  }
+
+  /** The session is attached on this connection (`result` of session/new, load or resume). */
+  attached(result) {
+    this.current.clientId = result?._meta?.clientId ?? null;
+    if (this.turn.dataset.state === "none") this.setTurn("none", "idle", "");
+    this.input.disabled = false;
+    this.sendButton.disabled = this.busy;
+    this.transcript.dataset.loaded = "true";
+  }
+
+  /** Open a session: `session/load` renders its replay (`session/resume` when the agent cannot load). */
+  async open(sessionId, cwd) {
+    this.show(sessionId, cwd);
     try {
-      const result = await this.rpc.call("session/load", { sessionId, cwd, mcpServers: [] });
+      let result;
+      try {
+        result = await this.rpc.call("session/load", { sessionId, cwd, mcpServers: [] });
+      } catch (err) {
+        if (err.kind === "connection_lost") throw err;
+        result = await this.rpc.call("session/resume", { sessionId, cwd, mcpServers: [] });
+        this.transcript.appendChild(el("div", "msg note", `no replay: ${err.message}`));
+      }
       if (this.current?.sessionId !== sessionId) return;
-      this.current.clientId = result?._meta?.clientId ?? null;
-      if (this.turn.dataset.state === "none") this.setTurn("none", "idle", "");
-      this.input.disabled = false;
-      this.sendButton.disabled = this.busy;
-      this.transcript.dataset.loaded = "true";
+      this.attached(result);
     } catch (err) {
       this.setTurn("none", "not loaded", "");
       this.showError(err);
