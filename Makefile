@@ -34,7 +34,7 @@ lint: $(STAMP_DEV)
 	$(VENV)/bin/ruff check acp_server tests
 	$(VENV)/bin/mypy
 
-test: $(STAMP_DEV) lint
+test: $(STAMP_DEV) lint chromium
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test-full: $(STAMP_DEV)
@@ -50,6 +50,15 @@ bench: $(STAMP_DEV)
 .PHONY: bench-smoke
 bench-smoke: $(STAMP_DEV)
 	$(PY) bench/run.py --tiny --out bench/results/tiny.json
+
+# The console's browser tests drive Debian's chromium (Playwright's own browser download is never used).
+.PHONY: chromium screenshots
+chromium:
+	@command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+
+# docs/console-*.png: both views of the web console at 1280x800, a real server under a little load.
+screenshots: $(STAMP_DEV) chromium
+	$(PY) docs/screenshots.py docs
 
 clean:
 	rm -rf $(VENV) build *.egg-info

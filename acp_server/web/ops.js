@@ -43,12 +43,11 @@ export class OpsView {
     const conns = snap.connections ?? {};
     setText(this.figures.evictions, conns.evictionsTotal ?? 0);
 
-    this.pools.update(
-      Object.entries(snap.pools ?? {}).map(([name, p]) => [
-        name,
-        [name, p.active, p.waiting, p.leased, `${p.maxActive}${p.maxWaiting == null ? "" : " + " + p.maxWaiting}`, duration(p.oldestWaitMs)],
-      ]),
-    );
+    const pools = Object.entries(snap.pools ?? {}).map(([name, p]) => [
+      name,
+      [name, p.active, p.waiting, p.leased, `${p.maxActive}${p.maxWaiting == null ? "" : " + " + p.maxWaiting}`, duration(p.oldestWaitMs)],
+    ]);
+    this.pools.update(pools.length ? pools : [["", ["no backend has max_active set (unlimited)", "", "", "", "", ""]]]);
 
     const adm = snap.admission ?? {};
     setText(

@@ -232,7 +232,7 @@ export class SessionsView {
     this.turn.dataset.seen = "";
     this.setTurn("sent", "sent", "waiting for the server");
     this.agentMessage = null;
-    this.transcript.appendChild(el("div", "msg user", text));
+    const sent = this.transcript.appendChild(el("div", "msg user", text));
     this.input.value = "";
     try {
       const result = await this.promptHealed(text);
@@ -245,6 +245,7 @@ export class SessionsView {
     } catch (err) {
       const refused = !TERMINAL.has(this.turn.dataset.state) && this.turn.dataset.state !== "running";
       this.setTurn(refused ? "refused" : "failed", refused ? "refused" : "failed", err.kind ?? "");
+      if (refused) sent.classList.add("refused");
       this.showError(err);
     } finally {
       for (const finish of [...this.permissions]) finish();
