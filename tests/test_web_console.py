@@ -59,6 +59,14 @@ def echo(tmp_path: Path) -> Iterator[ServerProcess]:
     server.stop()
 
 
+@pytest.fixture
+def slow_echo(tmp_path: Path) -> Iterator[ServerProcess]:
+    """Each echo turn takes 4 s: long enough to act on a running prompt."""
+    server = _server(tmp_path, "--echo-delay-ms", "4000", "--max-pending-prompts-per-session", "1").start()
+    yield server
+    server.stop()
+
+
 def _open_sessions(page: Page, server: ServerProcess) -> str:
     page.goto(server.http_url + "/#sessions")
     expect(page.locator("#conn")).to_have_attribute("data-state", "open")
@@ -129,8 +137,8 @@ def test_prompt_streams_the_answer_as_text(page: Page, echo: ServerProcess) -> N
     _not_pwned(page)
 
 
-def test_cancel_a_slow_prompt(page: Page, echo: ServerProcess) -> None:
-    _open_sessions(page, echo)
+def test_cancel_a_slow_prompt(page: Page, slow_echo: ServerProcess) -> None:
+    _open_sessions(page, slow_echo)
     _prompt(page, "a b c d e f g h i j k l m n o p")
     expect(page.locator("#turn")).to_have_attribute("data-state", "running", timeout=10_000)
     page.click("#cancel")
@@ -138,9 +146,9 @@ def test_cancel_a_slow_prompt(page: Page, echo: ServerProcess) -> None:
     expect(page.locator("#send")).to_be_enabled()
 
 
-def test_queue_full_refusal_shows_its_retry_time(page: Page, echo: ServerProcess) -> None:
-    session_id = _open_sessions(page, echo)
-    load = echo.load(1, session=session_id, text="w " * 20)
+def test_queue_full_refusal_shows_its_retry_time(page: Page, slow_echo: ServerProcess) -> None:
+    session_id = _open_sessions(page, slow_echo)
+    load = slow_echo.load(1, session=session_id, text="held by another client")
     try:
         expect(page.locator("#turn")).to_have_attribute("data-state", "running", timeout=10_000)
         _prompt(page, "me too")
@@ -184,5 +192,20 @@ def test_permission_request_and_hostile_agent_strings(page: Page, tmp_path: Path
         _prompt(page, "fail now")
         expect(page.locator("#notice")).to_contain_text("agent failed " + HOSTILE, timeout=15_000)
         _not_pwned(page)
+    finally:
+        server.stop()
+
+
+def test_a_stale_client_id_heals_once(page: Page, tmp_path: Path) -> None:
+    """The client id expires while the page idles: the next prompt resumes once and goes through."""
+    server = ServerProcess(tmp_path / "state", ["--client-idle-timeout-s", "1"]).start()
+    try:
+        _open_sessions(page, server)
+        page.wait_for_timeout(2500)
+        _prompt(page, "still here")
+        expect(page.locator("#turn")).to_have_attribute("data-state", "completed", timeout=10_000)
+        expect(page.locator("#transcript")).to_have_attribute("data-self-heals", "1")
+        expect(page.locator("#transcript .msg.agent")).to_have_text("still here")
+        expect(page.locator("#notice")).to_be_hidden()
     finally:
         server.stop()
