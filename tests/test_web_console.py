@@ -209,3 +209,42 @@ def test_a_stale_client_id_heals_once(page: Page, tmp_path: Path) -> None:
         expect(page.locator("#notice")).to_be_hidden()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "waiting", "detail"),
+    [
+        ([], "waiting_for_dependency", "waiting for a backend permit"),  # a permit of the echo pool (max_active 1)
+        (["--max-running-prompts", "1"], "queued", "in the waiting room"),  # a policy seat
+    ],
+)
+def test_a_waiting_prompt_shows_why_then_runs(
+    page: Page, tmp_path: Path, flags: list[str], waiting: str, detail: str
+) -> None:
+    """Behind another session's running prompt, this one waits, and the page says so as the server does."""
+    server = _server(tmp_path, "--echo-delay-ms", "3000", *flags).start()
+    try:
+        _open_sessions(page, server)
+        load = server.load(1, text="first in line")
+        try:
+            expect(page.locator("#n-running")).to_have_text("1", timeout=10_000)  # the hidden ops view
+            _prompt(page, "second")
+            expect(page.locator("#turn")).to_have_attribute("data-state", waiting, timeout=10_000)
+            expect(page.locator("#turn-detail")).to_contain_text(detail)
+            expect(page.locator("#turn")).to_have_attribute("data-state", "completed", timeout=15_000)
+        finally:
+            load.communicate(timeout=60)
+        seen = (page.get_attribute("#turn", "data-seen") or "").split()
+        assert seen.index(waiting) < seen.index("running") < seen.index("completed")
+        expect(page.locator("#transcript .msg.agent").last).to_have_text("second")
+    finally:
+        server.stop()
+
+
+def test_a_stored_token_rides_as_a_subprotocol_beside_acp_v1(page: Page, echo: ServerProcess) -> None:
+    page.goto(echo.http_url + "/")
+    expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+    page.evaluate("() => sessionStorage.setItem('acp-server.token', 'a token')")
+    page.reload()
+    expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+    expect(page.locator("body")).to_have_attribute("data-subprotocol", "acp.v1")

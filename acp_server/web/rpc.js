@@ -66,7 +66,10 @@ export class Rpc {
       return;
     }
     this.ws = ws;
-    ws.onopen = () => this.initialize();
+    ws.onopen = () => {
+      document.body.dataset.subprotocol = ws.protocol; // what the server chose of what was offered
+      this.initialize();
+    };
     ws.onmessage = (event) => this.receive(event.data);
     ws.onclose = () => {
       if (this.ws !== ws) return;

@@ -45,6 +45,7 @@ export class SessionsView {
     this.tools = new Map(); // toolCallId -> {box, title, status}
     this.permissions = new Set(); // resolvers of the permission requests shown
     this.busy = false;
+    this.mine = null; // the prompt id of this page's prompt, once the server named it
     document.getElementById("prompt-form").addEventListener("submit", (event) => {
       event.preventDefault();
       this.prompt();
@@ -155,11 +156,21 @@ export class SessionsView {
     else if (method === "_acp_server/turn_state") this.turnStateChanged(params);
   }
 
+  /**
+   * Only this page's prompt moves the turn bar. The server names prompts itself, so the page claims
+   * the first `accepted` of a new prompt id that arrives while its own prompt awaits an answer (the
+   * server sends `accepted` before the answer); other clients' prompts on the session are not shown.
+   */
   turnStateChanged(params) {
     const state = String(params.state ?? "");
+    if (this.mine === null && this.busy && state === "accepted") this.mine = params.promptId;
+    if (params.promptId !== this.mine) return;
     let detail = "";
-    if (state === "queued" && params.positionHint != null) detail = `position ${params.positionHint} in the session's queue`;
-    else if (params.reason) detail = String(params.reason);
+    if (params.reason) detail = String(params.reason);
+    else if (state === "queued" && params.positionHint != null) detail = `position ${params.positionHint} in the waiting room`;
+    else if (state === "queued") detail = "in the waiting room for a seat";
+    else if (state === "waiting_for_dependency") detail = "waiting for a backend permit";
+    else if (state === "paused_for_approval") detail = "the agent asks for permission";
     this.setTurn(state, state.replaceAll("_", " "), detail);
   }
 
@@ -230,6 +241,7 @@ export class SessionsView {
     this.sendButton.disabled = true;
     this.cancelButton.disabled = false;
     this.turn.dataset.seen = "";
+    this.mine = null;
     this.setTurn("sent", "sent", "waiting for the server");
     this.agentMessage = null;
     const sent = this.transcript.appendChild(el("div", "msg user", text));
