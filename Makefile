@@ -8,7 +8,7 @@ LISTEN ?= tcp://127.0.0.1:4170
 HTTP_LISTEN ?= http://127.0.0.1:4171
 PYTEST_ARGS ?=
 
-.PHONY: run test test-full lint schemas bench clean
+.PHONY: run test test-full lint schemas bench bench-instr bench-instr-record clean
 
 $(PY):
 	@echo "acp-server: creating $(VENV) with $(PYTHON) (needs Python >= 3.11 with its venv module)" >&2
@@ -39,6 +39,7 @@ test: $(STAMP_DEV) lint chromium
 
 test-full: $(STAMP_DEV)
 	ACP_SERVER_FULL=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) bench/instr.py
 
 schemas: $(STAMP_DEV)
 	$(PY) -m acp_server.schemagen schemas
@@ -59,6 +60,14 @@ chromium:
 # docs/console-*.png: both views of the web console at 1280x800, a real server under a little load.
 screenshots: $(STAMP_DEV) chromium
 	$(PY) docs/screenshots.py docs
+
+# Instructions per echo prompt under callgrind (about a minute), against bench/instr_baseline.json:
+# fails above +10%, skips when CPython or valgrind differ from the baseline's. -record re-records it.
+bench-instr: $(STAMP_DEV)
+	$(PY) bench/instr.py
+
+bench-instr-record: $(STAMP_DEV)
+	$(PY) bench/instr.py --record
 
 clean:
 	rm -rf $(VENV) build *.egg-info

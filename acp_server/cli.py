@@ -13,7 +13,6 @@ import math
 import pathlib
 import shlex
 import socket
-import sqlite3
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,9 +30,6 @@ from .auth.settings import add_serve_flags, settings_from
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config, openai_shorthand
 from .server import ListenAddress, ServerConfig, serve
-from .statedir import adopt_legacy, keyed_state_dir
-from .store import StoreVersionError, StoreWriterError
-from .transports.relay import relay_stdio
 
 __all__ = ["build_parser", "main", "parse_listen", "policy_from"]
 
@@ -628,6 +624,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     config = server_config(args, serve_parser)
     if config.state_dir is not None and args.state_dir is None:
+        from .statedir import adopt_legacy  # the store loads only when a state directory is used
+
         moved = adopt_legacy(pathlib.Path(config.state_dir))
         if moved is not None:
             print(f"acp-server: {moved}", file=sys.stderr, flush=True)
@@ -673,6 +671,8 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
     if state_dir is None and not args.ephemeral and not args.stdio:
         # One directory per address set (and config file); stdio alone is one editor window's own
         # process: ephemeral.
+        from .statedir import keyed_state_dir
+
         state_dir = str(keyed_state_dir(listen, args.config))
     file_config = _file_config(args, serve_parser)
     auth = settings_from(
@@ -727,12 +727,18 @@ def _os_error(exc: BaseException) -> OSError | None:
     """
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
-    if isinstance(exc, StoreVersionError | StoreWriterError | sqlite3.DatabaseError):
-        return OSError(str(exc))
+    sqlite3 = sys.modules.get("sqlite3")  # loaded only with a state directory: without one, no store error
+    if sqlite3 is not None:
+        from .store import StoreVersionError, StoreWriterError
+
+        if isinstance(exc, StoreVersionError | StoreWriterError | sqlite3.DatabaseError):
+            return OSError(str(exc))
     return exc if isinstance(exc, OSError) else None
 
 
 def _connect(url: str, token: str | None = None, ca_file: str | None = None) -> int:
+    from .transports.relay import relay_stdio
+
     try:
         trio.run(relay_stdio, url, token, ca_file)
     except KeyboardInterrupt:

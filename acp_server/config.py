@@ -65,7 +65,6 @@ An unknown key or a bad value is a :class:`ConfigError` naming the key (``backen
 from __future__ import annotations
 
 import re
-import tomllib
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -267,6 +266,8 @@ def parse_config(text: str, source: str = "config") -> FileConfig:
     Raises:
         ConfigError: TOML syntax, an unknown key, a value of the wrong type or out of range.
     """
+    import tomllib  # only when a file is read: serving without --config never needs it
+
     try:
         raw: dict[str, Any] = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

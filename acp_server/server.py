@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -34,11 +34,13 @@ from .handlers.gate import credentials_upkeep, gated
 from .jsonrpc import Dispatcher
 from .signals import ShutdownSignals, shutdown_signals
 from .statsfeed import StatsFeed
-from .store import SessionStore
 from .transports import ConnectionGate, ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
 from .transports.address import ListenAddress
 from .transports.timing import LatencyHistogram
 from .types.ext import LimitsCapability
+
+if TYPE_CHECKING:
+    from .store import SessionStore
 
 __all__ = ["ListenAddress", "Server", "ServerConfig", "serve"]
 
@@ -279,7 +281,11 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
     capacity = CapacityManager(
         {name: PoolLimits(max_active=c.max_active, max_waiting=c.max_waiting) for name, c in configs.items()}
     )
-    store = SessionStore(config.state_dir) if config.state_dir is not None else None
+    store = None
+    if config.state_dir is not None:
+        from .store import SessionStore  # sqlite3 and the writer load only with a state directory
+
+        store = SessionStore(config.state_dir)
     settings = config.auth or AuthSettings()
     auth = None
     if settings.tokens is not None:

@@ -41,6 +41,7 @@ from procfs import cpu_source, percentile
 from http_ab import HttpSizes, run_http
 from sdk_ab import AbSizes, Totals, run_ab
 from servers import BENCH, BenchError, TcpServer, acp_server_argv, sdk_echo_argv, server_flags, shell_command
+from startup import median_ms, startup_runs
 
 SCENARIOS = ("sdk", "pipelined", "overload", "scale", "openai", "http")
 DEFAULT_OUT = BENCH / "results" / "latest.json"
@@ -60,6 +61,7 @@ class Sizes:
     refusal_round_trips: int
     idle_sessions: int
     connections: int
+    startup_runs: int = 1  # fresh processes per start-up figure (the median is reported)
     http: HttpSizes = HttpSizes(rounds=3, warmup=30, prompts=300, text=TEXT)
 
 
@@ -74,6 +76,7 @@ FULL = Sizes(
     refusal_round_trips=2000,
     idle_sessions=10_000,
     connections=1000,
+    startup_runs=11,
 )
 TINY = Sizes(
     ab=AbSizes(rounds=1, warmup=2, sequential=10, sessions=8, per_session=2, text=TEXT),
@@ -209,6 +212,7 @@ def scenario_sdk(report: Report, sizes: Sizes) -> None:
         report.add(
             "sdk", f"{label}: server CPU per prompt", "µs", cpu_o, sdk=cpu_s, goal="<= 1/3 of SDK", met=met
         )
+    scenario_startup(report, sizes, raw)
     report.scenarios["sdk"] = raw
     words = len(ab.text.split())
     report.notes.append(
@@ -221,7 +225,7 @@ def scenario_sdk(report: Report, sizes: Sizes) -> None:
 def scenario_http(report: Report, sizes: Sizes) -> None:
     """ACP's remote transport: our /acp (SSE, WebSocket) and TCP, and the SDK's own remote server."""
     hs = sizes.http
-    progress(f"5: SDK client -> our /acp (SSE, WS), our TCP, the SDK's acp.http server; {hs.rounds} rounds")
+    progress(f"6: SDK client -> our /acp (SSE, WS), our TCP, the SDK's acp.http server; {hs.rounds} rounds")
     runs, commands = run_http(hs)
     per = {
         name: {
@@ -241,10 +245,47 @@ def scenario_http(report: Report, sizes: Sizes) -> None:
     report.add("http", "/acp WebSocket: server CPU per prompt", "µs", ws, goal="<= 1.5x our TCP", met=ws <= 1.5 * tcp)
     report.add("http", "/acp HTTP+SSE: server CPU per prompt", "µs", sse, sdk=sdk, goal="<= 1/2 of SDK", met=sse <= sdk / 2)
     report.notes.append(
-        f"Scenario 5: the SDK's own clients (create_http_stream, create_websocket_stream, and its stdio "
+        f"Scenario 6: the SDK's own clients (create_http_stream, create_websocket_stream, and its stdio "
         f"connection over a TCP socket) send {hs.prompts} sequential echo prompts of {len(hs.text.split())} words "
         "per run; the SDK column is the SDK's acp.http server (create_asgi_app under hypercorn) serving "
         "its echo agent to the same HTTP client. CPU is the server process's own, from /proc."
+    )
+
+
+def scenario_startup(report: Report, sizes: Sizes, raw: dict[str, Any]) -> None:
+    """Spawn to the answer of ``initialize`` on stdio, ours and the SDK agent's; ``acp-server --help``."""
+    ours = [*acp_server_argv(), "serve", "--stdio"]
+    helps = [*acp_server_argv(), "--help"]
+    bare = [sys.executable, "-c", "pass"]
+    progress(f"1: start-up, {sizes.startup_runs} alternating spawn(s) each")
+    timed = startup_runs({"ours": ours, "sdk": sdk_echo_argv()}, {"help": helps, "python": bare}, sizes.startup_runs)
+    medians = {name: median_ms([wall for wall, _ in values]) for name, values in timed.items()}
+    cpu = {name: median_ms([c for _, c in values]) for name, values in timed.items()}
+    raw["startup"] = {
+        "commands": {"ours": shell_command(ours), "sdk": shell_command(sdk_echo_argv()), "help": shell_command(helps),
+                     "python": shell_command(bare)},
+        "runs_ms": {name: [round(wall * 1000, 1) for wall, _ in values] for name, values in timed.items()},
+        "cpu_runs_ms": {name: [round(c * 1000, 1) for _, c in values] for name, values in timed.items()},
+        "median_ms": medians,
+        "cpu_median_ms": cpu,
+    }
+    sdk = medians["sdk"]
+    report.add(
+        "sdk", "start-up: spawn to the answer of initialize, stdio (median)", "ms", medians["ours"], sdk=sdk,
+        goal="<= 1/3 of SDK", met=medians["ours"] <= sdk / 3,
+    )
+    report.add(
+        "sdk", "start-up: acp-server --help, spawn to exit (SDK column: its agent's initialize)", "ms",
+        medians["help"], sdk=sdk, goal="<= 1/3 of SDK", met=medians["help"] <= sdk / 3,
+    )
+    report.add(
+        "sdk", "start-up: CPU used by the answer of initialize, stdio (median)", "ms", cpu["ours"], sdk=cpu["sdk"]
+    )
+    report.notes.append(
+        f"Scenario 1, start-up: the median of {sizes.startup_runs} fresh process(es) each, alternating, after one "
+        "untimed run each; initialize is written at once and the clock stops when its answer's line is read "
+        "(the CPU row: what the process had used by then, steadier on a busy machine). "
+        f"The interpreter alone (python -c pass) took {medians['python']:.0f} ms."
     )
 
 

@@ -312,10 +312,10 @@ def test_connect_defaults_to_acp_server_url(agent_url: str) -> None:
     run = subprocess.run([*CLI, "--cwd", "/tmp", "--yes", "via", "env"], capture_output=True, text=True,
                          timeout=TIMEOUT_S, env=env, stdin=subprocess.DEVNULL)
     assert run.returncode == 0 and run.stdout == "permission:allow via env\n", run.stderr
-    env["ACP_SERVER_URL"] = "http://nope"
+    env["ACP_SERVER_URL"] = "ftp://nope"  # http:// is a scheme of /acp now
     bad = subprocess.run([*CLI, "x"], capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     assert bad.returncode == 2
-    assert "--connect 'http://nope': unknown scheme" in bad.stderr and "(from $ACP_SERVER_URL)" in bad.stderr
+    assert "--connect 'ftp://nope': unknown scheme" in bad.stderr and "(from $ACP_SERVER_URL)" in bad.stderr
     env["ACP_SERVER_URL"] = "tcp://127.0.0.1:1"
     down = subprocess.run([*CLI, "x"], capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
                           stdin=subprocess.DEVNULL)

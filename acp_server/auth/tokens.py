@@ -25,7 +25,6 @@ import re
 import secrets
 import stat
 import tempfile
-import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -202,6 +201,8 @@ def parse_tokens(text: str, source: str = "tokens file") -> dict[str, TokenRecor
     Raises:
         TokenFileError: TOML syntax, an unknown key, a bad value, or two ids with the same secret.
     """
+    import tomllib  # only when a tokens file is read
+
     try:
         raw: dict[str, Any] = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
