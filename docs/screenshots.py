@@ -58,7 +58,7 @@ def main(out: Path) -> None:
                 expect(page.locator("#turn")).to_have_attribute("data-state", "completed", timeout=30_000)
                 session_id = page.inner_text("#chat-title")
                 held = server.load(1, session=session_id, text="a long answer " * 5)
-                expect(page.locator("#turn")).to_have_attribute("data-state", "running", timeout=10_000)
+                expect(page.locator("#n-running")).to_have_text("1", timeout=10_000)
                 page.fill("#prompt-input", "And one more, please")
                 page.click("#send")
                 expect(page.locator("#notice")).to_have_attribute("data-kind", "prompt_queue_full")

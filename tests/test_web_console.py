@@ -150,7 +150,7 @@ def test_queue_full_refusal_shows_its_retry_time(page: Page, slow_echo: ServerPr
     session_id = _open_sessions(page, slow_echo)
     load = slow_echo.load(1, session=session_id, text="held by another client")
     try:
-        expect(page.locator("#turn")).to_have_attribute("data-state", "running", timeout=10_000)
+        expect(page.locator("#n-running")).to_have_text("1", timeout=10_000)  # the hidden ops view
         _prompt(page, "me too")
         notice = page.locator("#notice")
         expect(notice).to_have_attribute("data-kind", "prompt_queue_full", timeout=10_000)
