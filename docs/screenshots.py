@@ -32,7 +32,7 @@ def main(out: Path) -> None:
         config.write_text(CONFIG)
         server = ServerProcess(
             Path(tmp) / "state",
-            ["--config", str(config), "--echo-delay-ms", "700", "--max-pending-prompts-per-session", "1"],
+            ["--config", str(config), "--echo-delay-ms", "3000", "--max-pending-prompts-per-session", "1"],
         ).start()
         try:
             with sync_playwright() as p:
@@ -57,6 +57,7 @@ def main(out: Path) -> None:
                 page.click("#send")
                 expect(page.locator("#turn")).to_have_attribute("data-state", "completed", timeout=30_000)
                 session_id = page.inner_text("#chat-title")
+                expect(page.locator("#n-running")).to_have_text("0", timeout=10_000)
                 held = server.load(1, session=session_id, text="a long answer " * 5)
                 expect(page.locator("#n-running")).to_have_text("1", timeout=10_000)
                 page.fill("#prompt-input", "And one more, please")
