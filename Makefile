@@ -42,7 +42,7 @@ lint: $(STAMP_DEV)
 redis-server:
 	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 
-test: $(STAMP_DEV) lint redis-server
+test: $(STAMP_DEV) lint redis-server chromium
 	$(PARALLEL)
 
 test-full: $(STAMP_DEV) redis-server
@@ -59,6 +59,15 @@ bench: $(STAMP_DEV)
 .PHONY: bench-smoke
 bench-smoke: $(STAMP_DEV)
 	$(PY) bench/run.py --tiny --out bench/results/tiny.json
+
+# The console's browser tests drive Debian's chromium (Playwright's own browser download is never used).
+.PHONY: chromium screenshots
+chromium:
+	@command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+
+# docs/console-*.png: both views of the web console at 1280x800, a real server under a little load.
+screenshots: $(STAMP_DEV) chromium
+	$(PY) docs/screenshots.py docs
 
 # Instructions per echo prompt under callgrind (about a minute), against bench/instr_baseline.json:
 # fails above +10%, skips when CPython or valgrind differ from the baseline's. -record re-records it.

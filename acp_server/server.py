@@ -36,6 +36,7 @@ from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
 from .handlers.gate import credentials_upkeep, gated
 from .jsonrpc import Dispatcher
 from .signals import ShutdownSignals, shutdown_signals
+from .statsfeed import StatsFeed
 from .transports import ConnectionGate, ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
 from .transports.address import ListenAddress
 from .transports.timing import LatencyHistogram
@@ -162,6 +163,10 @@ class Server:
         self.evictions = 0
         #: server-side cost of each overload refusal: request read -> error written
         self.refusal_latency = LatencyHistogram()
+        #: overload refusals written, by ``errorKind`` (a console turns successive counts into rates)
+        self.refusal_kinds: dict[str, int] = {}
+        #: the connections subscribed to ``_acp_server/stats/subscribe``
+        self.stats_feed = StatsFeed(self.stats_snapshot)
 
     def stats_snapshot(self) -> dict[str, Any]:
         """Every gauge and counter, as ``_acp_server/stats`` returns it and the metrics endpoint renders it.
@@ -175,8 +180,13 @@ class Server:
             "bridge": out_bridge,
             "pools": {name: msgspec.to_builtins(s) for name, s in bridge.capacity.statistics().items()},
             "admission": msgspec.to_builtins(self.policy.statistics()),
-            "connections": {"open": len(self.connections), "evictionsTotal": self.evictions},
-            "refusals": self.refusal_latency.snapshot(),
+            "connections": {
+                "open": len(self.connections),
+                "evictionsTotal": self.evictions,
+                "byTransport": self._connections_by_transport(),
+            },
+            "refusals": {**self.refusal_latency.snapshot(), "byKind": dict(self.refusal_kinds)},
+            "sessions": self._session_rows(),
             # backends that count their own work (a model endpoint: requests, retries, tokens)
             "backends": {n: b.statistics() for n, b in bridge.backends.items() if hasattr(b, "statistics")},
             **self._coordinator_snapshot(),
@@ -198,6 +208,26 @@ class Server:
             while bridge.pending_total():  # noqa: ASYNC110 - a sum over every session
                 await trio.sleep(0.05)
 
+    def _connections_by_transport(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for shell in self.connections:
+            out[shell.transport] = out.get(shell.transport, 0) + 1
+        return out
+
+    def _session_rows(self, limit: int = 50) -> list[dict[str, Any]]:
+        """The sessions with the most pending prompts first (at most ``limit``), for a console."""
+        rows = sorted(self.bridge.sessions.values(), key=lambda s: (-s.pending_count, s.session_id))[:limit]
+        return [
+            {
+                "sessionId": s.session_id,
+                "tenant": s.tenant,
+                "pending": s.pending_count,
+                "running": s.running_ticket is not None,
+                "attached": len(s.attached),
+            }
+            for s in rows
+        ]
+
     def limits_capability(self) -> LimitsCapability:
         """``limits`` as ``initialize`` and ``_acp_server/capabilities`` advertise them (null: disabled)."""
         lim = self.limits
@@ -214,6 +244,7 @@ class Server:
     def _closed(self, shell: ConnectionShell) -> None:
         if shell.evicted:
             self.evictions += 1
+        self.stats_feed.unsubscribe(shell)
         self.connections.discard(shell)
         self.bridge.peer_closed(shell)
 
@@ -259,6 +290,8 @@ class Server:
             first_message_timeout_s=FIRST_MESSAGE_TIMEOUT_S if socket else None,
             idle_timeout_s=(self.connection_idle_timeout_s or None) if socket else None,
             holds=lambda: self._holds(shell),
+            refusal_kinds=self.refusal_kinds,
+            transport=transport_of(stream, name),
         )
         self.connections.add(shell)
         self._running += 1
@@ -285,6 +318,15 @@ class Server:
             self._all_done = trio.Event()
             with trio.move_on_after(SHUTDOWN_GRACE_S):
                 await self._all_done.wait()
+
+
+def transport_of(stream: trio.abc.Stream, name: str) -> str:
+    """What a connection came over, for the stats: ``ws``/``http`` (named by the HTTP listener),
+    ``stdio``, else what the socket is (``tcp``, ``tls``, ``unix``; ``stream`` for anything else)."""
+    first = name.split(" ", 1)[0]
+    if first in ("ws", "http", "stdio"):
+        return first
+    return describe_stream(stream).transport
 
 
 async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
@@ -359,6 +401,7 @@ async def _serve(
             if run is not None:
                 await nursery.start(run)
         await nursery.start(server.bridge.run)
+        await nursery.start(server.stats_feed.run)
         ensure_started = getattr(server.bridge.backend, "ensure_started", None)
         if ensure_started is not None:
             try:

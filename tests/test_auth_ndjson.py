@@ -178,10 +178,15 @@ async def test_stats_need_the_admin_or_metrics_scope() -> None:
         with pytest.raises(RpcError) as info:
             await plain.call("_acp_server/stats")
         assert info.value.kind == "auth_required" and "admin or metrics scope" in info.value.data["detail"]
+        with pytest.raises(RpcError) as info:
+            await plain.call("_acp_server/stats/subscribe")
+        assert info.value.kind == "auth_required"
+        assert server.stats_feed.subscribers == set()
         for secret in (ROOT, SCRAPER):
             client = await connect(server, nursery, initialize=False)
             await _login(client, secret)
             assert "bridge" in await client.call("_acp_server/stats")
+            assert await client.call("_acp_server/stats/subscribe") == {"intervalMs": 1000}
 
 
 async def test_the_request_rate_per_token() -> None:

@@ -46,6 +46,8 @@ TEMPLATES: dict[str, dict[str, Any] | None] = {
     },
     "_acp_server/capabilities": None,
     "_acp_server/stats": None,
+    "_acp_server/stats/subscribe": None,
+    "_acp_server/stats/unsubscribe": None,
     "_acp_server/heartbeat": {"sessionId": SID},
     "_acp_server/detach": {"sessionId": SID},
     "_acp_server/fork": {"sessionId": SID},

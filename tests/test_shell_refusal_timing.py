@@ -137,12 +137,13 @@ async def test_stats_report_the_servers_refusals() -> None:
             held_id, _held = client.start_request("session/prompt")
             await client.send({"jsonrpc": "2.0", "id": held_id, "method": "session/prompt", "params": prompt_params(session_id)})
             before = (await client.call("_acp_server/stats"))["refusals"]
-            assert before == {"count": 0, "p50Us": 0.0, "p99Us": 0.0, "maxUs": 0.0}
+            assert before == {"count": 0, "p50Us": 0.0, "p99Us": 0.0, "maxUs": 0.0, "byKind": {}}
             answer = await client.call_raw("session/prompt", prompt_params(session_id))
             assert answer["error"]["data"]["errorKind"] == "prompt_queue_full"
             await trio.testing.wait_all_tasks_blocked()
             after = (await client.call("_acp_server/stats"))["refusals"]
             assert after["count"] == 1 and 0 < after["p50Us"] <= after["maxUs"]
+            assert after["byKind"] == {"prompt_queue_full": 1}
             nursery.cancel_scope.cancel()
 
 

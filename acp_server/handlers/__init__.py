@@ -34,6 +34,8 @@ REQUESTS: dict[str, Method] = {
     "session/prompt": Method(PromptParams, prompt.prompt, sees_cancel=True),
     "_acp_server/capabilities": Method(None, ext.capabilities),
     "_acp_server/stats": Method(None, ext.stats),
+    "_acp_server/stats/subscribe": Method(None, ext.stats_subscribe),
+    "_acp_server/stats/unsubscribe": Method(None, ext.stats_unsubscribe),
     "_acp_server/heartbeat": Method(SessionIdParams, ext.heartbeat),
     "_acp_server/detach": Method(SessionIdParams, ext.detach),
     "_acp_server/fork": Method(SessionIdParams, ext.fork),

@@ -10,7 +10,7 @@ from ..types.ext import BackendCapability, CapabilitiesResult
 from .context import ConnContext
 from .meta import meta_client_id
 
-__all__ = ["capabilities", "detach", "fork", "heartbeat", "stats"]
+__all__ = ["capabilities", "detach", "fork", "heartbeat", "stats", "stats_subscribe", "stats_unsubscribe"]
 
 
 def capabilities(ctx: ConnContext, params: None) -> CapabilitiesResult:
@@ -31,6 +31,20 @@ def capabilities(ctx: ConnContext, params: None) -> CapabilitiesResult:
 def stats(ctx: ConnContext, params: None) -> dict[str, Any]:
     """Everything the Prometheus endpoint shows, as one document (see ``Server.stats_snapshot``)."""
     return ctx.server.stats_snapshot()
+
+
+def stats_subscribe(ctx: ConnContext, params: None) -> dict[str, Any]:
+    """Send this connection ``_acp_server/stats/snapshot`` (the ``_acp_server/stats`` document) now and
+    then once a second, until ``_acp_server/stats/unsubscribe`` or the connection closes."""
+    feed = ctx.server.stats_feed
+    feed.subscribe(ctx.peer)
+    ctx.peer.send(feed.encode())
+    return {"intervalMs": round(feed.interval_s * 1000)}
+
+
+def stats_unsubscribe(ctx: ConnContext, params: None) -> dict[str, Any]:
+    """Stop this connection's snapshots; ``subscribed`` says whether it had any."""
+    return {"subscribed": ctx.server.stats_feed.unsubscribe(ctx.peer)}
 
 
 def heartbeat(ctx: ConnContext, params: SessionIdParams) -> dict[str, Any]:

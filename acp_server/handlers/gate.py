@@ -54,7 +54,7 @@ TOKEN_AUTH_METHOD: dict[str, Any] = {
 #: Methods an unauthenticated connection may call.
 OPEN_METHODS = frozenset({"initialize", "authenticate"})
 #: Methods that need the ``admin`` or ``metrics`` scope.
-SCRAPE_METHODS = frozenset({"_acp_server/stats"})
+SCRAPE_METHODS = frozenset({"_acp_server/stats", "_acp_server/stats/subscribe"})
 #: Methods the request rate does not count: they only free capacity.
 UNMETERED_METHODS = frozenset({"session/cancel"})
 _DETAIL = 'send authenticate with methodId "acp-server-token" and _meta.token set to the secret of your token'

@@ -131,6 +131,8 @@ class ConnectionShell:
         idle_timeout_s: close a connection that holds nothing after this long without input (``None``: never).
         holds: whether the rest of the server keeps something for this connection (an attached
             session): such a connection is not idle.
+        refusal_kinds: where to count each overload refusal written, by ``errorKind``.
+        transport: what the connection came over (``tcp``, ``ws``, ...), for statistics.
     """
 
     def __init__(
@@ -149,9 +151,13 @@ class ConnectionShell:
         first_message_timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
         holds: Callable[[], bool] | None = None,
+        refusal_kinds: dict[str, int] | None = None,
+        transport: str = "stream",
     ) -> None:
         self.peer_id = next(_ids)
         self.name = name
+        self.transport = transport
+        self._refusal_kinds = refusal_kinds
         self.stream = stream
         self.core = Connection(max_message_bytes=max_message_bytes)
         self.dispatcher = dispatcher
@@ -433,6 +439,9 @@ class ConnectionShell:
 
     def _reply_error(self, data: bytes, slot: _Slot, reply: Callable[[bytes], None]) -> None:
         """Queue an error answer; an overload refusal is timed until its bytes are written."""
+        error = getattr(data, "error", None)
+        if self._refusal_kinds is not None and isinstance(error, OverloadError):
+            self._refusal_kinds[error.kind] = self._refusal_kinds.get(error.kind, 0) + 1
         if (
             self._refusal_latency is not None
             and isinstance(getattr(data, "error", None), OverloadError)

@@ -24,6 +24,8 @@ Flags select the other behaviours:
 --tool-call          first reports a tool call ``call-1`` "Read notes.txt" (kind ``read``, ``pending``), then
                      its updates ``in_progress`` and ``completed``; with --ask-permission the permission
                      request comes between the call and its updates
+--hostile            puts markup (``<script>``, ``<img onerror>``) into the tool call title, the permission
+                     options' names, and (for a prompt starting with ``fail``) the error message
 
 Each session it creates is named ``fake-<pid>-<n>``. The ``initialize`` answer carries in
 ``agentCapabilities._meta.clientCapabilities`` the client capabilities it was offered.
@@ -43,6 +45,9 @@ import acp
 from acp import schema
 from acp.helpers import update_current_mode
 
+#: What --hostile appends to agent-provided strings: it sets ``window.__pwned`` wherever it runs as markup.
+HOSTILE = "<script>window.__pwned=1</script><img src=x onerror=\"window.__pwned=2\">"
+
 _WORD = re.compile(r"\s*\S+\s*|\s+")
 
 
@@ -60,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--load-session", action="store_true")
     parser.add_argument("--close-session", action="store_true")
     parser.add_argument("--tool-call", action="store_true")
+    parser.add_argument("--hostile", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -207,6 +213,8 @@ class FakeAgent:
         if self.opts.prompt_error:
             data = {"flag": "prompt-error", "sessionId": session_id}
             raise acp.RequestError(-32042, "fake prompt failure", data)
+        if self.opts.hostile and text.startswith("fail"):
+            raise acp.RequestError(-32042, "agent failed " + HOSTILE, {"flag": "hostile"})
         if meta:
             await self._say(session_id, f"meta:{json.dumps(meta, sort_keys=True)} ")
         if self.opts.crash_on_prompt and text.startswith("crash"):
@@ -220,16 +228,18 @@ class FakeAgent:
             else:
                 await self._say(session_id, "ext:ok ")
         if self.opts.tool_call:
-            start = acp.start_tool_call("call-1", "Read notes.txt", kind="read", status="pending")
+            call_title = "Read notes.txt" + (HOSTILE if self.opts.hostile else "")
+            start = acp.start_tool_call("call-1", call_title, kind="read", status="pending")
             await self.client.session_update(session_id, start)
         if self.opts.ask_permission:
             title = "Read notes.txt" if self.opts.tool_call else "Write"
+            mark = HOSTILE if self.opts.hostile else ""
             answer = await self.client.request_permission(
                 session_id=session_id,
                 tool_call=schema.ToolCallUpdate(tool_call_id="call-1", title=title, status="pending"),
                 options=[
-                    schema.PermissionOption(option_id="allow", name="Allow", kind="allow_once"),
-                    schema.PermissionOption(option_id="deny", name="Deny", kind="reject_once"),
+                    schema.PermissionOption(option_id="allow", name="Allow" + mark, kind="allow_once"),
+                    schema.PermissionOption(option_id="deny", name="Deny" + mark, kind="reject_once"),
                 ],
             )
             outcome = answer.outcome

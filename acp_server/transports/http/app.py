@@ -39,6 +39,7 @@ from ...errors import (
     TooManyConnectionsError,
     UnknownConnectionError,
 )
+from .console import serve_console
 from .peer import MessagePeer
 from .rules import (
     ACP_PATH,
@@ -65,6 +66,8 @@ StreamHandler = Callable[[trio.abc.Stream, str], Awaitable[None]]
 _ACP_METHODS = ["GET", "POST", "DELETE", "OPTIONS"]
 _JSON = (b"content-type", b"application/json")
 _HEALTH_BODY = b'{"status":"ok"}'
+#: The WebSocket subprotocol a browser names (it cannot send headers; a token rides beside it).
+ACP_SUBPROTOCOL = "acp.v1"
 _CONNECTION_KEY = CONNECTION_HEADER.lower().encode()
 _SESSION_KEY = SESSION_HEADER.lower().encode()
 
@@ -178,6 +181,8 @@ class AcpHttpApp:
         return None
 
     async def _http(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if await serve_console(scope, send, self.rules):
+            return
         headers = scope["headers"]
         method = scope["method"]
         origin = header(headers, b"origin")
@@ -346,7 +351,10 @@ class AcpHttpApp:
             await self._deny(scope, send, refusal)
             return
         conn = self._open(multiplex=True)
-        await send({"type": "websocket.accept", "headers": [(_CONNECTION_KEY, conn.id.encode())]})
+        accept: dict[str, Any] = {"type": "websocket.accept", "headers": [(_CONNECTION_KEY, conn.id.encode())]}
+        if ACP_SUBPROTOCOL in scope.get("subprotocols", ()):  # a browser offers it (and maybe a token)
+            accept["subprotocol"] = ACP_SUBPROTOCOL
+        await send(accept)
         shell_done = trio.Event()
         try:
             async with trio.open_nursery() as nursery:

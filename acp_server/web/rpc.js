@@ -1,0 +1,168 @@
+// JSON-RPC 2.0 over the page's WebSocket to /acp: calls, notifications, the agent's requests, and a
+// reconnect with backoff when the socket drops (a server restart): every call in flight then fails
+// with a readable "connection_lost" error and `onOpen` runs again once the new socket is initialized.
+
+const TOKEN_KEY = "acp-server.token";
+const RETRY_MIN_MS = 250;
+const RETRY_MAX_MS = 4000;
+
+/** An error answer (or a lost connection) with its ACP errorKind and data. */
+export class RpcError extends Error {
+  constructor(error) {
+    super(String(error.message ?? "error"));
+    this.code = error.code;
+    this.data = error.data && typeof error.data === "object" ? error.data : {};
+    this.kind = typeof this.data.errorKind === "string" ? this.data.errorKind : null;
+  }
+}
+
+/** The token the operator typed, kept for this tab only. */
+export function storedToken() {
+  return sessionStorage.getItem(TOKEN_KEY);
+}
+
+export function storeToken(token) {
+  if (token) sessionStorage.setItem(TOKEN_KEY, token);
+  else sessionStorage.removeItem(TOKEN_KEY);
+}
+
+function base64url(text) {
+  const bytes = new TextEncoder().encode(text);
+  let binary = "";
+  for (const b of bytes) binary += String.fromCharCode(b);
+  return btoa(binary).replaceAll("+", "-").replaceAll("/", "_").replace(/=+$/, "");
+}
+
+/** The WebSocket subprotocols: ACP's, and the bearer token as `acp-bearer.<base64url>` when one is kept. */
+export function subprotocols() {
+  const token = storedToken();
+  return token ? ["acp.v1", "acp-bearer." + base64url(token)] : ["acp.v1"];
+}
+
+export class Rpc {
+  /**
+   * @param {string} url the ws:// or wss:// URL of /acp
+   * @param {object} hooks onOpen(rpc) after initialize; onNotification(method, params);
+   *   onRequest(method, params) -> Promise of a result; onState(state, detail)
+   */
+  constructor(url, hooks) {
+    this.url = url;
+    this.hooks = hooks;
+    this.nextId = 1;
+    this.pending = new Map();
+    this.ws = null;
+    this.ready = false;
+    this.retryMs = RETRY_MIN_MS;
+    this.initResult = null;
+  }
+
+  connect() {
+    this.hooks.onState?.("connecting");
+    let ws;
+    try {
+      ws = new WebSocket(this.url, subprotocols());
+    } catch (err) {
+      this.scheduleReconnect(String(err));
+      return;
+    }
+    this.ws = ws;
+    ws.onopen = () => {
+      document.body.dataset.subprotocol = ws.protocol; // what the server chose of what was offered
+      this.initialize();
+    };
+    ws.onmessage = (event) => this.receive(event.data);
+    ws.onclose = () => {
+      if (this.ws !== ws) return;
+      this.ready = false;
+      this.ws = null;
+      for (const [, waiter] of this.pending) {
+        waiter.reject(new RpcError({ code: -32000, message: "the connection to the server was lost", data: { errorKind: "connection_lost" } }));
+      }
+      this.pending.clear();
+      this.scheduleReconnect("closed");
+    };
+  }
+
+  scheduleReconnect(detail) {
+    this.hooks.onState?.("closed", detail);
+    const wait = this.retryMs;
+    this.retryMs = Math.min(this.retryMs * 2, RETRY_MAX_MS);
+    setTimeout(() => this.connect(), wait);
+  }
+
+  async initialize() {
+    try {
+      this.initResult = await this.send("initialize", {
+        protocolVersion: 1,
+        clientCapabilities: { fs: { readTextFile: false, writeTextFile: false }, terminal: false },
+        clientInfo: { name: "acp-server-console", version: "1" },
+        _meta: { turnStates: true },
+      });
+    } catch (err) {
+      this.hooks.onState?.(err.kind === "auth_required" ? "token" : "closed", err.message);
+      return;
+    }
+    this.ready = true;
+    this.retryMs = RETRY_MIN_MS;
+    this.hooks.onState?.("open");
+    await this.hooks.onOpen?.(this);
+  }
+
+  /** Send a request; resolves with its result, rejects with an RpcError. */
+  send(method, params) {
+    const ws = this.ws;
+    if (!ws || ws.readyState !== WebSocket.OPEN) {
+      return Promise.reject(new RpcError({ code: -32000, message: "not connected to the server (reconnecting)", data: { errorKind: "connection_lost" } }));
+    }
+    const id = this.nextId++;
+    return new Promise((resolve, reject) => {
+      this.pending.set(id, { resolve, reject });
+      ws.send(JSON.stringify({ jsonrpc: "2.0", id, method, params }));
+    });
+  }
+
+  call(method, params) {
+    return this.send(method, params);
+  }
+
+  notify(method, params) {
+    if (this.ws && this.ws.readyState === WebSocket.OPEN) {
+      this.ws.send(JSON.stringify({ jsonrpc: "2.0", method, params }));
+    }
+  }
+
+  receive(text) {
+    let msg;
+    try {
+      msg = JSON.parse(text);
+    } catch {
+      return;
+    }
+    for (const one of Array.isArray(msg) ? msg : [msg]) this.dispatch(one);
+  }
+
+  dispatch(msg) {
+    if (msg.method !== undefined && msg.id !== undefined) {
+      this.answerRequest(msg);
+    } else if (msg.method !== undefined) {
+      this.hooks.onNotification?.(msg.method, msg.params ?? {});
+    } else if (this.pending.has(msg.id)) {
+      const waiter = this.pending.get(msg.id);
+      this.pending.delete(msg.id);
+      if (msg.error) waiter.reject(new RpcError(msg.error));
+      else waiter.resolve(msg.result);
+    }
+  }
+
+  async answerRequest(msg) {
+    const ws = this.ws;
+    let reply;
+    try {
+      const result = await this.hooks.onRequest(msg.method, msg.params ?? {});
+      reply = { jsonrpc: "2.0", id: msg.id, result };
+    } catch (err) {
+      reply = { jsonrpc: "2.0", id: msg.id, error: { code: err.code ?? -32601, message: String(err.message) } };
+    }
+    if (ws && ws === this.ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify(reply));
+  }
+}

@@ -1,0 +1,67 @@
+"""``_acp_server/stats/subscribe``: one snapshot now, then one a second, until unsubscribe or close."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from acp_server.admission import Limits
+from acp_server.backends import EchoBackend
+from acp_server.statsfeed import SNAPSHOT_METHOD
+
+from .helpers import connect, running_server
+
+
+def prompt_params(session_id: str) -> dict[str, object]:
+    return {"sessionId": session_id, "prompt": [{"type": "text", "text": "hello"}]}
+
+
+def _snapshots(client: object) -> list[dict[str, object]]:
+    return [n["params"] for n in client.notifications if n["method"] == SNAPSHOT_METHOD]  # type: ignore[attr-defined]
+
+
+async def test_subscribe_feeds_snapshots_until_unsubscribe(autojump_clock: trio.testing.MockClock) -> None:
+    limits = Limits(max_pending_prompts_per_session=1)
+    async with running_server(limits, EchoBackend(delay_ms=60_000)) as (server, nursery):
+        await nursery.start(server.stats_feed.run)
+        client = await connect(server, nursery)
+        other = await connect(server, nursery)  # not subscribed: gets nothing
+        assert await client.call("_acp_server/stats/subscribe") == {"intervalMs": 1000}
+        await trio.testing.wait_all_tasks_blocked()
+        first = _snapshots(client)
+        assert len(first) >= 1 and first[0]["connections"]["byTransport"] == {"stream": 2}  # type: ignore[index]
+
+        session_id, _ = await client.new_session()
+        held_id, _held = client.start_request("session/prompt")
+        await client.send({"jsonrpc": "2.0", "id": held_id, "method": "session/prompt", "params": prompt_params(session_id)})
+        refused = await client.call_raw("session/prompt", prompt_params(session_id))
+        assert refused["error"]["data"]["errorKind"] == "prompt_queue_full"
+        count = len(_snapshots(client))
+        await trio.sleep(3.5)
+        later = _snapshots(client)
+        assert len(later) - count == 3 or len(later) - count == 4
+        last = later[-1]
+        assert last["refusals"]["byKind"] == {"prompt_queue_full": 1}  # type: ignore[index]
+        assert last["sessions"] == [  # type: ignore[comparison-overlap]
+            {"sessionId": session_id, "tenant": "default", "pending": 1, "running": True, "attached": 1}
+        ]
+        assert _snapshots(other) == []
+
+        assert await client.call("_acp_server/stats/unsubscribe") == {"subscribed": True}
+        count = len(_snapshots(client))
+        await trio.sleep(3)
+        assert len(_snapshots(client)) == count
+        assert await client.call("_acp_server/stats/unsubscribe") == {"subscribed": False}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_closed_subscriber_is_dropped(autojump_clock: trio.testing.MockClock) -> None:
+    async with running_server() as (server, nursery):
+        await nursery.start(server.stats_feed.run)
+        client = await connect(server, nursery)
+        await client.call("_acp_server/stats/subscribe")
+        assert len(server.stats_feed.subscribers) == 1
+        await client.stream.aclose()
+        await trio.sleep(2)
+        assert server.stats_feed.subscribers == set()
+        nursery.cancel_scope.cancel()

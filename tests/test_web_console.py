@@ -1,0 +1,250 @@
+"""The web console in a real browser (Debian's chromium under Playwright) against a real server.
+
+Each flow drives the page as an operator would and reads what the page shows. Agent-provided markup
+(a message, a tool call title, permission options, an error) must render as text: a script of theirs
+would set ``window.__pwned``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Page, expect, sync_playwright
+
+from tests.web_helpers import ServerProcess, launch
+
+HOSTILE = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2">'
+ECHO_CONFIG = """
+[backends.echo]
+kind = "echo"
+max_active = 1
+max_waiting = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with sync_playwright() as p:
+        b = launch(p)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield pg
+    context.close()
+    assert errors == [], errors
+
+
+def _server(tmp_path: Path, *args: str) -> ServerProcess:
+    config = tmp_path / "acp-server.toml"
+    config.write_text(ECHO_CONFIG)
+    return ServerProcess(tmp_path / "state", ["--config", str(config), *args])
+
+
+@pytest.fixture
+def echo(tmp_path: Path) -> Iterator[ServerProcess]:
+    server = _server(tmp_path, "--echo-delay-ms", "400", "--max-pending-prompts-per-session", "1").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def slow_echo(tmp_path: Path) -> Iterator[ServerProcess]:
+    """Each echo turn takes 4 s: long enough to act on a running prompt."""
+    server = _server(tmp_path, "--echo-delay-ms", "4000", "--max-pending-prompts-per-session", "1").start()
+    yield server
+    server.stop()
+
+
+def _open_sessions(page: Page, server: ServerProcess) -> str:
+    page.goto(server.http_url + "/#sessions")
+    expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+    page.click("#new-session")
+    expect(page.locator("#transcript")).to_have_attribute("data-loaded", "true")
+    return page.inner_text("#chat-title")
+
+
+def _prompt(page: Page, text: str) -> None:
+    page.fill("#prompt-input", text)
+    page.click("#send")
+
+
+def _not_pwned(page: Page) -> None:
+    assert page.evaluate("() => window.__pwned") is None
+    assert page.locator("#transcript img, #notice img").count() == 0
+
+
+def test_console_headers_and_routes(echo: ServerProcess) -> None:
+    r = httpx.get(echo.http_url + "/")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/html")
+    csp = r.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "default-src 'self'" in csp and "unsafe-inline" not in csp
+    assert "connect-src 'self' ws: wss:" in csp
+    js = httpx.get(echo.http_url + "/console/main.js")
+    assert js.headers["content-type"].startswith("text/javascript")
+    assert js.headers["content-security-policy"] == csp
+    assert httpx.get(echo.http_url + "/console/missing.js").status_code == 404
+    assert httpx.post(echo.http_url + "/").status_code == 405
+    assert httpx.get(echo.http_url + "/", headers={"host": "evil.example"}).status_code == 403
+    assert httpx.get(echo.http_url + "/", headers={"origin": "http://evil.example"}).status_code == 403
+
+
+def test_operations_view_reflects_a_load(page: Page, echo: ServerProcess) -> None:
+    page.goto(echo.http_url + "/")
+    expect(page.locator("#transports tr[data-key=ws] td").nth(1)).to_have_text("1")
+    expect(page.locator("#pools tr[data-key=echo] td").first).to_have_text("echo")
+    load = echo.load(6, text="one two three four five")
+    try:
+        expect(page.locator("#n-pending")).not_to_have_text("0", timeout=10_000)
+        expect(page.locator("#pools tr[data-key=echo] td").nth(1)).to_have_text("1")
+        row = page.locator("#refusals tr[data-key=capacity_exceeded]")
+        expect(row).to_be_visible(timeout=10_000)
+        expect(page.locator("#refusal-chart polyline[data-kind=capacity_exceeded]")).to_have_count(1)
+        expect(page.locator("#session-rows tbody tr")).not_to_have_count(0)
+    finally:
+        out, _ = load.communicate(timeout=60)
+    assert "capacity_exceeded" in out and "end_turn" in out
+    expect(row.locator("td").nth(2)).to_have_text(str(out.split().count("capacity_exceeded")))
+    expect(page.locator("#n-pending")).to_have_text("0", timeout=10_000)
+
+
+def test_prompt_streams_the_answer_as_text(page: Page, echo: ServerProcess) -> None:
+    _open_sessions(page, echo)
+    _prompt(page, "hello " + HOSTILE)
+    expect(page.locator("#turn")).to_have_attribute("data-state", "completed", timeout=15_000)
+    agent = page.locator("#transcript .msg.agent")
+    expect(agent).to_have_text("hello " + HOSTILE)
+    seen = (page.get_attribute("#turn", "data-seen") or "").split()
+    assert seen[:2] == ["sent", "accepted"] and "running" in seen and seen[-1] == "completed"
+    _not_pwned(page)
+    # the session is listed, and opening it again renders its replay
+    page.click("#refresh")
+    page.locator("#session-list li").first.click()
+    expect(page.locator("#transcript .msg.user")).to_have_text("hello " + HOSTILE)
+    expect(page.locator("#transcript .msg.agent")).to_have_text("hello " + HOSTILE)
+    _not_pwned(page)
+
+
+def test_cancel_a_slow_prompt(page: Page, slow_echo: ServerProcess) -> None:
+    _open_sessions(page, slow_echo)
+    _prompt(page, "a b c d e f g h i j k l m n o p")
+    expect(page.locator("#turn")).to_have_attribute("data-state", "running", timeout=10_000)
+    page.click("#cancel")
+    expect(page.locator("#turn")).to_have_attribute("data-state", "cancelled", timeout=10_000)
+    expect(page.locator("#send")).to_be_enabled()
+
+
+def test_queue_full_refusal_shows_its_retry_time(page: Page, slow_echo: ServerProcess) -> None:
+    session_id = _open_sessions(page, slow_echo)
+    load = slow_echo.load(1, session=session_id, text="held by another client")
+    try:
+        expect(page.locator("#n-running")).to_have_text("1", timeout=10_000)  # the hidden ops view
+        _prompt(page, "me too")
+        notice = page.locator("#notice")
+        expect(notice).to_have_attribute("data-kind", "prompt_queue_full", timeout=10_000)
+        expect(notice).to_contain_text("Prompt queue full")
+        expect(notice.locator(".retry")).to_contain_text("retry in")
+        expect(page.locator("#turn")).to_have_attribute("data-state", "refused")
+        expect(page.locator("#send")).to_be_enabled()
+    finally:
+        load.communicate(timeout=60)
+
+
+def test_restart_then_prompt_again(page: Page, echo: ServerProcess) -> None:
+    _open_sessions(page, echo)
+    _prompt(page, "before")
+    expect(page.locator("#turn")).to_have_attribute("data-state", "completed", timeout=10_000)
+    echo.restart()
+    expect(page.locator("#conn")).to_have_attribute("data-state", "open", timeout=15_000)
+    expect(page.locator("#transcript")).to_have_attribute("data-loaded", "true")
+    expect(page.locator("#transcript .msg.agent")).to_have_text("before")  # the replay, re-rendered
+    _prompt(page, "after")
+    expect(page.locator("#turn")).to_have_attribute("data-state", "completed", timeout=10_000)
+    expect(page.locator("#transcript .msg.agent").last).to_have_text("after")
+
+
+def test_permission_request_and_hostile_agent_strings(page: Page, tmp_path: Path) -> None:
+    agent = ["--", sys.executable, "-m", "tests.agents.fake_agent", "--ask-permission", "--tool-call", "--hostile"]
+    server = ServerProcess(tmp_path / "state", agent).start()
+    try:
+        _open_sessions(page, server)
+        _prompt(page, "hi")
+        allow = page.locator("#transcript .permission button[data-option-id=allow]")
+        expect(allow).to_have_text("Allow" + HOSTILE, timeout=15_000)
+        expect(page.locator("#turn")).to_have_attribute("data-state", "paused_for_approval")
+        expect(page.locator("#transcript .tool .title")).to_have_text("Read notes.txt" + HOSTILE)
+        allow.click()
+        expect(page.locator("#turn")).to_have_attribute("data-state", "completed", timeout=15_000)
+        expect(page.locator("#transcript .msg.agent").last).to_contain_text("permission:allow")
+        expect(page.locator("#transcript .tool .status")).to_have_text("completed")
+        _prompt(page, "fail now")
+        expect(page.locator("#notice")).to_contain_text("agent failed " + HOSTILE, timeout=15_000)
+        _not_pwned(page)
+    finally:
+        server.stop()
+
+
+def test_a_stale_client_id_heals_once(page: Page, tmp_path: Path) -> None:
+    """The client id expires while the page idles: the next prompt resumes once and goes through."""
+    server = ServerProcess(tmp_path / "state", ["--client-idle-timeout-s", "1"]).start()
+    try:
+        _open_sessions(page, server)
+        page.wait_for_timeout(2500)
+        _prompt(page, "still here")
+        expect(page.locator("#turn")).to_have_attribute("data-state", "completed", timeout=10_000)
+        expect(page.locator("#transcript")).to_have_attribute("data-self-heals", "1")
+        expect(page.locator("#transcript .msg.agent")).to_have_text("still here")
+        expect(page.locator("#notice")).to_be_hidden()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "waiting", "detail"),
+    [
+        ([], "waiting_for_dependency", "waiting for a backend permit"),  # a permit of the echo pool (max_active 1)
+        (["--max-running-prompts", "1"], "queued", "in the waiting room"),  # a policy seat
+    ],
+)
+def test_a_waiting_prompt_shows_why_then_runs(
+    page: Page, tmp_path: Path, flags: list[str], waiting: str, detail: str
+) -> None:
+    """Behind another session's running prompt, this one waits, and the page says so as the server does."""
+    server = _server(tmp_path, "--echo-delay-ms", "3000", *flags).start()
+    try:
+        _open_sessions(page, server)
+        load = server.load(1, text="first in line")
+        try:
+            expect(page.locator("#n-running")).to_have_text("1", timeout=10_000)  # the hidden ops view
+            _prompt(page, "second")
+            expect(page.locator("#turn")).to_have_attribute("data-state", waiting, timeout=10_000)
+            expect(page.locator("#turn-detail")).to_contain_text(detail)
+            expect(page.locator("#turn")).to_have_attribute("data-state", "completed", timeout=15_000)
+        finally:
+            load.communicate(timeout=60)
+        seen = (page.get_attribute("#turn", "data-seen") or "").split()
+        assert seen.index(waiting) < seen.index("running") < seen.index("completed")
+        expect(page.locator("#transcript .msg.agent").last).to_have_text("second")
+    finally:
+        server.stop()
+
+
+def test_a_stored_token_rides_as_a_subprotocol_beside_acp_v1(page: Page, echo: ServerProcess) -> None:
+    page.goto(echo.http_url + "/")
+    expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+    page.evaluate("() => sessionStorage.setItem('acp-server.token', 'a token')")
+    page.reload()
+    expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+    expect(page.locator("body")).to_have_attribute("data-subprotocol", "acp.v1")
