@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
@@ -89,6 +90,17 @@ async def _serve_connections(
     await trio.serve_listeners(connection, [listener], task_status=task_status)
 
 
+def _rest_api(handle_stream: Any, options: HttpOptions) -> Any:
+    """The REST API over the server whose shell ``handle_stream`` is (``None`` for any other stream handler)."""
+    from ...server import Server
+    from .rest import RestApi
+
+    server = getattr(handle_stream, "__self__", None)
+    if not isinstance(server, Server):
+        return None
+    return RestApi(server, max_message_bytes=options.limits.max_message_bytes, workspace=options.workspace)
+
+
 async def serve_http(
     handle_stream: Callable[[trio.abc.Stream, str], Awaitable[None]],
     address: ListenAddress,
@@ -124,7 +136,7 @@ async def serve_http(
         raise OSError(exc.errno, f"cannot listen on http {address}: {exc.strerror or exc}") from exc
     try:
         async with listener, trio.open_nursery() as nursery:
-            app = AcpHttpApp(handle_stream, nursery, rules, options.limits)
+            app = AcpHttpApp(handle_stream, nursery, rules, options.limits, _rest_api(handle_stream, options))
             await nursery.start(_serve_connections, app, _config(options.limits), listener)
             print(f"acp-server: http on {url}", file=sys.stderr, flush=True)
             task_status.started(url)
