@@ -65,7 +65,7 @@ from ...types.acp import (
     NewSessionParams,
     PromptParams,
 )
-from .rest_events import EVENT_TYPES, PermissionBoard, RestChannel, SseSubscriber
+from .rest_events import EVENT_TYPES, PermissionBoard, RestChannel, SseSubscriber, control_event
 from .rules import error_body, header
 
 if TYPE_CHECKING:
@@ -299,7 +299,12 @@ class RestApi:
             await self._json(send, 200, msgspec.to_builtins(result), cors)
         elif parts[0] == "session" and len(parts) == 2:
             need("DELETE")
-            session_handler.close(self._ctx(), CloseSessionParams(session_id=parts[1], meta=self._meta(headers)))
+            meta = self._meta(headers)
+            watching = _subscribers(self.server.bridge.get(parts[1], "default"))
+            session_handler.close(self._ctx(), CloseSessionParams(session_id=parts[1], meta=meta))
+            for sub in watching:
+                sub.push_event(control_event("session_closed", {"sessionId": parts[1], "reason": "closed"}))
+                sub.close()
             await self._json(send, 204, None, cors)
         elif parts[0] == "session" and len(parts) == 3:
             await self._session_route(parts[1], parts[2], method, path, headers, query, receive, send, cors)
@@ -383,6 +388,7 @@ class RestApi:
             sessions = list(bridge.sessions.values()) if hasattr(bridge, "sessions") else []
             out["sessions"] = len(sessions)
             out["activePrompts"] = sum(s.pending_count for s in sessions)
+            out["selfHealResumesTotal"] = bridge.self_heal_resumes
             out["connectedClients"] = len(self.server.connections) + sum(
                 sum(isinstance(p, SseSubscriber) for p in s.attached) for s in sessions
             )
@@ -460,7 +466,7 @@ class RestApi:
         leaves, the session closes, or the subscriber is evicted."""
         bridge = self.server.bridge
         session = bridge.get(session_id, "default")
-        if sum(isinstance(p, SseSubscriber) for p in session.attached) >= MAX_SUBSCRIBERS:
+        if len(_subscribers(session)) >= MAX_SUBSCRIBERS:
             from ...errors import SubscriberLimitExceededError
 
             raise SubscriberLimitExceededError(session_id=session_id, limit=MAX_SUBSCRIBERS, retry_after_ms=1000)
@@ -471,6 +477,10 @@ class RestApi:
                 raise InvalidParamsError(path="Last-Event-ID", detail="must be a non-negative integer event id")
             after = int(last)
         sub = SseSubscriber(session_id)
+        base = sub.frames_queued
+
+        def replayed() -> int:
+            return sub.frames_queued - base
         start = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *cors]
         await send({"type": "http.response.start", "status": 200, "headers": start})
         await send({"type": "http.response.body", "body": b"retry: 3000\n\n", "more_body": True})
@@ -481,13 +491,17 @@ class RestApi:
                 if after is not None:
                     newest = session.next_event_id - 1
                     if after > newest:  # a cursor from another life of the session (or made up)
-                        sub.push_event({"v": 1, "type": "state_resync_required", "_meta": {},
-                                        "data": {"sessionId": session_id, "lastEventId": newest}})
+                        sub.push_event(control_event("state_resync_required", {
+                            "sessionId": session_id, "reason": "epoch_reset", "lastDeliveredId": after,
+                            "earliestAvailableId": 1, "lastEventId": newest,
+                        }))
                         await bridge.replay(session, sub, newest)
                     else:
                         await bridge.replay(session, sub, after)
-                    sub.push_event({"v": 1, "type": "replay_complete", "_meta": {},
-                                    "data": {"sessionId": session_id, "lastEventId": session.next_event_id - 1}})
+                    sub.push_event(control_event("replay_complete", {
+                        "sessionId": session_id, "lastReplayedEventId": sub.last_event_id,
+                        "lastEventId": session.next_event_id - 1, "replayedCount": replayed(),
+                    }))
                 else:
                     await bridge.replay(session, sub, session.next_event_id - 1)
         finally:
@@ -495,6 +509,10 @@ class RestApi:
             bridge.peer_closed(sub)
         with trio.CancelScope(shield=True):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _subscribers(session: Session) -> list[SseSubscriber]:
+    return [p for p in session.attached if isinstance(p, SseSubscriber)]
 
 
 def _created(session: Session, client_id: str, *, attached: bool) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from ...types.acp import ClientCapabilities
 if TYPE_CHECKING:
     from ...bridge import Session
 
-__all__ = ["EVENT_TYPES", "PermissionBoard", "RestChannel", "SseSubscriber", "encode_frame", "envelope"]
+__all__ = ["EVENT_TYPES", "PermissionBoard", "RestChannel", "SseSubscriber", "control_event", "encode_frame", "envelope"]
 
 #: Every event type this server sends on ``GET /session/:id/events``.
 EVENT_TYPES = (
@@ -37,7 +37,6 @@ EVENT_TYPES = (
     "permission_resolved",
     "turn_complete",
     "turn_error",
-    "prompt_cancelled",
     "session_closed",
     "client_evicted",
     "slow_client_warning",
@@ -98,6 +97,11 @@ def envelope(line: bytes) -> dict[str, Any] | None:
     return None
 
 
+def control_event(type: str, data: dict[str, Any]) -> dict[str, Any]:
+    """An envelope without a session event id (replay_complete, state_resync_required, session_closed)."""
+    return _event(type, data)
+
+
 def encode_frame(event: dict[str, Any]) -> bytes:
     """One SSE frame: ``id:`` (only with a session event id), ``event:`` and ``data:``."""
     head = f"id: {event['id']}\n" if "id" in event else ""
@@ -122,6 +126,10 @@ class SseSubscriber:
         self.nbytes = 0
         self.warned = False
         self.evicted = False
+        #: the newest session event id queued for this stream
+        self.last_event_id = 0
+        #: frames queued over the stream's life
+        self.frames_queued = 0
         self._closed = False
         self._ready = trio.Event()
         self._room = trio.Event()
@@ -145,30 +153,37 @@ class SseSubscriber:
         size = self.nbytes + len(frame)
         if frames > self.max_frames or size > self.max_bytes:
             self.evicted = True
-            data = {"sessionId": self.session_id, "reason": "queue_overflow", "queuedFrames": len(self.frames)}
+            data = {"sessionId": self.session_id, "reason": "queue_overflow", "queueSize": len(self.frames),
+                    "maxQueued": self.max_frames, "queuedBytes": self.nbytes, "maxQueuedBytes": self.max_bytes,
+                    "eventBytes": len(frame)}
             self._append(encode_frame(_event("client_evicted", data)))
             self.close()
             return
         self._append(frame)
         if not self.warned and (frames * 4 >= self.max_frames * 3 or size * 4 >= self.max_bytes * 3):
             self.warned = True
-            data = {"sessionId": self.session_id, "queuedFrames": frames, "queuedBytes": size, "maxFrames": self.max_frames}
+            data = {"sessionId": self.session_id, "queueSize": frames, "maxQueued": self.max_frames,
+                    "lastEventId": self.last_event_id, "queuedBytes": size, "maxQueuedBytes": self.max_bytes,
+                    "threshold": "frames" if frames * 4 >= self.max_frames * 3 else "bytes"}
             self._append(encode_frame(_event("slow_client_warning", data)))
 
     def _append(self, frame: bytes) -> None:
+        self.frames_queued += 1
         self.frames.append(frame)
         self.nbytes += len(frame)
         self._ready.set()
 
     def push_event(self, event: dict[str, Any]) -> None:
         """Queue one envelope."""
+        if "id" in event:
+            self.last_event_id = event["id"]
         self.push(encode_frame(event))
 
     def send(self, data: bytes) -> None:
         """The bridge's live fan-out: translate and queue (never waits)."""
         event = envelope(data)
         if event is not None:
-            self.push(encode_frame(event))
+            self.push_event(event)
 
     async def send_reliably(self, data: bytes) -> None:
         """A replayed line: waits while the queue is at half its bound instead of evicting."""
@@ -178,7 +193,7 @@ class SseSubscriber:
         while not self._closed and (len(self.frames) * 2 >= self.max_frames or self.nbytes * 2 >= self.max_bytes):
             self._room = trio.Event()
             await self._room.wait()
-        self.push(encode_frame(event))
+        self.push_event(event)
 
     async def request(self, method: str, params: Any = None) -> Any:
         """A subscriber is never asked directly (permissions go through :class:`RestChannel`)."""
@@ -263,7 +278,7 @@ class RestChannel:
         session_id = self._session.session_id
         request_id, question = self._board.ask(session_id)
         p = params if isinstance(params, dict) else msgspec.to_builtins(params)
-        data = {"requestId": request_id, "sessionId": session_id, "toolCall": p.get("toolCall"), "options": p.get("options", [])}
+        data = {"requestId": request_id, "sessionId": session_id, "toolCall": p.get("toolCall") or {}, "options": p.get("options", [])}
         for sub in subscribers:
             sub.push_event(_event("permission_request", data))
         try:
