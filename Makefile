@@ -8,22 +8,25 @@ LISTEN ?= tcp://127.0.0.1:4170
 HTTP_LISTEN ?= http://127.0.0.1:4171
 PYTEST_ARGS ?=
 
-.PHONY: run test test-full lint schemas bench clean
+.PHONY: run test test-full lint schemas bench bench-instr bench-instr-record clean
 
 $(PY):
+	@echo "acp-server: creating $(VENV) with $(PYTHON) (needs Python >= 3.11 with its venv module)" >&2
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install --upgrade pip
 
 $(STAMP_RUN): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e .
+	@echo "acp-server: installing acp-server and its dependencies into $(VENV) (about a minute the first time)" >&2
+	$(PY) -m pip install -e .
 	touch $@
 
 $(STAMP_DEV): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[dev]'
+	@echo "acp-server: installing acp-server with the dev extras into $(VENV) (a few minutes the first time)" >&2
+	$(PY) -m pip install -e '.[dev]'
 	touch $@ $(STAMP_RUN)
 
 run: $(STAMP_RUN)
-	@echo "acp-server: connect an ACP client to $(LISTEN) (newline-delimited JSON-RPC), e.g. 'nc 127.0.0.1 4170'" >&2
+	@echo "acp-server: serving the echo agent on $(LISTEN); in another terminal of this checkout: $(VENV)/bin/acp-server prompt --connect $(LISTEN) \"hello\" (editors: $(CURDIR)/$(VENV)/bin/acp-server connect $(LISTEN))" >&2
 	@echo "acp-server: ACP over HTTP and WebSocket at $(HTTP_LISTEN)/acp (GET $(HTTP_LISTEN)/health)" >&2
 	$(VENV)/bin/acp-server serve --listen $(LISTEN) --http-listen $(HTTP_LISTEN)
 
@@ -36,6 +39,7 @@ test: $(STAMP_DEV) lint
 
 test-full: $(STAMP_DEV)
 	ACP_SERVER_FULL=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) bench/instr.py
 
 schemas: $(STAMP_DEV)
 	$(PY) -m acp_server.schemagen schemas
@@ -47,6 +51,14 @@ bench: $(STAMP_DEV)
 .PHONY: bench-smoke
 bench-smoke: $(STAMP_DEV)
 	$(PY) bench/run.py --tiny --out bench/results/tiny.json
+
+# Instructions per echo prompt under callgrind (about a minute), against bench/instr_baseline.json:
+# fails above +10%, skips when CPython or valgrind differ from the baseline's. -record re-records it.
+bench-instr: $(STAMP_DEV)
+	$(PY) bench/instr.py
+
+bench-instr-record: $(STAMP_DEV)
+	$(PY) bench/instr.py --record
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,19 +1,18 @@
 """The ``acp-server`` command line.
 
 Exit codes: 0 clean exit, 1 a runtime failure (port in use, a live Unix socket), 2 a bad command line
-(the message names the flag and what it accepts).
+(the message names the flag and what it accepts, under the subcommand's own usage).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import ipaddress
 import logging
 import math
+import pathlib
 import shlex
 import socket
-import sqlite3
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,11 +24,12 @@ import trio
 from . import __version__
 from .admission import Limits
 from .admission.policy import PolicyLimits
+from .auth import cli as auth_cli
+from .auth.binds import RemoteBindError, check_remote_bind
+from .auth.settings import add_serve_flags, settings_from
 from .client import cli as client_cli
-from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config
+from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config, openai_shorthand
 from .server import ListenAddress, ServerConfig, serve
-from .store import StoreVersionError, StoreWriterError, default_state_dir
-from .transports.relay import relay_stdio
 
 __all__ = ["build_parser", "main", "parse_listen", "policy_from"]
 
@@ -88,11 +88,11 @@ def _non_negative_seconds_arg(flag: str, zero: str) -> Callable[[str], float]:
 
 
 def parse_listen(text: str, flag: str = "--listen") -> ListenAddress:
-    """``tcp://HOST:PORT`` (port 0: any free port) or ``unix:/path`` (also ``unix:///path``).
+    """``tcp://HOST:PORT`` or ``tls://HOST:PORT`` (port 0: any free port) or ``unix:/path`` (also ``unix:///path``).
 
     ``flag`` names the flag (or config key) in the error message.
     """
-    accepted = "tcp://HOST:PORT (PORT 0-65535, 0 = any free port) or unix:/absolute/path"
+    accepted = "tcp://HOST:PORT or tls://HOST:PORT (PORT 0-65535, 0 = any free port) or unix:/absolute/path"
     if text.startswith("unix:"):
         path = text[len("unix:") :]
         if path.startswith("//"):
@@ -100,7 +100,7 @@ def parse_listen(text: str, flag: str = "--listen") -> ListenAddress:
         if not path.startswith("/"):
             raise argparse.ArgumentTypeError(f"{flag} {text!r}: a Unix socket needs an absolute path; accepted: {accepted}")
         return ListenAddress("unix", path=path)
-    if text.startswith("tcp://"):
+    if text.startswith(("tcp://", "tls://")):
         parts = urlsplit(text)
         try:
             port = parts.port
@@ -109,7 +109,7 @@ def parse_listen(text: str, flag: str = "--listen") -> ListenAddress:
         host = parts.hostname
         if not host or port is None or parts.path not in ("", "/"):
             raise argparse.ArgumentTypeError(f"{flag} {text!r} is not of the form {accepted}")
-        return ListenAddress("tcp", host=host, port=port)
+        return ListenAddress(parts.scheme, host=host, port=port)
     raise argparse.ArgumentTypeError(f"{flag} {text!r}: unknown scheme; accepted: {accepted}")
 
 
@@ -154,6 +154,34 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser.add_argument("--version", action="version", version=f"acp-server {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     s = sub.add_parser("serve", help="serve ACP over stdio, TCP and Unix sockets", description="Serve ACP clients.")
+    _add_serve_arguments(s)
+    client_cli.add_commands(sub)  # prompt, sessions: after serve, which --help lists first
+    auth_cli.add_commands(sub)  # token
+    c = sub.add_parser(
+        "connect",
+        help="relay stdio to a running acp-server (for editors that spawn their agent)",
+        description="Relay stdin/stdout to a running acp-server, byte for byte, until it closes the connection "
+        "(with --token, an authenticate is sent after the client's initialize and its answer kept back).",
+    )
+    c.add_argument(
+        "url",
+        metavar="URL",
+        help="tcp://HOST:PORT, tls://HOST:PORT, unix:/path, http://HOST:PORT/acp or ws://HOST:PORT/acp of a running acp-server",
+    )
+    auth_cli.add_connect_flags(c)
+    d = sub.add_parser(
+        "doctor",
+        help="check what `serve` with these flags needs: the state directory, agent commands, ports",
+        description="Check the setup `acp-server serve` would use with the same flags (state directory and "
+        "who holds it, the configured agents' commands, the listeners' ports) and say what to do about each "
+        "problem. Exit 0 when all is well, 1 when a check failed.",
+    )
+    _add_serve_arguments(d)
+    return parser, s
+
+
+def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
+    """The flags of ``serve`` (``doctor`` takes the same ones, to check what ``serve`` would use)."""
     s.add_argument("--stdio", action="store_true", help="serve one client on stdin/stdout (logs go to stderr)")
     s.add_argument(
         "--listen",
@@ -161,7 +189,8 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         type=parse_listen,
         default=[],
         metavar="URL",
-        help=f"tcp://HOST:PORT (loopback only; port 0 = any free port) or unix:/path; repeatable "
+        help=f"tcp://HOST:PORT or tls://HOST:PORT (beyond loopback: tls:// with --auth-tokens only; port 0 = "
+        f"any free port) or unix:/path; repeatable "
         f"(default without --stdio: {DEFAULT_LISTEN})",
     )
     s.add_argument(
@@ -235,7 +264,8 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         type=_agent_arg,
         default=[],
         metavar="NAME=CMD",
-        help="an ACP agent backend: NAME and the command that starts it (shell-quoted); repeatable",
+        help="an ACP agent backend: NAME and the command that starts it (shell-quoted), or"
+        " NAME=openai:BASE_URL#MODEL for an OpenAI-compatible endpoint; repeatable",
     )
     s.add_argument(
         "--default-backend",
@@ -250,8 +280,9 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     s.add_argument(
         "--state-dir",
         metavar="DIR",
-        help="where durable sessions live (one SQLite database; one server per directory; default "
-        "$XDG_STATE_HOME/acp-server, else ~/.local/state/acp-server; with --stdio: none unless given)",
+        help="where durable sessions live (one SQLite database; one server per directory; default: one "
+        "directory per --listen set and --config file under $XDG_STATE_HOME/acp-server, else "
+        "~/.local/state/acp-server, e.g. .../tcp-127.0.0.1-4170; with --stdio: none unless given)",
     )
     s.add_argument(
         "--ephemeral", action="store_true", help="keep sessions in memory only: nothing is written to disk"
@@ -271,8 +302,17 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="sockets of every listener together; a later connection is sent _acp_server/evicted "
         "(too_many_connections) and closed (default: the fd limit less an eighth, at least 64, of head-room)",
     )
+    s.add_argument(
+        "--turn-states",
+        type=_on_off("--turn-states"),
+        default=None,  # None: not given, so the config file's turn_states stands
+        metavar="on|off",
+        help="send _acp_server/turn_state notifications to clients that do not say (initialize "
+        "_meta.turnStates overrides it per connection; default on)",
+    )
     _add_policy_flags(s)
     _add_http_flags(s)
+    add_serve_flags(s)
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="stderr log level (default warning)")
     s.add_argument(
         "agent_command",
@@ -280,14 +320,6 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="-- CMD ARGS",
         help="after --: one ACP agent command, served as the backend named 'agent' (and the default)",
     )
-    client_cli.add_commands(sub)  # prompt, sessions: after serve, which --help lists first
-    c = sub.add_parser(
-        "connect",
-        help="relay stdio to a running acp-server (for editors that spawn their agent)",
-        description="Relay stdin/stdout to a running acp-server, byte for byte, until it closes the connection.",
-    )
-    c.add_argument("url", metavar="URL", help="tcp://HOST:PORT, unix:/path, http://HOST:PORT/acp or ws://HOST:PORT/acp of a running acp-server")
-    return parser, s
 
 
 def _add_policy_flags(s: argparse.ArgumentParser) -> None:
@@ -434,6 +466,16 @@ def http_from(
     return listen, HttpOptions(limits=limits, allow_origins=frozenset(origins))
 
 
+def _on_off(flag: str) -> Callable[[str], bool]:
+    def parse(text: str) -> bool:
+        value = {"on": True, "off": False}.get(text.strip().lower())
+        if value is None:
+            raise argparse.ArgumentTypeError(f"{flag} must be on or off; got {text!r}")
+        return value
+
+    return parse
+
+
 def _agent_arg(text: str) -> tuple[str, list[str]]:
     name, sep, command = text.partition("=")
     if not sep or not name or not command.strip():
@@ -493,7 +535,7 @@ def metrics_from(
     if tenant_labels and address is None:
         parser.error("--metrics-tenant-labels needs --metrics-listen (or [metrics] listen in --config)")
     if address is not None:
-        _check_loopback(parser, address, "--metrics-listen")
+        _check_loopback(parser, address, "--metrics-listen", tokens=bool(getattr(args, "auth_tokens", None)))
     return address, tenant_labels
 
 
@@ -508,7 +550,15 @@ def backends_from(
     default = file_config.default_backend or "echo"
     for name, command in args.agent:
         base = backends.get(name)
-        if base is not None and base.kind == "acp":
+        try:
+            shorthand = openai_shorthand(command)
+        except ConfigError as exc:
+            parser.error(str(exc))
+        if shorthand is not None and base is not None and base.kind == "openai":
+            backends[name] = msgspec.structs.replace(base, base_url=shorthand.base_url, model=shorthand.model)
+        elif shorthand is not None:
+            backends[name] = shorthand
+        elif base is not None and base.kind == "acp":
             backends[name] = msgspec.structs.replace(base, command=command)
         else:
             backends[name] = BackendConfig(kind="acp", command=command)
@@ -531,38 +581,79 @@ def backends_from(
     return backends, default
 
 
-def _check_loopback(parser: argparse.ArgumentParser, addr: ListenAddress, flag: str = "--listen") -> None:
+def _check_loopback(
+    parser: argparse.ArgumentParser, addr: ListenAddress, flag: str = "--listen", *, tokens: bool = False
+) -> None:
+    """Refuse a bind beyond loopback unless the listener speaks TLS and tokens are on (exit 2)."""
     try:
         infos = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         parser.error(f"{flag} {addr}: cannot resolve {addr.host!r}: {exc.strerror}")
-    for info in infos:
-        ip = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
-        if not ip.is_loopback:
-            parser.error(
-                f"{flag} {addr}: {ip} is not a loopback address; acp-server has no authentication yet, "
-                "so it only listens on loopback (127.0.0.1, ::1, localhost) or Unix sockets"
-            )
+    try:
+        check_remote_bind(flag, str(addr), [str(i[4][0]) for i in infos], tls=addr.kind == "tls", tokens=tokens)
+    except RemoteBindError as exc:
+        parser.error(str(exc))
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse, naming a stray flag under its subcommand's own usage (``serve --bogus`` shows serve's)."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser, serve_parser = _build()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if args.command in client_cli.COMMANDS:
         return client_cli.run(args)
+    if args.command in auth_cli.COMMANDS:
+        return auth_cli.run(args)
     if args.command == "connect":
-        return _connect(args.url)
+        return _connect(args.url, args.token, args.ca_file)
+    if args.command == "doctor":
+        from .doctor import run_doctor  # only the doctor needs it
+
+        doctor_parser = _subparser(parser, "doctor")
+        return run_doctor(server_config(args, doctor_parser), args)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    config = server_config(args, serve_parser)
+    if config.state_dir is not None and args.state_dir is None:
+        from .statedir import adopt_legacy  # the store loads only when a state directory is used
+
+        moved = adopt_legacy(pathlib.Path(config.state_dir))
+        if moved is not None:
+            print(f"acp-server: {moved}", file=sys.stderr, flush=True)
+    tune_gc()
+    try:
+        trio.run(serve, config)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:
+        failure = _os_error(exc)
+        if failure is None:
+            raise
+        print(f"acp-server: {failure.strerror or failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub: argparse.ArgumentParser = subparsers.choices.get(name, parser)
+    return sub
+
+
+def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> ServerConfig:
+    """What ``serve`` runs with these parsed flags (bad values exit 2 through ``serve_parser``)."""
     listen = list(args.listen)
     if not args.stdio and not listen:
         listen = [parse_listen(DEFAULT_LISTEN)]
-    for addr in listen:
-        if addr.kind == "tcp":
-            _check_loopback(serve_parser, addr)
     limits = Limits(
         max_pending_prompts_per_session=args.max_pending_prompts_per_session,
         prompt_deadline_ms=args.prompt_deadline_ms,
@@ -578,13 +669,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         serve_parser.error("--ephemeral and --state-dir exclude each other: choose memory only or a directory")
     state_dir: str | None = args.state_dir
     if state_dir is None and not args.ephemeral and not args.stdio:
-        state_dir = str(default_state_dir())  # stdio alone is one editor window's own process: ephemeral
+        # One directory per address set (and config file); stdio alone is one editor window's own
+        # process: ephemeral.
+        from .statedir import keyed_state_dir
+
+        state_dir = str(keyed_state_dir(listen, args.config))
     file_config = _file_config(args, serve_parser)
+    auth = settings_from(
+        args, serve_parser, file_config.auth, file_config.tls, tls_listeners=any(a.kind == "tls" for a in listen)
+    )
+    for addr in listen:
+        if addr.kind in ("tcp", "tls"):
+            _check_loopback(serve_parser, addr, tokens=auth.tokens is not None)
     backends, default_backend = backends_from(args, serve_parser, file_config)
     policy = policy_from(args, serve_parser, file_config)
     metrics_listen, metrics_tenant_labels = metrics_from(args, serve_parser, file_config)
     http_listen, http_options = http_from(args, serve_parser, file_config)
-    config = ServerConfig(
+    return ServerConfig(
         stdio=args.stdio,
         listen=listen,
         echo_delay_ms=args.echo_delay_ms or 0,
@@ -598,19 +699,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         http_listen=http_listen,
         http=http_options,
         max_connections=args.max_connections if args.max_connections is not None else file_config.max_connections or 0,
+        turn_states=args.turn_states if args.turn_states is not None else file_config.turn_states,
+        auth=auth,
     )
-    tune_gc()
-    try:
-        trio.run(serve, config)
-    except KeyboardInterrupt:
-        return 0
-    except Exception as exc:
-        failure = _os_error(exc)
-        if failure is None:
-            raise
-        print(f"acp-server: {failure.strerror or failure}", file=sys.stderr)
-        return 1
-    return 0
 
 
 #: Allocations between young-generation collections for a serving process (CPython's default is 700).
@@ -636,14 +727,20 @@ def _os_error(exc: BaseException) -> OSError | None:
     """
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
-    if isinstance(exc, StoreVersionError | StoreWriterError | sqlite3.DatabaseError):
-        return OSError(str(exc))
+    sqlite3 = sys.modules.get("sqlite3")  # loaded only with a state directory: without one, no store error
+    if sqlite3 is not None:
+        from .store import StoreVersionError, StoreWriterError
+
+        if isinstance(exc, StoreVersionError | StoreWriterError | sqlite3.DatabaseError):
+            return OSError(str(exc))
     return exc if isinstance(exc, OSError) else None
 
 
-def _connect(url: str) -> int:
+def _connect(url: str, token: str | None = None, ca_file: str | None = None) -> int:
+    from .transports.relay import relay_stdio
+
     try:
-        trio.run(relay_stdio, url)
+        trio.run(relay_stdio, url, token, ca_file)
     except KeyboardInterrupt:
         return 0
     except (OSError, ValueError) as exc:

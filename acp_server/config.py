@@ -2,6 +2,7 @@
 
     default_backend = "claude"
     max_connections = 1000            # sockets of every listener together (0: from the fd limit)
+    turn_states = true                # _acp_server/turn_state for clients that do not say (--turn-states)
 
     [backends.claude]
     command = ["claude-code-acp"]     # program and arguments
@@ -13,6 +14,20 @@
     [backends.echo]
     kind = "echo"
     delay_ms = 0
+
+    [backends.local]                  # an OpenAI-compatible chat-completions endpoint
+    kind = "openai"
+    base_url = "http://127.0.0.1:8000/v1"
+    model = "my-model"
+    api_key_env = "OPENAI_API_KEY"    # the variable holding the key (never the key itself)
+    max_active = 2
+    request_timeout_s = 300           # the longest silence: connect, first byte, between bytes
+    max_attempts = 3                  # HTTP attempts per model call
+    system_prompt = "You are a careful coding assistant."
+    extra_body = { temperature = 0.2 }
+    context_tokens = 32768            # the window: older turns are left out beyond it
+    images = false                    # the model takes image parts
+    max_tool_rounds = 16              # model calls per prompt
 
     [admission]                       # the admission policy; every limit off unless set
     max_running_prompts = 20          # prompts running at once across the server (0: no limit)
@@ -28,6 +43,16 @@
     listen = "tcp://127.0.0.1:9464"   # GET /metrics (Prometheus)
     tenant_labels = false
 
+    [auth]
+    tokens = "/etc/acp-server/tokens.toml"   # mode 0600; see acp-server token add
+    audit_log = "/var/log/acp-server/audit.log"
+    rate_limit_rps = 20               # per token, bursts of 40
+
+    [tls]
+    cert = "/etc/acp-server/cert.pem"
+    key = "/etc/acp-server/key.pem"
+    handshake_timeout_s = 5
+
     [http]                            # ACP over HTTP and WebSocket at /acp, GET /health
     listen = ["http://127.0.0.1:4171"]
     max_connections = 256             # /acp connections and WebSockets at once
@@ -40,7 +65,6 @@ An unknown key or a bad value is a :class:`ConfigError` naming the key (``backen
 from __future__ import annotations
 
 import re
-import tomllib
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -50,12 +74,15 @@ from .types.base import validation_location
 
 __all__ = [
     "AdmissionConfig",
+    "AuthConfig",
     "BackendConfig",
     "ConfigError",
     "FileConfig",
     "HttpConfig",
     "MetricsConfig",
+    "TlsConfig",
     "load_config",
+    "openai_shorthand",
     "parse_config",
 ]
 
@@ -69,13 +96,44 @@ class ConfigError(ValueError):
 class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One ``[backends.NAME]`` table."""
 
-    kind: Literal["acp", "echo"] = "acp"
+    kind: Literal["acp", "echo", "openai"] = "acp"
     command: list[str] | None = None
     env: dict[str, str] = msgspec.field(default_factory=dict)
     cwd: str | None = None
     max_active: int | None = None
     max_waiting: int | None = None
     delay_ms: int = 0
+    # kind = "openai" only
+    base_url: str | None = None
+    model: str | None = None
+    api_key_env: str | None = None
+    request_timeout_s: float = 300.0
+    max_attempts: int = 3
+    system_prompt: str | None = None
+    extra_body: dict[str, Any] = msgspec.field(default_factory=dict)
+    context_tokens: int | None = None
+    images: bool = False
+    max_tool_rounds: int = 16
+
+
+_OPENAI_ONLY = ("base_url", "model", "api_key_env", "system_prompt", "context_tokens")
+_OPENAI_PREFIX = "openai:"
+
+
+def openai_shorthand(argv: list[str]) -> BackendConfig | None:
+    """The backend of ``--agent NAME=openai:BASE_URL#MODEL`` (``argv`` the split command), else ``None``.
+
+    The key is read from ``OPENAI_API_KEY`` when it is set; without it no key is sent.
+
+    Raises:
+        ConfigError: it starts with ``openai:`` but names no URL or no model.
+    """
+    if len(argv) != 1 or not argv[0].startswith(_OPENAI_PREFIX):
+        return None
+    url, sep, model = argv[0][len(_OPENAI_PREFIX) :].rpartition("#")
+    if not sep or not url or not model:
+        raise ConfigError(f"--agent: {argv[0]!r}: write openai:BASE_URL#MODEL (e.g. openai:http://127.0.0.1:8000/v1#my-model)")
+    return BackendConfig(kind="openai", base_url=url, model=model, api_key_env="OPENAI_API_KEY")
 
 
 class AdmissionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -107,6 +165,22 @@ class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tenant_labels: bool | None = None
 
 
+class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``[auth]`` table: ``--auth-tokens``, ``--audit-log``, ``--rate-limit-rps``."""
+
+    tokens: str | None = None
+    audit_log: str | None = None
+    rate_limit_rps: float | None = None
+
+
+class TlsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``[tls]`` table: ``--tls-cert``, ``--tls-key``, ``--tls-handshake-timeout-s``."""
+
+    cert: str | None = None
+    key: str | None = None
+    handshake_timeout_s: float | None = None
+
+
 class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The ``[http]`` table: the ``/acp`` listeners (``None``/empty: not in the file)."""
 
@@ -120,9 +194,12 @@ class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_backend: str | None = None
     #: ``--max-connections`` (0: from the fd limit)
     max_connections: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    turn_states: bool = True
     backends: dict[str, BackendConfig] = msgspec.field(default_factory=dict)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
 
 
@@ -145,7 +222,13 @@ def check_backend(name: str, cfg: BackendConfig) -> BackendConfig:
         if not cfg.command:
             raise ConfigError(f"{key}.command: required for an ACP agent (a list: program and arguments)")
     elif cfg.command is not None:
-        raise ConfigError(f"{key}.command: not used by kind = \"echo\"")
+        raise ConfigError(f"{key}.command: not used by kind = \"{cfg.kind}\"")
+    if cfg.kind == "openai":
+        _check_openai(key, cfg)
+    else:
+        for field in _OPENAI_ONLY:
+            if getattr(cfg, field) is not None:
+                raise ConfigError(f"{key}.{field}: only used by kind = \"openai\"")
     for field in ("max_active", "max_waiting", "delay_ms"):
         value = getattr(cfg, field)
         if value is not None and value < 0:
@@ -157,12 +240,34 @@ def check_backend(name: str, cfg: BackendConfig) -> BackendConfig:
     return cfg
 
 
+def _check_openai(key: str, cfg: BackendConfig) -> None:
+    for field in ("base_url", "model"):
+        if not getattr(cfg, field):
+            raise ConfigError(f"{key}.{field}: required for kind = \"openai\"")
+    assert cfg.base_url is not None
+    if not cfg.base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"{key}.base_url: must be an http:// or https:// URL; got {cfg.base_url!r}")
+    if cfg.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.api_key_env):
+        raise ConfigError(f"{key}.api_key_env: the name of an environment variable (the key itself never goes in the file)")
+    if not cfg.request_timeout_s > 0:
+        raise ConfigError(f"{key}.request_timeout_s: must be a positive number of seconds; got {cfg.request_timeout_s}")
+    for field in ("max_attempts", "max_tool_rounds", "context_tokens"):
+        value = getattr(cfg, field)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}.{field}: must be at least 1; got {value}")
+    for field in ("stream", "messages", "model"):
+        if field in cfg.extra_body:
+            raise ConfigError(f"{key}.extra_body.{field}: set by the backend itself; leave it out")
+
+
 def parse_config(text: str, source: str = "config") -> FileConfig:
     """Parse and check a TOML configuration.
 
     Raises:
         ConfigError: TOML syntax, an unknown key, a value of the wrong type or out of range.
     """
+    import tomllib  # only when a file is read: serving without --config never needs it
+
     try:
         raw: dict[str, Any] = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -23,12 +23,14 @@ schemas agree. Blame is split as in h11: the peer's fault, overload, and our own
     │   ├── PromptQueueFullError            -32001 prompt_queue_full
     │   ├── CapacityExceededError           -32005 capacity_exceeded
     │   ├── AdmissionDeferredError          -32010 admission_deferred (tenant at its seat cap)
-    │   └── CapacityUnavailableError        -32011 capacity_unavailable (admission policy refused)
+    │   ├── CapacityUnavailableError        -32011 capacity_unavailable (admission policy refused)
+    │   └── RateLimitedError                -32014 rate_limited (--rate-limit-rps, or failed authentications)
     ├── PromptDeadlineExceededError         -32004 prompt_deadline_exceeded
     ├── SessionLimitExceededError           -32009 session_limit_exceeded (--max-sessions live sessions)
     ├── BackendError                        the agent behind a session failed or refused
     │   ├── BackendUnavailableError         -32007 backend_unavailable
     │   ├── AuthRequiredError               -32000 auth_required
+    │   │   └── TokenRequiredError                     (the gateway's own: authenticate acp-server-token)
     │   └── AgentError                      -32012 agent_error (the agent's own error, wrapped)
     ├── HttpError                           HTTP-only refusals of /acp (the body, never JSON-RPC)
     │   ├── RouteNotFoundError              -32600 route_not_found (404)
@@ -91,11 +93,13 @@ __all__ = [
     "ParseError",
     "PromptDeadlineExceededError",
     "PromptQueueFullError",
+    "RateLimitedError",
     "RemoteProtocolError",
     "RequestCancelledError",
     "SessionLimitExceededError",
     "SessionNotFoundError",
     "SessionStateError",
+    "TokenRequiredError",
 ]
 
 #: The retry hint sent with ``prompt_queue_full``: long enough for a few echo-sized turns to drain.
@@ -268,6 +272,13 @@ class CapacityUnavailableError(OverloadError):
     data_type = data.CapacityUnavailableData
 
 
+class RateLimitedError(OverloadError):
+    code = -32014
+    kind = "rate_limited"
+    template = "Rate limited ({reason}); retry after {retry_after_ms} ms"
+    data_type = data.RateLimitedData
+
+
 class PromptDeadlineExceededError(AcpError):
     code = -32004
     kind = "prompt_deadline_exceeded"
@@ -290,8 +301,19 @@ class BackendUnavailableError(BackendError):
     code = -32007
     kind = "backend_unavailable"
     template = 'Backend "{backend_id}" is unavailable ({reason}, exit code {exit_code})'
+    #: the message of a model endpoint's failure (``attempts`` given instead of ``exit_code``)
+    model_template: ClassVar[str] = 'Backend "{backend_id}" is unavailable ({reason} after {attempts} attempt(s){more})'
     retryable = True
     data_type = data.BackendUnavailableData
+
+    def __init__(self, **fields: Any) -> None:
+        if "attempts" not in fields:
+            super().__init__(**fields)
+            return
+        self.payload = self.data = self.data_type(**fields)
+        status, detail = fields.get("status"), fields.get("detail")
+        more = (f", last status {status}" if status is not None else "") + (f": {detail}" if detail else "")
+        self.message = self.model_template.format(more=more, **fields)
 
 
 class AuthRequiredError(BackendError):
@@ -299,6 +321,16 @@ class AuthRequiredError(BackendError):
     kind = "auth_required"
     template = 'Backend "{backend_id}" requires authentication; call "authenticate" first'
     data_type = data.AuthRequiredData
+
+
+class TokenRequiredError(AuthRequiredError):
+    """``auth_required`` from the gateway itself: the connection has not proved a token yet.
+
+    The same kind and code as the agent's (``data.methodId`` and ``data.detail`` instead of
+    ``data.backendId``); every failed ``authenticate`` gets this same error.
+    """
+
+    template = 'This server requires a token; call "authenticate" with methodId "{method_id}" ({detail})'
 
 
 class AgentError(BackendError):

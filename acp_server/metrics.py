@@ -153,6 +153,25 @@ class _SnapshotCollector:
             "evictionsTotal",
         )
         yield from self._refusals(_table(self.snapshot, "refusals"))
+        yield from self._backends(_table(self.snapshot, "backends"))
+
+    def _backends(self, backends: Mapping[str, Any]) -> Iterable[Metric]:
+        for name, key, doc in (
+            ("model_requests", "modelRequestsTotal", "HTTP attempts made to each model endpoint"),
+            ("model_retries", "modelRetriesTotal", "Attempts a model endpoint's failure made the backend repeat"),
+            ("model_failures", "modelFailuresTotal", "Model calls that failed after their last attempt"),
+            ("model_dropped_turns", "droppedTurnsTotal", "Old turns left out of requests to fit the model's window"),
+        ):
+            yield _labelled(CounterMetricFamily, name, doc, "backend", backends, key)
+        tokens = CounterMetricFamily(
+            _P + "model_tokens", "Tokens the model endpoints reported, by kind (prompt, completion)",
+            labels=["backend", "kind"],
+        )
+        for backend, row in backends.items():
+            for kind, key in (("prompt", "promptTokensTotal"), ("completion", "completionTokensTotal")):
+                if (value := _num(row, key)) is not None:
+                    tokens.add_metric([backend, kind], value)
+        yield tokens
 
     def _admission(self, adm: Mapping[str, Any]) -> Iterable[Metric]:
         info = InfoMetricFamily(

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -21,19 +21,25 @@ from . import __version__
 from .admission import Limits
 from .admission.policy import PolicyEngine, PolicyLimits
 from .admission.pool import CapacityManager, PoolLimits
+from .auth.gate import Authenticator, PeerInfo, describe_stream
+from .auth.settings import AuthSettings
+from .auth.tls import tls_handler
 from .backends import Backend, EchoBackend
 from .backends.registry import build_backends
 from .bridge import SessionBridge
 from .config import BackendConfig
 from .errors import AcpError
 from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
+from .handlers.gate import credentials_upkeep, gated
 from .jsonrpc import Dispatcher
 from .signals import ShutdownSignals, shutdown_signals
-from .store import SessionStore
 from .transports import ConnectionGate, ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
 from .transports.address import ListenAddress
 from .transports.timing import LatencyHistogram
 from .types.ext import LimitsCapability
+
+if TYPE_CHECKING:
+    from .store import SessionStore
 
 __all__ = ["ListenAddress", "Server", "ServerConfig", "serve"]
 
@@ -68,6 +74,10 @@ class ServerConfig:
     http: Any = None
     #: sockets of every listener together (0: from the fd limit, see ``default_max_connections``)
     max_connections: int = 0
+    #: send ``_acp_server/turn_state`` to connections whose ``initialize`` does not say (``--turn-states``)
+    turn_states: bool = True
+    #: tokens, audit log, rate limit and TLS (``None``: none of them)
+    auth: AuthSettings | None = None
 
 
 class Server:
@@ -77,6 +87,8 @@ class Server:
         limits: every bound of this instance.
         backend: the agent behind the bridge (default: the echo agent).
         store: the durable store, already opened (default: none, every session in memory only).
+        turn_states: whether a connection gets turn states when its ``initialize`` does not say.
+        auth: the token checks of ``--auth-tokens`` (default: none; every connection is the owner's).
     """
 
     version = __version__
@@ -90,8 +102,13 @@ class Server:
         capacity: CapacityManager | None = None,
         store: SessionStore | None = None,
         policy: PolicyLimits | None = None,
+        turn_states: bool = True,
+        auth: Authenticator | None = None,
     ) -> None:
         self.limits = limits or Limits()
+        self.turn_states = turn_states
+        #: the token checks (``None``: no tokens configured, every connection is the owner's)
+        self.auth = auth
         self.policy = PolicyEngine(policy)
         stored, prompt_seq = store.open() if store is not None else ({}, 0)
         self.store = store
@@ -105,7 +122,10 @@ class Server:
             prompt_seq=prompt_seq,
             policy=self.policy,
         )
-        self.dispatcher = Dispatcher(REQUESTS, NOTIFICATIONS)
+        if auth is None:
+            self.dispatcher = Dispatcher(REQUESTS, NOTIFICATIONS)
+        else:
+            self.dispatcher = Dispatcher(gated(REQUESTS), gated(NOTIFICATIONS))
         self.connections: set[ConnectionShell] = set()
         self._running = 0
         self._all_done = trio.Event()
@@ -128,6 +148,8 @@ class Server:
             "admission": msgspec.to_builtins(self.policy.statistics()),
             "connections": {"open": len(self.connections), "evictionsTotal": self.evictions},
             "refusals": self.refusal_latency.snapshot(),
+            # backends that count their own work (a model endpoint: requests, retries, tokens)
+            "backends": {n: b.statistics() for n, b in bridge.backends.items() if hasattr(b, "statistics")},
         }
 
     def limits_capability(self) -> LimitsCapability:
@@ -149,13 +171,30 @@ class Server:
         self.connections.discard(shell)
         self.bridge.peer_closed(shell)
 
-    async def handle_stream(self, stream: trio.abc.Stream, name: str = "connection") -> None:
-        """Serve one connection until it ends (its failures stay its own)."""
+    def _context(self, shell: ConnectionShell, info: PeerInfo | None) -> ConnContext:
+        ctx = ConnContext(self, shell)
+        if info is not None:  # tokens are configured: only the owner's transports skip them
+            ctx.peer_info = info
+            if not info.trusted:
+                ctx.identity = None
+        return ctx
+
+    async def handle_stream(self, stream: trio.abc.Stream, name: str = "connection", *, trusted: bool = False) -> None:
+        """Serve one connection until it ends (its failures stay its own).
+
+        ``trusted``: the stream is the owner's (stdio) whatever it looks like; Unix sockets are found
+        out by themselves. With tokens configured, every other peer must prove one.
+        """
         lim = self.limits
+        info = None
+        if self.auth is not None:
+            info = describe_stream(stream)
+            if trusted:
+                info = PeerInfo("stdio", trusted=True)
         shell = ConnectionShell(
             stream,
             self.dispatcher,
-            lambda sh: ConnContext(self, sh),
+            lambda sh: self._context(sh, info),
             max_message_bytes=lim.max_message_bytes,
             max_outbound_bytes=lim.outbound_bytes,
             max_inflight_requests=lim.max_inflight_requests,
@@ -200,7 +239,15 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
     capacity = CapacityManager(
         {name: PoolLimits(max_active=c.max_active, max_waiting=c.max_waiting) for name, c in configs.items()}
     )
-    store = SessionStore(config.state_dir) if config.state_dir is not None else None
+    store = None
+    if config.state_dir is not None:
+        from .store import SessionStore  # sqlite3 and the writer load only with a state directory
+
+        store = SessionStore(config.state_dir)
+    settings = config.auth or AuthSettings()
+    auth = None
+    if settings.tokens is not None:
+        auth = Authenticator(settings.tokens, audit=settings.audit, rate_limit_rps=settings.rate_limit_rps)
     server = Server(
         config.limits,
         backends,
@@ -208,6 +255,8 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         capacity=capacity,
         store=store,
         policy=config.policy,
+        turn_states=config.turn_states,
+        auth=auth,
     )
     with shutdown_signals() as signals:
         try:
@@ -224,6 +273,7 @@ async def _serve(
     signals: ShutdownSignals,
     task_status: trio.TaskStatus[Server],
 ) -> None:
+    tls = config.auth.tls if config.auth is not None else None
     async with trio.open_nursery() as nursery:
         for backend in backends.values():
             run = getattr(backend, "run", None)
@@ -244,12 +294,20 @@ async def _serve(
                     if addr.kind == "tcp":
                         tcp = partial(serve_tcp, host=addr.host, gate=gate)
                         bound = await listeners.start(tcp, server.handle_stream, addr.port)
+                    elif addr.kind == "tls":
+                        assert tls is not None  # the command line checked it
+                        handler = tls_handler(server.handle_stream, tls, f"tls {addr}")
+                        tcp = partial(serve_tcp, host=addr.host, gate=gate)
+                        bound = await listeners.start(tcp, handler, addr.port)
                     else:
                         bound = await listeners.start(partial(serve_unix, gate=gate), server.handle_stream, addr.path)
                 except OSError as exc:
                     raise OSError(exc.errno, f"cannot listen on {addr}: {exc.strerror or exc}") from exc
                 for listener in bound:
-                    print(f"acp-server: listening on {listener_url(listener)}", file=sys.stderr, flush=True)
+                    url = listener_url(listener)
+                    if addr.kind == "tls":
+                        url = "tls" + url.removeprefix("tcp")
+                    print(f"acp-server: listening on {url}", file=sys.stderr, flush=True)
             if config.metrics_listen is not None:
                 from .metrics import serve_metrics  # hypercorn and prometheus_client load only when asked
 
@@ -276,7 +334,7 @@ async def _serve(
                     await listeners.start(serve_http, server.handle_stream, addr, options)
 
             async def stdio_then_exit() -> None:
-                await server.handle_stream(stdio_stream(), "stdio")
+                await server.handle_stream(stdio_stream(), "stdio", trusted=True)
                 if not config.listen:
                     log.info("stdin closed and no listeners: exiting")
                     listeners.cancel_scope.cancel()
@@ -294,5 +352,7 @@ async def _serve(
                 listeners.cancel_scope.cancel()
 
             listeners.start_soon(on_signals)
+            if server.auth is not None or tls is not None:
+                listeners.start_soon(credentials_upkeep, server, tls)
             task_status.started(server)
         nursery.cancel_scope.cancel()

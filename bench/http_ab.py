@@ -152,6 +152,18 @@ async def _one(target: str, url: str, pid: int, sizes: HttpSizes, run: Run) -> N
     )
 
 
+def _wait_accepting(port: int) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise BenchError(f"nothing accepts on 127.0.0.1:{port}") from None
+            time.sleep(0.05)
+
+
 def run_http(sizes: HttpSizes) -> tuple[dict[str, Run], dict[str, str]]:
     """Every round over the four targets; per target its totals, and the server commands."""
     ours_argv = [
@@ -167,7 +179,7 @@ def run_http(sizes: HttpSizes) -> tuple[dict[str, Run], dict[str, str]]:
                                           Path(ours.log.name).read_bytes()))
         ports = {m.group(1): int(m.group(2)) for m in ours.found}
         sdk = _Process(sdk_argv, rb"listening")
-        time.sleep(0.5)  # hypercorn binds after the line
+        _wait_accepting(sdk_port)  # the SDK's server prints before hypercorn binds
         try:
             urls = {
                 "ours_sse": f"http://127.0.0.1:{ports[b'http on http']}/acp",

@@ -7,7 +7,9 @@ Scenarios (``--only NAME``, repeatable; all by default):
 3. ``overload``: 3x the prompts the pending limit admits (clients honouring ``retryAfterMs``, and
    clients re-sending at once), against 1x; the cost of a refusal, server-side and round trip.
 4. ``scale``: RSS per idle session at 10,000 sessions; 1,000 connections prompting at once.
-5. ``http``: the SDK client over our ``/acp`` (HTTP+SSE, WebSocket) and our TCP listener, and over the
+5. ``openai``: the ``openai`` backend against a scripted model server answering at once: server CPU
+   per prompt and per streamed token, latency added to the first chunk, cancel to stream closed.
+6. ``http``: the SDK client over our ``/acp`` (HTTP+SSE, WebSocket) and our TCP listener, and over the
    SDK's own remote server (``acp.http`` under hypercorn): server CPU per echo prompt and prompts/s.
 
 Prints a Markdown table (each figure with the command that reproduces it) and writes JSON to
@@ -34,12 +36,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from openai_bench import OpenAISizes, run_openai
 from procfs import cpu_source, percentile
 from http_ab import HttpSizes, run_http
 from sdk_ab import AbSizes, Totals, run_ab
 from servers import BENCH, BenchError, TcpServer, acp_server_argv, sdk_echo_argv, server_flags, shell_command
+from startup import median_ms, startup_runs
 
-SCENARIOS = ("sdk", "pipelined", "overload", "scale", "http")
+SCENARIOS = ("sdk", "pipelined", "overload", "scale", "openai", "http")
 DEFAULT_OUT = BENCH / "results" / "latest.json"
 TEXT = "the quick brown fox jumps over the lazy dog"
 #: Trivial requests in flight: enough that the server never waits for the client between batches.
@@ -57,6 +61,7 @@ class Sizes:
     refusal_round_trips: int
     idle_sessions: int
     connections: int
+    startup_runs: int = 1  # fresh processes per start-up figure (the median is reported)
     http: HttpSizes = HttpSizes(rounds=3, warmup=30, prompts=300, text=TEXT)
 
 
@@ -71,6 +76,7 @@ FULL = Sizes(
     refusal_round_trips=2000,
     idle_sessions=10_000,
     connections=1000,
+    startup_runs=11,
 )
 TINY = Sizes(
     ab=AbSizes(rounds=1, warmup=2, sequential=10, sessions=8, per_session=2, text=TEXT),
@@ -206,6 +212,7 @@ def scenario_sdk(report: Report, sizes: Sizes) -> None:
         report.add(
             "sdk", f"{label}: server CPU per prompt", "µs", cpu_o, sdk=cpu_s, goal="<= 1/3 of SDK", met=met
         )
+    scenario_startup(report, sizes, raw)
     report.scenarios["sdk"] = raw
     words = len(ab.text.split())
     report.notes.append(
@@ -218,7 +225,7 @@ def scenario_sdk(report: Report, sizes: Sizes) -> None:
 def scenario_http(report: Report, sizes: Sizes) -> None:
     """ACP's remote transport: our /acp (SSE, WebSocket) and TCP, and the SDK's own remote server."""
     hs = sizes.http
-    progress(f"5: SDK client -> our /acp (SSE, WS), our TCP, the SDK's acp.http server; {hs.rounds} rounds")
+    progress(f"6: SDK client -> our /acp (SSE, WS), our TCP, the SDK's acp.http server; {hs.rounds} rounds")
     runs, commands = run_http(hs)
     per = {
         name: {
@@ -238,10 +245,47 @@ def scenario_http(report: Report, sizes: Sizes) -> None:
     report.add("http", "/acp WebSocket: server CPU per prompt", "µs", ws, goal="<= 1.5x our TCP", met=ws <= 1.5 * tcp)
     report.add("http", "/acp HTTP+SSE: server CPU per prompt", "µs", sse, sdk=sdk, goal="<= 1/2 of SDK", met=sse <= sdk / 2)
     report.notes.append(
-        f"Scenario 5: the SDK's own clients (create_http_stream, create_websocket_stream, and its stdio "
+        f"Scenario 6: the SDK's own clients (create_http_stream, create_websocket_stream, and its stdio "
         f"connection over a TCP socket) send {hs.prompts} sequential echo prompts of {len(hs.text.split())} words "
         "per run; the SDK column is the SDK's acp.http server (create_asgi_app under hypercorn) serving "
         "its echo agent to the same HTTP client. CPU is the server process's own, from /proc."
+    )
+
+
+def scenario_startup(report: Report, sizes: Sizes, raw: dict[str, Any]) -> None:
+    """Spawn to the answer of ``initialize`` on stdio, ours and the SDK agent's; ``acp-server --help``."""
+    ours = [*acp_server_argv(), "serve", "--stdio"]
+    helps = [*acp_server_argv(), "--help"]
+    bare = [sys.executable, "-c", "pass"]
+    progress(f"1: start-up, {sizes.startup_runs} alternating spawn(s) each")
+    timed = startup_runs({"ours": ours, "sdk": sdk_echo_argv()}, {"help": helps, "python": bare}, sizes.startup_runs)
+    medians = {name: median_ms([wall for wall, _ in values]) for name, values in timed.items()}
+    cpu = {name: median_ms([c for _, c in values]) for name, values in timed.items()}
+    raw["startup"] = {
+        "commands": {"ours": shell_command(ours), "sdk": shell_command(sdk_echo_argv()), "help": shell_command(helps),
+                     "python": shell_command(bare)},
+        "runs_ms": {name: [round(wall * 1000, 1) for wall, _ in values] for name, values in timed.items()},
+        "cpu_runs_ms": {name: [round(c * 1000, 1) for _, c in values] for name, values in timed.items()},
+        "median_ms": medians,
+        "cpu_median_ms": cpu,
+    }
+    sdk = medians["sdk"]
+    report.add(
+        "sdk", "start-up: spawn to the answer of initialize, stdio (median)", "ms", medians["ours"], sdk=sdk,
+        goal="<= 1/3 of SDK", met=medians["ours"] <= sdk / 3,
+    )
+    report.add(
+        "sdk", "start-up: acp-server --help, spawn to exit (SDK column: its agent's initialize)", "ms",
+        medians["help"], sdk=sdk, goal="<= 1/3 of SDK", met=medians["help"] <= sdk / 3,
+    )
+    report.add(
+        "sdk", "start-up: CPU used by the answer of initialize, stdio (median)", "ms", cpu["ours"], sdk=cpu["sdk"]
+    )
+    report.notes.append(
+        f"Scenario 1, start-up: the median of {sizes.startup_runs} fresh process(es) each, alternating, after one "
+        "untimed run each; initialize is written at once and the clock stops when its answer's line is read "
+        "(the CPU row: what the process had used by then, steadier on a busy machine). "
+        f"The interpreter alone (python -c pass) took {medians['python']:.0f} ms."
     )
 
 
@@ -522,11 +566,42 @@ def scenario_scale(report: Report, sizes: Sizes) -> None:
     report.add("scale", "RSS per open connection", "bytes", conns["rss_per_connection_bytes"])
 
 
+# --- scenario 5 ----------------------------------------------------------------------------------
+
+
+def scenario_openai(report: Report, sizes: Sizes) -> None:
+    counts = OpenAISizes(prompts=10, tokens=50, cancels=5, latency_prompts=5, warmup=2) if report.tiny else (
+        OpenAISizes(prompts=200, tokens=200, cancels=50, latency_prompts=100, warmup=20)
+    )
+    progress(f"5: {counts.prompts} prompts of {counts.tokens} deltas, {counts.cancels} cancels on the openai backend")
+    raw = run_openai(counts)
+    report.scenarios["openai"] = raw
+    report.add("openai", f"server CPU per prompt ({counts.tokens} streamed deltas)", "us", raw["cpu_per_prompt_us"])
+    report.add("openai", f"server CPU per prompt ({counts.tokens // 10} streamed deltas)", "us",
+               raw["cpu_per_short_prompt_us"])
+    report.add("openai", "server CPU per streamed token (marginal: the difference of the two)", "us",
+               raw["cpu_per_token_us"])
+    added = raw["first_chunk_added_ms_p50"]
+    report.add(
+        "openai", "first agent_message_chunk after the model's first byte, p50", "ms", added,
+        goal="<= 2 ms", met=added <= 2.0,
+    )
+    report.add("openai", "first agent_message_chunk after the model's first byte, p99", "ms",
+               raw["first_chunk_added_ms_p99"])
+    closed = raw["cancel_to_close_ms_p50"]
+    report.add(
+        "openai", "session/cancel to the model stream closed, p50", "ms", closed,
+        goal="<= 100 ms", met=closed <= 100.0,
+    )
+    report.add("openai", "session/cancel to the model stream closed, max", "ms", raw["cancel_to_close_ms_max"])
+
+
 RUNNERS: dict[str, Callable[[Report, Sizes], None]] = {
     "sdk": scenario_sdk,
     "pipelined": scenario_pipelined,
     "overload": scenario_overload,
     "scale": scenario_scale,
+    "openai": scenario_openai,
     "http": scenario_http,
 }
 

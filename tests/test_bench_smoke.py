@@ -35,9 +35,9 @@ def test_bench_tiny_prints_the_table_and_writes_json(tmp_path: pathlib.Path) -> 
     assert set(report) == {"meta", "figures", "scenarios", "skipped", "notes", "errors"}
     assert report["errors"] == {}
     assert report["meta"]["tiny"] is True
-    assert set(report["scenarios"]) == {"sdk", "pipelined", "overload", "scale", "http"}
+    assert set(report["scenarios"]) == {"sdk", "pipelined", "overload", "scale", "openai", "http"}
     figures = report["figures"]
-    assert {f["scenario"] for f in figures} == {"1", "2", "3", "4", "5"}
+    assert {f["scenario"] for f in figures} == {"1", "2", "3", "4", "5", "6"}
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == len(figures)
     for figure, row in zip(figures, rows, strict=True):

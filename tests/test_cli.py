@@ -64,7 +64,10 @@ def help_flags() -> set[str]:
 
 
 def readme_flags() -> set[str]:
-    rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `--")]
+    """The flags in the table of the README's ``acp-server serve`` section (other commands have their own)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## `acp-server serve`\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `--")]
     return {found[0] for row in rows if (found := _FLAG.findall(row))}
 
 

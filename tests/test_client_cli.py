@@ -8,6 +8,7 @@ The commands run through ``acp_server.client.cli.main`` (the lead mounts them on
 from __future__ import annotations
 
 import argparse
+import json
 import queue
 import re
 import signal
@@ -78,16 +79,26 @@ def test_prompt_with_a_stale_client_id_self_heals(url: str) -> None:
     assert run.stderr.splitlines()[-1] == "acp-server: stop end_turn"
 
 
-def test_sessions_lists_the_servers_sessions(url: str) -> None:
-    """``sessions`` prints one line per session: id, cwd, last update."""
+def test_sessions_lists_the_servers_sessions_as_a_table(url: str) -> None:
+    """``sessions`` prints a table with a header (id, title, cwd, updated, pending), one row per session;
+    ``--json`` one object per session; nothing in another cwd (and a line on stderr saying so)."""
     made = run_cli("prompt", "--connect", url, "--new", "--cwd", "/tmp", "listed")
     ((session_id, _),) = session_lines(made.stderr)
     run = run_cli("sessions", "--connect", url)
     assert run.returncode == 0, run.stderr
-    rows = {line.split("\t")[0]: line.split("\t") for line in run.stdout.splitlines()}
-    assert rows[session_id][1] == "/tmp"
+    header, *lines = run.stdout.splitlines()
+    assert header.split() == ["ID", "TITLE", "CWD", "UPDATED", "PENDING"]
+    rows = {line.split()[0]: line.split() for line in lines}
+    assert rows[session_id][1:3] == ["-", "/tmp"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT[\d:.]+Z", rows[session_id][3])
+    assert rows[session_id][4] == "0"
+    assert header.index("CWD") == lines[0].index("/tmp")  # columns line up
+    as_json = run_cli("sessions", "--connect", url, "--json")
+    listed = {d["sessionId"]: d for d in map(json.loads, as_json.stdout.splitlines())}
+    assert listed[session_id]["cwd"] == "/tmp" and listed[session_id]["_meta"] == {"pendingCount": 0}
     only_elsewhere = run_cli("sessions", "--connect", url, "--cwd", "/nowhere")
     assert only_elsewhere.returncode == 0 and only_elsewhere.stdout == ""
+    assert only_elsewhere.stderr == f"acp-server: no sessions in /nowhere at {url}\n"
 
 
 def test_connection_refused_exits_1() -> None:
@@ -102,7 +113,7 @@ def test_bad_url_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         client_cli.main(["prompt", "--connect", "ftp://x", "hi"])
     assert info.value.code == 2
-    accepted = "tcp://HOST:PORT, unix:/absolute/path, http://HOST:PORT/acp or ws://HOST:PORT/acp"
+    accepted = "tcp://HOST:PORT, tls://HOST:PORT, unix:/absolute/path, http://HOST:PORT/acp or ws://HOST:PORT/acp"
     assert f"--connect 'ftp://x': unknown scheme; accepted: {accepted}" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         client_cli.main(["prompt", "--connect", "http://x", "hi"])  # an HTTP endpoint needs its path

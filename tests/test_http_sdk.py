@@ -176,7 +176,9 @@ async def _close_at_exit(client: RawClient) -> None:
 async def test_sigterm_with_open_streams_cancels_and_exits_0() -> None:
     """SIGTERM while an SSE peer's prompt runs and a WebSocket is open: the prompt answers
     ``cancelled`` on its stream, the streams end, the WebSocket closes, and the process exits 0."""
-    with ServerProcess("--ephemeral", "--http-listen", "http://127.0.0.1:0", "--echo-delay-ms", "5000") as server:
+    with ServerProcess(
+        "--ephemeral", "--listen", "tcp://127.0.0.1:0", "--http-listen", "http://127.0.0.1:0", "--echo-delay-ms", "5000"
+    ) as server:
         url = await trio.to_thread.run_sync(wait_http, server)
         with trio.fail_after(TIMEOUT_S):
             async with trio.open_nursery() as nursery, http_peer(url, nursery) as peer:

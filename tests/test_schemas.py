@@ -51,6 +51,7 @@ EXPECTED_CODES = {
     "admission_deferred": -32010,
     "capacity_unavailable": -32011,
     "agent_error": -32012,
+    "rate_limited": -32014,
     # HTTP-only refusals of /acp (bodies of non-2xx answers, never JSON-RPC errors)
     "route_not_found": -32600,
     "method_not_allowed": -32600,

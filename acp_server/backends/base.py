@@ -15,7 +15,7 @@ Errors a backend raises are :class:`~acp_server.errors.AcpError` subclasses (``b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import trio
@@ -29,6 +29,7 @@ __all__ = [
     "ClientChannel",
     "ClientRequestError",
     "ClientGoneError",
+    "PermitControl",
     "SessionSetup",
     "Turn",
 ]
@@ -65,6 +66,34 @@ class ClientGoneError(Exception):
     :class:`~acp_server.client.ConnectionLostError`, which is about its own connection to the server)."""
 
 
+class PermitControl(Protocol):
+    """The backend pool's permit of a running prompt, for a backend that calls its dependency more than
+    once per prompt (a model endpoint: retries, tool rounds) and must not hold the permit in between.
+
+    The bridge takes the permit before :meth:`Backend.prompt` and releases whatever is still held
+    after it; a backend may release it meanwhile and take it again (FIFO behind other prompts) before
+    its next call. :class:`~acp_server.admission.pool.Lease` is one.
+    """
+
+    @property
+    def holds_permit(self) -> bool:
+        """True while the permit is held."""
+        ...
+
+    def release_permit(self) -> None:
+        """Give the permit back (to the oldest waiter, if any)."""
+        ...
+
+    async def acquire_permit(self) -> None:
+        """Take the permit again, waiting in FIFO order."""
+        ...
+
+
+#: the transcript of a session before the running prompt: ``(None, update)`` for each ``session/update``
+#: payload, ``(method, params)`` for each extension notification kept (the terminal turn states)
+TranscriptEntry = tuple[str | None, Any]
+
+
 class SessionSetup:
     """What a backend returns when it opens a session: modes and extra result fields to pass on."""
 
@@ -92,9 +121,17 @@ class Turn:
             to every attached client; updates emitted after the prompt settled are dropped.
         client: the prompt's sender, for relaying the agent's requests; ``None`` once it is gone.
         meta: the request's ``_meta`` without our own keys (passed through to an agent).
+        permit: the backend pool's permit, ``None`` when the backend has no pool.
+        deadline: when the prompt's deadline passes on trio's clock (``None``: it has none).
+        transcript: returns the session's transcript before this prompt (read back from the store
+            when it is not in memory); ``None`` when the bridge keeps none.
+        result_meta: keys a backend adds to the result's ``_meta`` (usage, context trimming).
     """
 
-    __slots__ = ("client", "emit", "meta", "prompt", "prompt_id", "session_id")
+    __slots__ = (
+        "client", "deadline", "emit", "meta", "permit", "prompt", "prompt_id", "result_meta", "session_id",
+        "transcript",
+    )
 
     def __init__(
         self,
@@ -104,6 +141,10 @@ class Turn:
         emit: Callable[[Any], None],
         client: ClientChannel | None = None,
         meta: dict[str, Any] | None = None,
+        *,
+        permit: PermitControl | None = None,
+        deadline: float | None = None,
+        transcript: Callable[[], Awaitable[list[TranscriptEntry]]] | None = None,
     ) -> None:
         self.session_id = session_id
         self.prompt_id = prompt_id
@@ -111,6 +152,10 @@ class Turn:
         self.emit = emit
         self.client = client
         self.meta = meta
+        self.permit = permit
+        self.deadline = deadline
+        self.transcript = transcript
+        self.result_meta: dict[str, Any] = {}
 
 
 @runtime_checkable

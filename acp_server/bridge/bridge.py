@@ -24,7 +24,7 @@ import collections
 import hashlib
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -44,7 +44,7 @@ from ..errors import (
     RequestCancelledError,
     SessionNotFoundError,
 )
-from ..store import SessionStore, StoredSession
+from ..store import StoredSession
 from ..types.acp import ContentBlock
 from .clients import ClientRegistry
 from .fanout import CommitFanOut, FanOut
@@ -53,6 +53,9 @@ from .runner import SessionRunner
 from .session import ForkTicket, Peer, PromptTicket, Session
 from .sessions import SessionTable
 from .settlement import PromptWaiter, Settlement
+
+if TYPE_CHECKING:
+    from ..store import SessionStore
 
 __all__ = ["BridgeStatistics", "PromptWaiter", "SessionBridge"]
 

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from ..store import SessionStore, StoredEvent, StoredSession
+from ..store import StoredEvent, StoredSession
 from .clients import now_ms
 from .session import PromptTicket, Session
+
+if TYPE_CHECKING:
+    from ..store import SessionStore
 
 __all__ = ["NullPersistence", "Persistence", "StorePersistence"]
 

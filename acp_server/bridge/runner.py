@@ -240,6 +240,9 @@ class SessionRunner:
             partial(self._emit_for, ticket),
             _TurnChannel(fanout, channel, ticket) if channel is not None else None,
             ticket.meta,
+            permit=ticket.lease,
+            deadline=ticket.deadline if ticket.deadline_ms else None,
+            transcript=partial(self._table.transcript, session, session.next_event_id - 1),
         )
         lease = ticket.lease
         result: PromptResult | None = None
@@ -255,7 +258,7 @@ class SessionRunner:
                 stop_reason = await session.backend.prompt(turn)
             finally:
                 ticket.call_scope = None  # the call is over: settling now abandons nothing
-            result = PromptResult(stop_reason=stop_reason, meta={"promptId": ticket.prompt_id})
+            result = PromptResult(stop_reason=stop_reason, meta={**turn.result_meta, "promptId": ticket.prompt_id})
         except AcpError as exc:
             result, error = None, exc
         except trio.Cancelled:

@@ -12,12 +12,13 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 import trio
 
 from ..admission.limits import Limits
-from ..backends.base import Backend
+from ..backends.base import Backend, TranscriptEntry
 from ..errors import SessionLimitExceededError
-from ..store import StoredSession
+from ..store import TURN_STATE, StoredEvent, StoredSession
 from .clients import now_ms
 from .fanout import FanOut
 from .persistence import Persistence
@@ -114,3 +115,20 @@ class SessionTable:
         if session.stored_upto == upto:  # not merged by a concurrent load meanwhile
             session.history[:0] = [(e.event_id, e if e.method is not None else e.body) for e in events]
             session.stored_upto = 0
+
+    async def transcript(self, session: Session, upto: int) -> list[TranscriptEntry]:
+        """The session's transcript up to event ``upto``, decoded: ``(None, update)`` for each
+        ``session/update`` payload, ``(method, params)`` for each extension notification kept (a
+        backend that keeps a conversation rebuilds it from this after a restart or a fork)."""
+        await self.load_transcript(session)
+        out: list[TranscriptEntry] = []
+        for event_id, entry in session.history:
+            if event_id > upto:
+                break
+            if isinstance(entry, StoredEvent):
+                out.append((entry.method or TURN_STATE, msgspec.json.decode(entry.body)))
+            elif isinstance(entry, bytes | msgspec.Raw):
+                out.append((None, msgspec.json.decode(entry)))
+            else:
+                out.append((None, msgspec.to_builtins(entry)))
+        return out

@@ -1,6 +1,7 @@
 """The client: :func:`connect` to a server, typed methods for the ACP calls and our extensions.
 
-Targets: ``tcp://HOST:PORT``, ``unix:/path``, a command to spawn and speak to over its stdin/stdout
+Targets: ``tcp://HOST:PORT``, ``tls://HOST:PORT`` (verified against the system trust store or
+``ca_file``), ``unix:/path``, a command to spawn and speak to over its stdin/stdout
 (a list of strings, e.g. ``["acp-server", "serve", "--stdio"]``), or any connected trio stream
 (in-process use and tests).
 """
@@ -20,6 +21,8 @@ import msgspec
 import trio
 
 from .. import __version__
+from ..auth import TOKEN_METHOD_ID
+from ..auth.tls import open_tls_stream
 from ..errors import MethodNotFoundError
 from ..types.acp import PROTOCOL_VERSION, ListSessionsResult, SessionInfo
 from .connection import RpcConnection
@@ -39,13 +42,14 @@ Target = str | Sequence[str] | trio.abc.Stream
 
 
 def parse_url(url: str) -> tuple[str, str, int]:
-    """``tcp://HOST:PORT`` -> ``("tcp", host, port)``; ``unix:/path`` (or ``unix:///path``) -> ``("unix", path, 0)``;
-    ``http://HOST:PORT/acp`` and ``ws://HOST:PORT/acp`` (ACP's remote transport) -> ``("http"|"ws", url, port)``.
+    """``tcp://HOST:PORT`` -> ``("tcp", host, port)`` (``tls://`` -> ``("tls", host, port)``); ``unix:/path``
+    (or ``unix:///path``) -> ``("unix", path, 0)``; ``http://HOST:PORT/acp`` and ``ws://HOST:PORT/acp``
+    (ACP's remote transport) -> ``("http"|"ws", url, port)``.
 
     Raises:
         ValueError: any other form (the message says what is accepted).
     """
-    accepted = "tcp://HOST:PORT, unix:/absolute/path, http://HOST:PORT/acp or ws://HOST:PORT/acp"
+    accepted = "tcp://HOST:PORT, tls://HOST:PORT, unix:/absolute/path, http://HOST:PORT/acp or ws://HOST:PORT/acp"
     if url.startswith(("http://", "ws://")):
         parts = urlsplit(url)
         try:
@@ -62,7 +66,7 @@ def parse_url(url: str) -> tuple[str, str, int]:
         if not path.startswith("/"):
             raise ValueError(f"{url!r}: a Unix socket needs an absolute path; accepted: {accepted}")
         return "unix", path, 0
-    if url.startswith("tcp://"):
+    if url.startswith(("tcp://", "tls://")):
         parts = urlsplit(url)
         try:
             port = parts.port
@@ -70,7 +74,7 @@ def parse_url(url: str) -> tuple[str, str, int]:
             port = None
         if not parts.hostname or port is None or parts.path not in ("", "/"):
             raise ValueError(f"{url!r} is not of the form {accepted}")
-        return "tcp", parts.hostname, port
+        return parts.scheme, parts.hostname, port
     raise ValueError(f"{url!r}: unknown scheme; accepted: {accepted}")
 
 
@@ -112,11 +116,14 @@ class Client:
         on_self_heal: Callable[[str | None, str], None] | None = None,
         client_info: Mapping[str, Any] | None = None,
         tenant_id: str | None = None,
+        turn_states: bool | None = None,
     ) -> None:
         if tenant_id is not None and (not isinstance(tenant_id, str) or not tenant_id):
             raise ValueError(f"tenant_id must be a non-empty string or None; got {tenant_id!r}")
         #: the tenant named at ``initialize`` (``_meta.tenantId``); ``None``: the server's ``default``
         self.tenant_id = tenant_id
+        #: ``initialize`` ``_meta.turnStates`` (``None``: not sent, the server's ``--turn-states`` decides)
+        self.turn_states = turn_states
         self.connection = connection
         self.init_result: dict[str, Any] = {}
         self.limits: dict[str, Any] | None = None
@@ -154,8 +161,13 @@ class Client:
             "clientCapabilities": self.connection.hooks.capabilities(),
             "clientInfo": self._client_info,
         }
+        asked: dict[str, Any] = {}
         if self.tenant_id is not None:
-            params["_meta"] = {"tenantId": self.tenant_id}
+            asked["tenantId"] = self.tenant_id
+        if self.turn_states is not None:
+            asked["turnStates"] = self.turn_states
+        if asked:
+            params["_meta"] = asked
         result = await self.connection.call("initialize", params)
         if not isinstance(result, dict):
             raise ProtocolError(f"the initialize result is not an object: {result!r}")
@@ -304,7 +316,7 @@ class Client:
 
 
 @asynccontextmanager
-async def _open_stream(target: Target) -> AsyncIterator[trio.abc.Stream]:
+async def _open_stream(target: Target, ca_file: str | None = None) -> AsyncIterator[trio.abc.Stream]:
     if isinstance(target, trio.abc.Stream):
         stream: trio.abc.Stream = target
         try:
@@ -323,6 +335,8 @@ async def _open_stream(target: Target) -> AsyncIterator[trio.abc.Stream]:
             return
         if kind == "tcp":
             stream = await trio.open_tcp_stream(where, port)
+        elif kind == "tls":
+            stream = await open_tls_stream(where, port, ca_file)
         else:
             stream = await trio.open_unix_socket(where)
         async with _open_stream(stream) as opened:
@@ -368,11 +382,15 @@ async def connect(
     max_buffered_updates: int = 10_000,
     initialize: bool = True,
     tenant_id: str | None = None,
+    turn_states: bool | None = None,
+    token: str | None = None,
+    ca_file: str | None = None,
 ) -> AsyncIterator[Client]:
     """Connect to a server and ``initialize``; the connection closes when the block ends.
 
     Args:
-        target: ``tcp://HOST:PORT``, ``unix:/path``, a command (list of strings) or a trio stream.
+        target: ``tcp://HOST:PORT``, ``tls://HOST:PORT``, ``unix:/path``, a command (list of strings)
+            or a trio stream.
         hooks: answers to the server's requests (default: permission ``cancelled``, fs refused).
         max_pending_prompts: the local pending-prompt limit per session; ``None`` (default) takes the
             server's ``maxPendingPromptsPerSession``, ``0`` disables it.
@@ -383,14 +401,21 @@ async def connect(
         initialize: send ``initialize`` before handing the client out.
         tenant_id: the tenant this connection acts for (``initialize`` ``_meta.tenantId``); sessions
             belong to their tenant, and the server's admission policy caps and shares seats by it.
+        turn_states: ask for ``_acp_server/turn_state`` notifications (``True``) or not (``False``) at
+            ``initialize``; ``None`` (default) leaves it to the server's ``--turn-states``.
+        token: the secret of an ``acp-server token``: after ``initialize``, ``authenticate`` with
+            ``acp-server-token`` (a wrong one raises the server's ``auth_required``).
+        ca_file: PEM file of the CAs a ``tls://`` server's certificate is checked against (default:
+            the system trust store).
 
     Raises:
         ValueError, TypeError: a bad argument (a limit negative or fractional, a malformed URL).
-        OSError: the connection could not be made.
+        OSError: the connection could not be made (``ConnectionError`` naming the fix when the
+            server's certificate is not trusted).
     """
     if max_pending_prompts is not None:
         check_prompt_limit(max_pending_prompts, "max_pending_prompts")
-    async with _open_stream(target) as stream:
+    async with _open_stream(target, ca_file) as stream:
         conn = RpcConnection(
             stream, hooks=hooks or Hooks(), max_message_bytes=max_message_bytes, max_buffered_updates=max_buffered_updates
         )
@@ -400,6 +425,7 @@ async def connect(
             on_self_heal=on_self_heal,
             client_info=client_info,
             tenant_id=tenant_id,
+            turn_states=turn_states,
         )
         raised: BaseException | None = None
         try:
@@ -408,6 +434,8 @@ async def connect(
                 try:
                     if initialize:
                         await client.initialize()
+                        if token is not None:
+                            await client.authenticate(TOKEN_METHOD_ID, {"token": token})
                     yield client
                 except BaseException as exc:
                     raised = exc

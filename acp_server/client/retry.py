@@ -91,6 +91,7 @@ async def retrying(
     deadline: float = math.inf,
     idempotency_key: str | None = None,
     sleep: Callable[[float], Awaitable[None]] = trio.sleep,
+    on_retry: Callable[[ClientError, int, float], None] | None = None,
 ) -> T:
     """Run ``attempt`` until it succeeds, fails for good, runs out of attempts or of time.
 
@@ -101,6 +102,7 @@ async def retrying(
             ``trio.move_on_after``/``fail_after``) counts too, whichever is earlier.
         idempotency_key: the key every attempt carries (default: a fresh one).
         sleep: how to wait between attempts (a caller may make the wait interruptible).
+        on_retry: ``on_retry(error, next_attempt, wait_s)`` before each wait (to tell a person).
 
     Returns:
         The first successful attempt's result.
@@ -123,5 +125,7 @@ async def retrying(
             effective = min(deadline, trio.current_effective_deadline())
             if trio.current_time() + wait >= effective:
                 raise  # waiting would use up the budget: give up now, with the last error
+            if on_retry is not None:
+                on_retry(exc, number + 1, wait)
         await sleep(wait)
         number += 1

@@ -308,6 +308,7 @@ class PromptCall:
     Attributes:
         idempotency_key: carried by every attempt as ``_meta.idempotencyKey``.
         attempts: ``session/prompt`` requests sent so far.
+        on_retry: ``on_retry(error, next_attempt, wait_s)`` before each wait between attempts.
     """
 
     def __init__(
@@ -333,6 +334,7 @@ class PromptCall:
         self._started = False
         self._inflight: Call | None = None
         self._waits: set[trio.CancelScope] = set()
+        self.on_retry: Callable[[ClientError, int, float], None] | None = None
 
     @property
     def cancelled(self) -> bool:
@@ -362,7 +364,12 @@ class PromptCall:
         self._check_cancelled()
         deadline = math.inf if self._budget_s is None else trio.current_time() + self._budget_s
         return await retrying(
-            self._attempt, self._retry, deadline=deadline, idempotency_key=self.idempotency_key, sleep=self._sleep
+            self._attempt,
+            self._retry,
+            deadline=deadline,
+            idempotency_key=self.idempotency_key,
+            sleep=self._sleep,
+            on_retry=self.on_retry,
         )
 
     def _check_cancelled(self) -> None:

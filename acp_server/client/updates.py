@@ -132,6 +132,15 @@ class UpdateStream:
         self._buf.clear()
         return out
 
+    async def wait_buffered(self) -> None:
+        """Wait until an update is buffered or the stream is closed, without taking it (a reader that
+        shows updates in order with other events drains them itself, with no checkpoint in between)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while not self._buf and not self._closed:
+            if self._wake.is_set():
+                self._wake = trio.Event()
+            await self._wake.wait()
+
     async def receive(self) -> Update:
         """Wait for the next update.
 

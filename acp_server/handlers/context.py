@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ..auth.gate import PeerInfo
+from ..auth.tokens import OWNER, Identity
 from ..backends.base import ClientGoneError, ClientRequestError
 from ..jsonrpc import HandlerContext
 from ..types.acp import ClientCapabilities
@@ -28,9 +30,24 @@ class ConnContext(HandlerContext):
         tenant: the tenant named at ``initialize`` (``default`` when none): the sessions it may see.
         cancelled: set by the shell while running the synchronous part of a request that
             ``$/cancel_request`` already cancelled (only for methods that see cancels).
+        identity: who the connection proved to be (``None``: a token is still to be proved; the owner's
+            identity on Unix sockets, stdio, and every connection when no tokens are configured).
+        peer_info: the transport and address the connection came from.
+        tenant_named: the ``_meta.tenantId`` ``initialize`` named (``None``: none).
     """
 
-    __slots__ = ("cancelled", "client_capabilities", "client_info", "initialized", "peer", "server", "tenant")
+    __slots__ = (
+        "cancelled",
+        "client_capabilities",
+        "client_info",
+        "identity",
+        "initialized",
+        "peer",
+        "peer_info",
+        "server",
+        "tenant",
+        "tenant_named",
+    )
 
     def __init__(self, server: Server, peer: Peer) -> None:
         self.server = server
@@ -41,6 +58,9 @@ class ConnContext(HandlerContext):
         self.client_info: Any = None
         #: the tenant this connection acts for (``initialize`` ``_meta.tenantId``); sessions are per tenant
         self.tenant = "default"
+        self.tenant_named: str | None = None
+        self.identity: Identity | None = OWNER
+        self.peer_info = PeerInfo("stream", trusted=True)
 
     @property
     def bridge(self) -> SessionBridge:

@@ -153,6 +153,7 @@ def list_sessions(ctx: ConnContext, params: ListSessionsParams) -> ListSessionsR
             cwd=s.cwd,
             title=s.title,
             updated_at=datetime.datetime.fromtimestamp(s.updated_ms / 1000, datetime.UTC).isoformat(),
+            meta={"pendingCount": getattr(s, "pending_count", 0)},  # a stored (unloaded) session runs nothing
         )
         for s in page
     ]

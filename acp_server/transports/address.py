@@ -9,7 +9,7 @@ __all__ = ["ListenAddress"]
 
 @dataclass(frozen=True)
 class ListenAddress:
-    """Where to listen: ``kind`` is ``"tcp"`` (host, port) or ``"unix"`` (path)."""
+    """Where to listen: ``kind`` is ``"tcp"`` or ``"tls"`` (host, port) or ``"unix"`` (path)."""
 
     kind: str
     host: str = ""
@@ -20,4 +20,4 @@ class ListenAddress:
         if self.kind == "unix":
             return f"unix:{self.path}"
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
+        return f"{self.kind}://{host}:{self.port}"

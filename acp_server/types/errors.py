@@ -43,6 +43,7 @@ __all__ = [
     "ParseErrorData",
     "PromptDeadlineExceededData",
     "PromptQueueFullData",
+    "RateLimitedData",
     "RequestCancelledData",
     "SessionLimitExceededData",
     "SessionNotFoundData",
@@ -149,16 +150,36 @@ class IdempotencyKeyConflictData(ErrorData, tag="idempotency_key_conflict"):
 
 
 class BackendUnavailableData(ErrorData, tag="backend_unavailable", omit_defaults=True):
+    # An agent process failed (spawn_failed, exited, initialize_failed: exit_code is set, null when the
+    # process gave none), or a model endpoint did (model_unreachable: no HTTP answer or a broken
+    # stream; model_error: an HTTP error status), after ``attempts`` attempts, ``status`` the last
+    # HTTP status when there was one.
     backend_id: str
     session_id: str | None
-    reason: Literal["spawn_failed", "exited", "initialize_failed"]
-    exit_code: int | None
+    reason: Literal["spawn_failed", "exited", "initialize_failed", "model_unreachable", "model_error"]
+    exit_code: int | None | msgspec.UnsetType = msgspec.UNSET
+    attempts: int | None = None
+    status: int | None = None
+    #: what went wrong, in a few words (model endpoints)
+    detail: str | None = None
     #: set when the error ends an admitted prompt
     prompt_id: str | None = None
 
 
-class AuthRequiredData(ErrorData, tag="auth_required"):
-    backend_id: str
+class AuthRequiredData(ErrorData, tag="auth_required", omit_defaults=True):
+    #: the agent that asks for ``authenticate`` (absent when the gateway itself asks)
+    backend_id: str | None = None
+    #: the auth method to call ``authenticate`` with (the gateway's: ``acp-server-token``)
+    method_id: str | None = None
+    #: what to do, in words
+    detail: str | None = None
+
+
+class RateLimitedData(ErrorData, tag="rate_limited"):
+    #: ``request_rate``: the token's ``--rate-limit-rps``; ``auth_failures``: too many failed
+    #: authentications from this address in a minute (the secret was not checked)
+    reason: Literal["request_rate", "auth_failures"]
+    retry_after_ms: int
 
 
 class AgentErrorData(ErrorData, tag="agent_error", omit_defaults=True):

@@ -21,6 +21,9 @@ Flags select the other behaviours:
 --prompt-error       answers every prompt with error -32042 carrying data
 --load-session       advertises ``loadSession``; ``session/load`` replays a ``user_message_chunk``
 --close-session      advertises ``sessionCapabilities.close`` (``session/close`` is logged to stderr)
+--tool-call          first reports a tool call ``call-1`` "Read notes.txt" (kind ``read``, ``pending``), then
+                     its updates ``in_progress`` and ``completed``; with --ask-permission the permission
+                     request comes between the call and its updates
 
 Each session it creates is named ``fake-<pid>-<n>``. The ``initialize`` answer carries in
 ``agentCapabilities._meta.clientCapabilities`` the client capabilities it was offered.
@@ -56,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-error", action="store_true")
     parser.add_argument("--load-session", action="store_true")
     parser.add_argument("--close-session", action="store_true")
+    parser.add_argument("--tool-call", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -215,10 +219,14 @@ class FakeAgent:
                 await self._say(session_id, f"ext-error:{exc.code} ")
             else:
                 await self._say(session_id, "ext:ok ")
+        if self.opts.tool_call:
+            start = acp.start_tool_call("call-1", "Read notes.txt", kind="read", status="pending")
+            await self.client.session_update(session_id, start)
         if self.opts.ask_permission:
+            title = "Read notes.txt" if self.opts.tool_call else "Write"
             answer = await self.client.request_permission(
                 session_id=session_id,
-                tool_call=schema.ToolCallUpdate(tool_call_id="call-1", title="Write", status="pending"),
+                tool_call=schema.ToolCallUpdate(tool_call_id="call-1", title=title, status="pending"),
                 options=[
                     schema.PermissionOption(option_id="allow", name="Allow", kind="allow_once"),
                     schema.PermissionOption(option_id="deny", name="Deny", kind="reject_once"),
@@ -230,6 +238,9 @@ class FakeAgent:
             else:
                 await self._say(session_id, "permission:cancelled ")
                 return schema.PromptResponse(stop_reason="cancelled")
+        if self.opts.tool_call:
+            for status in ("in_progress", "completed"):
+                await self.client.session_update(session_id, acp.update_tool_call("call-1", status=status))
         if self.opts.read_file:
             try:
                 read = await self.client.read_text_file(session_id=session_id, path=self.opts.read_file)

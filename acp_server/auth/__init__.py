@@ -1,0 +1,52 @@
+"""Who may connect and as whom: tokens bound to tenants, TLS, Host/Origin rules, rate limits, audit.
+
+This room knows no ACP method beyond ``initialize``/``authenticate``: transports and handlers ask it
+whether a credential holds (:class:`TokenStore`), what identity it grants (:class:`Identity`), whether a
+request may proceed now (:class:`RateLimiter`, :class:`AuthFailureLimiter`), and they write what
+happened to the :class:`AuditLog`.
+"""
+
+from .audit import AuditLog
+from .binds import RemoteBindError, check_remote_bind
+from .ratelimit import AuthFailureLimiter, RateLimiter, TokenBucket, is_local_address
+from .tls import ServerTls, TlsConfigError, TlsHandshakeError, accept_tls, client_context, tls_handler
+from .tokens import (
+    OWNER,
+    Identity,
+    ReloadResult,
+    TokenFileError,
+    TokenPermissionError,
+    TokenRecord,
+    TokenStore,
+    hash_secret,
+    new_secret,
+)
+
+#: The id of the gateway's own auth method in ``initialize`` ``authMethods``.
+TOKEN_METHOD_ID = "acp-server-token"
+
+__all__ = [
+    "OWNER",
+    "TOKEN_METHOD_ID",
+    "AuditLog",
+    "AuthFailureLimiter",
+    "Identity",
+    "RateLimiter",
+    "ReloadResult",
+    "RemoteBindError",
+    "ServerTls",
+    "TlsConfigError",
+    "TlsHandshakeError",
+    "TokenBucket",
+    "TokenFileError",
+    "TokenPermissionError",
+    "TokenRecord",
+    "TokenStore",
+    "accept_tls",
+    "check_remote_bind",
+    "client_context",
+    "hash_secret",
+    "is_local_address",
+    "new_secret",
+    "tls_handler",
+]
