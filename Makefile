@@ -34,10 +34,16 @@ lint: $(STAMP_DEV)
 	$(VENV)/bin/ruff check acp_server tests
 	$(VENV)/bin/mypy
 
-test: $(STAMP_DEV) lint
+# qwen's SDK for tests/test_http_qwen_sdk.py (test-only; it declares node >= 22, what the tests use runs on 20)
+NODE_STAMP := tests/node/node_modules/.installed
+$(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
+	cd tests/node && npm ci --no-audit --no-fund --engine-strict=false
+	touch $@
+
+test: $(STAMP_DEV) lint $(NODE_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test-full: $(STAMP_DEV)
+test-full: $(STAMP_DEV) $(NODE_STAMP)
 	ACP_SERVER_FULL=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 	$(PY) bench/instr.py
 
