@@ -222,3 +222,45 @@ def test_slow_subscriber_is_warned_then_evicted() -> None:
         sub.push(b"data: {}\n\n")
     assert sub.closed and sub.evicted
     assert b"client_evicted" in sub.frames[-1] and sum(b"slow_client_warning" in f for f in sub.frames) == 1
+
+
+async def test_permission_requests_go_to_subscribers_and_the_first_answer_wins() -> None:
+    """An agent's ``session/request_permission`` during a REST prompt is a ``permission_request`` event;
+    the first ``POST .../permission/:requestId`` answers it (200 ``{}``), a second gets 404; with no
+    subscriber the agent is answered ``cancelled`` at once."""
+    import sys
+
+    from .test_e2e_sdk import ServerProcess
+    from .test_http_sdk import wait_http
+
+    with ServerProcess("--ephemeral", "--listen", "tcp://127.0.0.1:0", "--http-listen", "http://127.0.0.1:0",
+                       "--", sys.executable, "-m", "tests.agents.fake_agent", "--ask-permission") as proc:
+        url = wait_http(proc)
+        with trio.fail_after(TIMEOUT_S):
+            async with httpx.AsyncClient(timeout=10) as c, trio.open_nursery() as nursery:
+                ok = [{"type": "text", "text": "please"}]
+                sid = (await c.post(url + "/session", json={"sessionScope": "thread"})).json()["sessionId"]
+                r = await c.post(f"{url}/session/{sid}/prompt", json={"prompt": ok})
+                ev0 = Events()
+                nursery.start_soon(ev0.run, c, f"{url}/session/{sid}/events", {"Last-Event-ID": str(r.json()["lastEventId"])})
+                (alone,) = await ev0.wait_for("turn_complete")
+                assert alone["data"]["stopReason"] == "cancelled", ev0.frames  # nobody was there to ask
+                ev = Events()
+                await nursery.start(ev.run, c, f"{url}/session/{sid}/events")
+                await trio.sleep(0.3)
+                r = await c.post(f"{url}/session/{sid}/prompt", json={"prompt": ok})
+                assert r.status_code == 202
+                (ask,) = await ev.wait_for("permission_request")
+                data = ask["data"]
+                assert data["sessionId"] == sid and data["options"] and "id" not in ask
+                option = data["options"][0]["optionId"]
+                answer = await c.post(f"{url}/session/{sid}/permission/{data['requestId']}", json={"optionId": option})
+                assert (answer.status_code, answer.json()) == (200, {})
+                late = await c.post(f"{url}/session/{sid}/permission/{data['requestId']}", json={"optionId": option})
+                assert late.status_code == 404 and check_error_body(late)["code"] == "route_not_found"
+                (resolved,) = await ev.wait_for("permission_resolved")
+                assert resolved["data"]["outcome"] == {"outcome": "selected", "optionId": option}
+                (done,) = await ev.wait_for("turn_complete")
+                assert done["data"]["stopReason"] == "end_turn"
+                assert f"permission:{option}" in text_of(ev.frames)
+                nursery.cancel_scope.cancel()

@@ -287,5 +287,7 @@ class RestChannel:
             self._board.open.pop(request_id, None)
         outcome = question.answer if question.answer is not None else cancelled
         for sub in self._subscribers():
-            sub.push_event(_event("permission_resolved", {"requestId": request_id, "sessionId": session_id, "outcome": outcome}))
+            sub.push_event(_event("permission_resolved", {
+                "requestId": request_id, "sessionId": session_id, "outcome": outcome["outcome"],
+            }))
         return outcome
