@@ -264,3 +264,57 @@ async def test_permission_requests_go_to_subscribers_and_the_first_answer_wins()
                 assert done["data"]["stopReason"] == "end_turn"
                 assert f"permission:{option}" in text_of(ev.frames)
                 nursery.cancel_scope.cancel()
+
+
+async def test_rest_prompt_watched_over_tcp_and_websocket_same_events_and_ids() -> None:
+    """A session made over REST and loaded by a TCP ACP connection and a WebSocket ``/acp`` peer: a REST
+    prompt's updates reach all three (REST as SSE frames) with the same event ids; the pending limit
+    counts the prompts of all of them."""
+    from functools import partial
+
+    from acp_server.client.websocket import open_websocket
+    from acp_server.transports import serve_tcp
+
+    from .helpers import RawClient
+
+    with trio.fail_after(TIMEOUT_S * 2):
+        async with http_server(Limits(max_pending_prompts_per_session=3)) as (server, outer, url):
+            listeners = await outer.start(partial(serve_tcp, host="127.0.0.1"), server.handle_stream, 0)
+            port = listeners[0].socket.getsockname()[1]
+            async with httpx.AsyncClient(timeout=10) as c, trio.open_nursery() as nursery:
+                sid = (await c.post(url + "/session", json={"cwd": "/tmp"})).json()["sessionId"]
+                tcp = RawClient(await trio.open_tcp_stream("127.0.0.1", port))
+                nursery.start_soon(tcp.pump)
+                await tcp.initialize()
+                await tcp.call("session/load", {"sessionId": sid, "cwd": "/tmp", "mcpServers": []})
+                async with open_websocket(url.replace("http://", "ws://") + "/acp") as ws_stream:
+                    ws = RawClient(ws_stream)
+                    nursery.start_soon(ws.pump)
+                    await ws.initialize()
+                    await ws.call("session/load", {"sessionId": sid, "cwd": "/tmp", "mcpServers": []})
+                    ev = Events()
+                    await nursery.start(ev.run, c, f"{url}/session/{sid}/events")
+                    await eventually(lambda: any(isinstance(p, SseSubscriber) for p in server.bridge.get(sid).attached))
+                    r = await c.post(f"{url}/session/{sid}/prompt", json={"prompt": [{"type": "text", "text": "from rest"}]})
+                    assert r.status_code == 202
+                    await ev.wait_for("turn_complete")
+                    await eventually(lambda: tcp.agent_text(sid) == ws.agent_text(sid) == text_of(ev.frames) == "from rest")
+                    rest_ids = [f["id"] for f in ev.frames if f["type"] == "session_update"]
+                    for peer in (tcp, ws):
+                        assert [u["_meta"]["eventId"] for u in peer.updates(sid)] == rest_ids
+
+                    server.bridge.backend.delay_ms = 2000  # type: ignore[attr-defined]
+                    async with trio.open_nursery() as inner:
+                        inner.start_soon(tcp.prompt, sid, "one")
+                        inner.start_soon(ws.prompt, sid, "two")
+                        await eventually(lambda: server.bridge.sessions[sid].pending_count == 2)
+                        ok = [{"type": "text", "text": "three"}]
+                        assert (await c.post(f"{url}/session/{sid}/prompt", json={"prompt": ok})).status_code == 202
+                        refusal = await c.post(f"{url}/session/{sid}/prompt", json={"prompt": ok})
+                        body = check_error_body(refusal)
+                        assert (refusal.status_code, body["code"], body["pendingCount"]) == (503, "prompt_queue_full", 3)
+                        server.bridge.backend.delay_ms = 0  # type: ignore[attr-defined]
+                        assert (await c.post(f"{url}/session/{sid}/cancel")).status_code == 204
+                    await ws_stream.aclose()
+                await tcp.stream.aclose()
+                nursery.cancel_scope.cancel()
