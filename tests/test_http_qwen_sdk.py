@@ -24,7 +24,7 @@ from .test_http_sdk import wait_http
 NODE_DIR = Path(__file__).resolve().parent / "node"
 NODE = shutil.which("node")
 
-pytestmark = pytest.mark.skipif(
+_needs_node = pytest.mark.skipif(
     NODE is None or not (NODE_DIR / "node_modules" / "@qwen-code" / "sdk").is_dir(),
     reason="node and tests/node/node_modules (npm ci in tests/node) are needed",
 )
@@ -48,6 +48,7 @@ def serve(*args: str) -> ServerProcess:
     return ServerProcess("--listen", "tcp://127.0.0.1:0", *args)
 
 
+@_needs_node
 def test_capabilities_prompt_blocking_and_subscribed_with_events() -> None:
     """``capabilities()`` sees the limit; ``createOrAttach`` then ``prompt()`` on the blocking and the
     subscription paths; ``events()`` streams the updates and ``turn_complete``, all known to the SDK."""
@@ -62,6 +63,7 @@ def test_capabilities_prompt_blocking_and_subscribed_with_events() -> None:
     assert set(out["unknown"]) <= {"replay_complete"} and out["ids"] == sorted(out["ids"]) and len(out["ids"]) == len(out["types"]) - out["types"].count("replay_complete"), out
 
 
+@_needs_node
 def test_pending_limit_local_and_from_the_server() -> None:
     """A 6th concurrent prompt raises the SDK's own ``DaemonPendingPromptLimitError``; with the local
     limit off, the server's 503 ``prompt_queue_full`` reaches the caller as the same error, with the
@@ -75,6 +77,7 @@ def test_pending_limit_local_and_from_the_server() -> None:
     assert out["remote"] == [{"limit": 5, "pendingCount": 5, "sessionId": True}], out
 
 
+@_needs_node
 def test_cancel_ends_a_blocking_prompt() -> None:
     """``cancel()`` ends a running blocking ``prompt()`` with ``cancelled``, long before the echo would."""
     with serve("--ephemeral", "--http-listen", "http://127.0.0.1:0", "--echo-delay-ms", "20000") as server:
@@ -82,6 +85,7 @@ def test_cancel_ends_a_blocking_prompt() -> None:
     assert out.get("stopReason") == "cancelled" and out["ms"] < 10000, out
 
 
+@_needs_node
 def test_events_resumed_from_a_last_event_id_get_the_missed_frames() -> None:
     """``events({lastEventId})`` replays what came after it, then ``replay_complete``."""
     with serve("--ephemeral", "--http-listen", "http://127.0.0.1:0") as server:
@@ -93,6 +97,7 @@ def test_events_resumed_from_a_last_event_id_get_the_missed_frames() -> None:
     assert set(out["unknown"]) <= {"replay_complete"}, out
 
 
+@_needs_node
 def test_stale_client_id_after_a_restart_heals_itself(tmp_path: Path) -> None:
     """After a restart on the same ``--state-dir``, the next ``prompt()`` gets 400 ``invalid_client_id``,
     resumes once and retries once by itself; the server counts that one resume."""
@@ -121,3 +126,12 @@ def test_stale_client_id_after_a_restart_heals_itself(tmp_path: Path) -> None:
         if node is not None:
             node.kill()
             node.communicate(timeout=10)  # reaps it and closes its pipes
+
+
+def test_workspace_flag_is_the_capabilities_workspace(tmp_path: Path) -> None:
+    """``--workspace DIR`` is ``workspaceCwd`` and ``POST /session``'s default ``cwd``."""
+    with serve("--ephemeral", "--http-listen", "http://127.0.0.1:0", "--workspace", str(tmp_path)) as server:
+        base = wait_http(server)
+        assert httpx.get(base + "/capabilities", timeout=10).json()["workspaceCwd"] == str(tmp_path)
+        created = httpx.post(base + "/session", json={}, timeout=10).json()
+        assert created["workspaceCwd"] == str(tmp_path)
