@@ -42,10 +42,16 @@ lint: $(STAMP_DEV)
 redis-server:
 	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 
-test: $(STAMP_DEV) lint redis-server chromium
+# qwen's SDK for tests/test_http_qwen_sdk.py (test-only; it declares node >= 22, what the tests use runs on 20)
+NODE_STAMP := tests/node/node_modules/.installed
+$(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
+	cd tests/node && npm ci --no-audit --no-fund --engine-strict=false
+	touch $@
+
+test: $(STAMP_DEV) lint redis-server chromium $(NODE_STAMP)
 	$(PARALLEL)
 
-test-full: $(STAMP_DEV) redis-server
+test-full: $(STAMP_DEV) redis-server chromium $(NODE_STAMP)
 	export ACP_SERVER_FULL=1; $(PARALLEL)
 	$(PY) bench/instr.py
 

@@ -452,6 +452,12 @@ def _add_http_flags(s: argparse.ArgumentParser) -> None:
         metavar="ORIGIN",
         help="a foreign origin (scheme://host[:port]) allowed besides the listener's own; repeatable",
     )
+    g.add_argument(
+        "--workspace",
+        default=None,
+        metavar="DIR",
+        help="the REST API's primary workspace: its workspaceCwd and default cwd (default: the working directory)",
+    )
 
 
 def http_from(
@@ -491,7 +497,10 @@ def http_from(
         max_connections=max_connections if max_connections is not None else base.max_connections,
         connection_grace_s=grace if grace is not None else base.connection_grace_s,
     )
-    return listen, HttpOptions(limits=limits, allow_origins=frozenset(origins))
+    workspace = args.workspace or table.workspace
+    if workspace is not None:
+        workspace = str(pathlib.Path(workspace).absolute())
+    return listen, HttpOptions(limits=limits, allow_origins=frozenset(origins), workspace=workspace)
 
 
 def _on_off(flag: str) -> Callable[[str], bool]:

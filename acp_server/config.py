@@ -65,6 +65,7 @@
     max_connections = 256             # /acp connections and WebSockets at once
     connection_grace_s = 10           # a connection with no stream open is kept this long
     allow_origin = ["https://editor.example"]   # foreign origins allowed besides the listener's own
+    workspace = "/srv/project"        # the REST API's primary workspace (default: the working directory)
 
 An unknown key or a bad value is a :class:`ConfigError` naming the key (``backends.claude.max_active``).
 """
@@ -215,6 +216,8 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_connections: int | None = None
     connection_grace_s: float | None = None
     allow_origin: list[str] = msgspec.field(default_factory=list)
+    #: the REST API's primary workspace (``workspaceCwd``, the default ``cwd``)
+    workspace: str | None = None
 
 
 class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

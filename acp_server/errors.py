@@ -45,6 +45,7 @@ schemas agree. Blame is split as in h11: the peer's fault, overload, and our own
     │   ├── UnknownConnectionError          -32600 unknown_connection (404)
     │   ├── SessionNotEstablishedError      -32600 session_not_established (404)
     │   ├── BatchNotSupportedError          -32600 batch_not_supported (501)
+    │   ├── SubscriberLimitExceededError    -32017 subscriber_limit_exceeded (429, Retry-After)
     │   └── TooManyConnectionsError         -32011 too_many_connections (503, Retry-After)
     └── InternalError                       -32603 internal (bugs only: overload is never -32603)
 """
@@ -67,6 +68,7 @@ __all__ = [
     "NotAcceptableError",
     "RouteNotFoundError",
     "SessionNotEstablishedError",
+    "SubscriberLimitExceededError",
     "TooManyConnectionsError",
     "UnknownConnectionError",
     "UnsupportedMediaTypeError",
@@ -445,6 +447,15 @@ class BatchNotSupportedError(HttpError):
     status = 501
     template = "POST /acp takes one JSON-RPC message, not a batch"
     data_type = data.BatchNotSupportedData
+
+
+class SubscriberLimitExceededError(HttpError):
+    code = -32017
+    kind = "subscriber_limit_exceeded"
+    status = 429
+    template = 'Session "{session_id}" has its limit of {limit} event subscribers; retry after {retry_after_ms} ms'
+    retryable = True
+    data_type = data.SubscriberLimitExceededData
 
 
 class TooManyConnectionsError(HttpError):

@@ -445,7 +445,8 @@ async def _serve(
             if config.http_listen:
                 from dataclasses import replace
 
-                from .transports.http import HttpOptions, serve_http  # hypercorn loads only when asked
+                from .transports.http import HttpOptions
+                from .transports.http.listener import serve_http  # hypercorn loads only when asked
 
                 options = config.http if config.http is not None else HttpOptions()
                 lim = server.limits  # one source for the message and queue bounds of every transport

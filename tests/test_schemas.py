@@ -65,6 +65,7 @@ EXPECTED_CODES = {
     "unknown_connection": -32600,
     "session_not_established": -32600,
     "batch_not_supported": -32600,
+    "subscriber_limit_exceeded": -32017,
     "too_many_connections": -32011,
 }
 

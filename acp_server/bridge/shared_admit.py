@@ -165,7 +165,7 @@ class SharedAdmit(Deferred):
         shared_part: the shared part; returns the admitted prompt's ticket, or raises its refusal.
     """
 
-    __slots__ = ("_bridge", "_done", "_inner", "_part", "_scope", "_settled", "claim_id")
+    __slots__ = ("_bridge", "_done", "_inner", "_part", "_scope", "_settled", "claim_id", "decided", "ticket")
 
     def __init__(self, bridge: SessionBridge, shared_part: Callable[[SharedAdmit], Any]) -> None:
         self._bridge = bridge
@@ -177,6 +177,9 @@ class SharedAdmit(Deferred):
         bridge._claim_seq += 1
         #: names this admission in its idempotency claim (the prompt id is known only once admitted)
         self.claim_id = f"{bridge.shared.coordinator.replica_id if bridge.shared else ''}#{bridge._claim_seq}"
+        #: set once the shared part decided: ``ticket`` is the admitted prompt's, or ``None`` (refused)
+        self.decided = trio.Event()
+        self.ticket: Any = None
 
     def on_settled(self, settled: Callable[[], None]) -> None:
         self._settled = settled
@@ -205,6 +208,8 @@ class SharedAdmit(Deferred):
         if self._scope.cancelled_caught:
             self._answer(None, RequestCancelledError())
             return
+        self.ticket = ticket
+        self.decided.set()
         inner = self._inner = self._bridge.waiter(ticket)
         if self._settled is not None:
             inner.on_settled(self._settled)
@@ -212,6 +217,7 @@ class SharedAdmit(Deferred):
             inner.subscribe(self._done)
 
     def _answer(self, result: Any, error: AcpError | None) -> None:
+        self.decided.set()
         done, self._done = self._done, None
         if done is not None:
             done(result, error)

@@ -20,6 +20,7 @@ __all__ = [
     "NotAcceptableData",
     "RouteNotFoundData",
     "SessionNotEstablishedData",
+    "SubscriberLimitExceededData",
     "TooManyConnectionsData",
     "UnknownConnectionData",
     "UnsupportedMediaTypeData",
@@ -258,6 +259,12 @@ class SessionNotEstablishedData(ErrorData, tag="session_not_established"):
 
 class BatchNotSupportedData(ErrorData, tag="batch_not_supported"):
     pass
+
+
+class SubscriberLimitExceededData(ErrorData, tag="subscriber_limit_exceeded"):
+    session_id: str
+    limit: int
+    retry_after_ms: int
 
 
 class TooManyConnectionsData(ErrorData, tag="too_many_connections"):

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import trio
 
 from ...errors import (
@@ -100,6 +101,8 @@ class HttpOptions:
 
     limits: HttpLimits = field(default_factory=HttpLimits)
     allow_origins: frozenset[str] = field(default_factory=frozenset)
+    #: the REST API's primary workspace (``workspaceCwd``; ``None``: the server's working directory)
+    workspace: str | None = None
 
 
 class _Connection:
@@ -130,12 +133,16 @@ class AcpHttpApp:
         limits: its bounds.
     """
 
-    def __init__(self, handle_stream: StreamHandler, nursery: trio.Nursery, rules: HostRules, limits: HttpLimits) -> None:
+    def __init__(
+        self, handle_stream: StreamHandler, nursery: trio.Nursery, rules: HostRules, limits: HttpLimits, rest: Any = None
+    ) -> None:
         self.handle_stream = handle_stream
         self.nursery = nursery
         self.rules = rules
         self.limits = limits
         self.connections: dict[str, _Connection] = {}
+        #: qwen serve's REST + SSE API (a :class:`~.rest.RestApi`; ``None``: only ``/acp`` and ``/health``)
+        self.rest = rest
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -172,6 +179,8 @@ class AcpHttpApp:
     # --- HTTP -----------------------------------------------------------------------------------------
 
     def _route(self, path: str, method: str) -> AcpError | None:
+        if self.rest is not None and self.rest.handles(path):
+            return None  # the REST API routes its own paths
         if path == HEALTH_PATH:
             return None if method in ("GET", "HEAD") else MethodNotAllowedError(path=path, method=method, allowed=["GET"])
         if path != ACP_PATH:
@@ -195,9 +204,15 @@ class AcpHttpApp:
         if refusal is not None:
             await self._refuse(send, refusal, cors)
             return
+        if self.rest is not None and self.rest.handles(scope["path"]):
+            await self.rest(scope, receive, send, cors)
+            return
         try:
             if scope["path"] == HEALTH_PATH:
-                await self._answer(send, 200, _HEALTH_BODY if method == "GET" else b"", cors)
+                body = _HEALTH_BODY
+                if self.rest is not None and b"deep=1" in scope.get("query_string", b""):
+                    body = msgspec.json.encode(self.rest.health(deep=True))
+                await self._answer(send, 200, body if method == "GET" else b"", cors)
             elif method == "OPTIONS":
                 await self._answer(send, 204, b"", [*cors, (b"allow", ", ".join(_ACP_METHODS).encode())])
             elif method == "POST":

@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Any
 
 import msgspec
 import trio
@@ -119,6 +120,17 @@ def _http_refusal(limit: int) -> bytes:
     return head.encode() + body
 
 
+def _rest_api(handle_stream: Any, options: HttpOptions) -> Any:
+    """The REST API over the server whose shell ``handle_stream`` is (``None`` for any other stream handler)."""
+    from ...server import Server
+    from .rest import RestApi
+
+    server = getattr(handle_stream, "__self__", None)
+    if not isinstance(server, Server):
+        return None
+    return RestApi(server, max_message_bytes=options.limits.max_message_bytes, workspace=options.workspace)
+
+
 async def serve_http(
     handle_stream: Callable[[trio.abc.Stream, str], Awaitable[None]],
     address: ListenAddress,
@@ -157,7 +169,7 @@ async def serve_http(
         raise OSError(exc.errno, f"cannot listen on http {address}: {exc.strerror or exc}") from exc
     try:
         async with listener, trio.open_nursery() as nursery:
-            app = AcpHttpApp(handle_stream, nursery, rules, options.limits)
+            app = AcpHttpApp(handle_stream, nursery, rules, options.limits, _rest_api(handle_stream, options))
             await nursery.start(
                 partial(_serve_connections, gate=gate, name=f"http {address}"), app, _config(options.limits), listener
             )
