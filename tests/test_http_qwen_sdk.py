@@ -9,9 +9,11 @@ tests are skipped with the reason. The SDK declares node >= 22; what these flows
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 import socket
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,18 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The next line of ``proc``'s stdout, or a failure naming the wait (never a hung suite)."""
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()  # type: ignore[union-attr]
+    try:
+        return lines.get(timeout=timeout)
+    except queue.Empty:
+        proc.kill()
+        raise AssertionError(f"the SDK flow wrote no line in {timeout} s") from None
 
 
 def serve(*args: str) -> ServerProcess:
@@ -102,7 +116,8 @@ def test_stale_client_id_after_a_restart_heals_itself(tmp_path: Path) -> None:
     """After a restart on the same ``--state-dir``, the next ``prompt()`` gets 400 ``invalid_client_id``,
     resumes once and retries once by itself; the server counts that one resume."""
     port = free_port()
-    args = ("--state-dir", str(tmp_path), "--http-listen", f"http://127.0.0.1:{port}")
+    # a turn that outlasts its POST (see the first test: 0.1.14's subscribed prompt() can miss an earlier turn_complete)
+    args = ("--state-dir", str(tmp_path), "--http-listen", f"http://127.0.0.1:{port}", "--echo-delay-ms", "200")
     base = f"http://127.0.0.1:{port}"
     node: subprocess.Popen[str] | None = None
     try:
@@ -111,13 +126,13 @@ def test_stale_client_id_after_a_restart_heals_itself(tmp_path: Path) -> None:
             node = subprocess.Popen([str(NODE), "flows.mjs", base, "heal"], cwd=NODE_DIR, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             assert node.stdout is not None and node.stdin is not None
-            ready = json.loads(node.stdout.readline())
+            ready = json.loads(_readline(node, 60))
             assert ready["ready"] is True, ready
         with serve(*args) as server:
             wait_http(server)
             node.stdin.write("go\n")
             node.stdin.flush()
-            out = json.loads(node.stdout.readline())
+            out = json.loads(_readline(node, 60))
             health = httpx.get(base + "/health?deep=1", timeout=10).json()
         assert (out["first"], out["second"]) == ("end_turn", "end_turn"), out
         assert out["before"] == ready["clientId"] and out["after"] != out["before"], out
