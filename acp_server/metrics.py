@@ -33,6 +33,7 @@ from prometheus_client.core import (
 )
 
 from .transports.address import ListenAddress
+from .transports.listeners import bind_tcp_socket
 
 __all__ = ["CONTENT_TYPE", "METRICS_PATH", "render_metrics", "serve_metrics"]
 
@@ -406,22 +407,6 @@ def _metrics_app(snapshot: Callable[[], Snapshot], tenant_labels: bool) -> Calla
     return app
 
 
-async def _bind(address: ListenAddress) -> trio.socket.SocketType:
-    infos = await trio.socket.getaddrinfo(address.host, address.port, type=trio.socket.SOCK_STREAM)
-    if not infos:
-        raise OSError(f"cannot resolve {address.host!r}")
-    family, type_, proto, _, sockaddr = infos[0]
-    sock = trio.socket.socket(family, type_, proto)
-    try:
-        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
-        await sock.bind(sockaddr)
-        sock.listen(128)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 async def serve_metrics(
     snapshot: Callable[[], Snapshot],
     address: ListenAddress,
@@ -447,7 +432,7 @@ async def serve_metrics(
     if address.kind != "tcp":
         raise ValueError(f"--metrics-listen {address}: metrics are served over HTTP, on tcp://HOST:PORT only")
     try:
-        sock = await _bind(address)
+        sock = await bind_tcp_socket(address.host, address.port)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot listen on metrics {address}: {exc.strerror or exc}") from exc
     with sock:

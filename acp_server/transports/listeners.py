@@ -182,6 +182,28 @@ async def _accept_loop(
             nursery.start_soon(gate.serve, handler, stream, name, refusal)
 
 
+async def bind_tcp_socket(host: str, port: int, *, backlog: int = 128) -> trio.socket.SocketType:
+    """A listening TCP socket on the first address ``host`` resolves to (port 0: any free port), for a
+    server that runs its own accept loop (the HTTP listener, the metrics endpoint).
+
+    Raises:
+        OSError: ``host`` does not resolve, or the address cannot be bound.
+    """
+    infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
+    if not infos:
+        raise OSError(f"cannot resolve {host!r}")
+    family, type_, proto, _, sockaddr = infos[0]
+    sock = trio.socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        await sock.bind(sockaddr)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 async def serve_listeners(
     handler: Handler,
     listeners: Sequence[trio.SocketListener],

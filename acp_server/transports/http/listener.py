@@ -22,7 +22,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
 from ..address import ListenAddress
-from ..listeners import ConnectionGate, open_unix_listener, serve_listeners
+from ..listeners import ConnectionGate, bind_tcp_socket, open_unix_listener, serve_listeners
 from .app import AcpHttpApp, HttpLimits, HttpOptions
 from .rules import HostRules
 from .wire import BatchedWrites
@@ -30,22 +30,6 @@ from .wire import BatchedWrites
 __all__ = ["serve_http"]
 
 log = logging.getLogger("acp_server.http")
-
-
-async def _bind_tcp(host: str, port: int) -> trio.socket.SocketType:
-    infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
-    if not infos:
-        raise OSError(f"cannot resolve {host!r}")
-    family, type_, proto, _, sockaddr = infos[0]
-    sock = trio.socket.socket(family, type_, proto)
-    try:
-        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
-        await sock.bind(sockaddr)
-        sock.listen(128)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def _config(limits: HttpLimits) -> Config:
@@ -160,7 +144,7 @@ async def serve_http(
             url = f"unix:{address.path}"
             rules = HostRules(port=None, allow_origins=options.allow_origins)
         else:
-            listener = trio.SocketListener(await _bind_tcp(address.host, address.port))
+            listener = trio.SocketListener(await bind_tcp_socket(address.host, address.port))
             host, port = listener.socket.getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
             url = f"http://{shown}:{port}"
