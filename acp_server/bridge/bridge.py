@@ -373,6 +373,50 @@ class SessionBridge:
 
     # --- prompts -----------------------------------------------------------------------------------
 
+    def check_local(
+        self,
+        session_id: str,
+        prompt: list[ContentBlock],
+        peer: Peer | None,
+        client_id: str | None,
+        cancelled: bool,
+        idempotency_key: str | None,
+        tenant: str | None,
+    ) -> tuple[Session, str | None, bytes, PromptTicket | None]:
+        """The per-session part of a prompt's admission, in order: the session, the client id, a
+        request already cancelled, the idempotency key, the pending limit (shared by :meth:`admit`
+        and the coordinator's admission).
+
+        Returns:
+            The session, the client id the request acts as, the prompt's fingerprint (empty without a key),
+            and the earlier attempt's ticket when the key was admitted before (the caller attached).
+
+        Raises:
+            SessionNotFoundError, InvalidClientIdError, RequestCancelledError,
+            IdempotencyKeyConflictError, PromptQueueFullError.
+        """
+        session = self.get(session_id, tenant)
+        client = self.clients.resolve(session, peer, client_id)
+        if cancelled:
+            raise RequestCancelledError()
+        fingerprint = b""
+        if idempotency_key is not None:
+            fingerprint = hashlib.blake2b(_encoder.encode(prompt), digest_size=16).digest()
+            seen = self._idempotent(session_id, idempotency_key)
+            if seen is not None:
+                if seen[0] != fingerprint:
+                    raise IdempotencyKeyConflictError(session_id=session_id, idempotency_key=idempotency_key)
+                if peer is not None:
+                    self.clients.attach(session, peer)
+                return session, client, fingerprint, seen[1]
+        limit = self.limits.max_pending_prompts_per_session
+        if limit and session.pending_count >= limit:
+            self._refused += 1
+            raise PromptQueueFullError(
+                session_id=session_id, limit=limit, pending_count=session.pending_count, retry_after_ms=RETRY_AFTER_MS
+            )
+        return session, client, fingerprint, None
+
     def admit(
         self,
         session_id: str,
@@ -408,26 +452,11 @@ class SessionBridge:
             CapacityUnavailableError, CapacityExceededError:
                 in this order of checks; a refusal changes nothing.
         """
-        session = self.get(session_id, tenant)
-        client = self.clients.resolve(session, peer, client_id)
-        if cancelled:
-            raise RequestCancelledError()
-        fingerprint = b""
-        if idempotency_key is not None:
-            fingerprint = hashlib.blake2b(_encoder.encode(prompt), digest_size=16).digest()
-            seen = self._idempotent(session_id, idempotency_key)
-            if seen is not None:
-                if seen[0] != fingerprint:
-                    raise IdempotencyKeyConflictError(session_id=session_id, idempotency_key=idempotency_key)
-                if peer is not None:
-                    self.clients.attach(session, peer)
-                return seen[1], True
-        limit = self.limits.max_pending_prompts_per_session
-        if limit and session.pending_count >= limit:
-            self._refused += 1
-            raise PromptQueueFullError(
-                session_id=session_id, limit=limit, pending_count=session.pending_count, retry_after_ms=RETRY_AFTER_MS
-            )
+        session, client, fingerprint, earlier = self.check_local(
+            session_id, prompt, peer, client_id, cancelled, idempotency_key, tenant
+        )
+        if earlier is not None:
+            return earlier, True
         if self.draining:
             self._refused += 1
             raise draining_refusal()

@@ -15,7 +15,6 @@ refusal, or hands over to the prompt's :class:`~.settlement.PromptWaiter` once t
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,7 +29,6 @@ from ..errors import (
     DuplicateInFlightError,
     IdempotencyKeyConflictError,
     LeaseLostError,
-    PromptQueueFullError,
     RequestCancelledError,
 )
 from ..jsonrpc import Deferred
@@ -68,26 +66,11 @@ def admit_shared(
         SessionNotFoundError, InvalidClientIdError, RequestCancelledError, IdempotencyKeyConflictError,
         PromptQueueFullError: the local checks, in :meth:`SessionBridge.admit`'s order.
     """
-    session = bridge.get(session_id, tenant)
-    client = bridge.clients.resolve(session, peer, client_id)
-    if cancelled:
-        raise RequestCancelledError()
-    fingerprint = b""
-    if idempotency_key is not None:
-        fingerprint = hashlib.blake2b(_encoder.encode(prompt), digest_size=16).digest()
-        seen = bridge._idempotent(session_id, idempotency_key)
-        if seen is not None:
-            if seen[0] != fingerprint:
-                raise IdempotencyKeyConflictError(session_id=session_id, idempotency_key=idempotency_key)
-            if peer is not None:
-                bridge.clients.attach(session, peer)
-            return bridge.waiter(seen[1], owner=False)
-    limit = bridge.limits.max_pending_prompts_per_session
-    if limit and session.pending_count >= limit:
-        bridge._refused += 1
-        raise PromptQueueFullError(
-            session_id=session_id, limit=limit, pending_count=session.pending_count, retry_after_ms=RETRY_AFTER_MS
-        )
+    session, client, fingerprint, earlier = bridge.check_local(
+        session_id, prompt, peer, client_id, cancelled, idempotency_key, tenant
+    )
+    if earlier is not None:
+        return bridge.waiter(earlier, owner=False)
     effective = bridge.limits.prompt_deadline_ms
     if deadline_ms is not None and (not effective or deadline_ms < effective):
         effective = deadline_ms
