@@ -206,8 +206,8 @@ async def test_every_credential_failure_is_the_same_401_before_any_other_check()
         bodies = {body for _, _, body in answers}
         assert statuses == {401} and len(bodies) == 1, (statuses, bodies)
         assert len({tuple(sorted(h.items())) for _, h, _ in answers}) == 1
-        status, headers, body = answers[0]
-        assert headers[b"www-authenticate"].startswith(b"Bearer") and headers[b"content-type"] == b"application/json"
+        _, first, body = answers[0]
+        assert first[b"www-authenticate"].startswith(b"Bearer") and first[b"content-type"] == b"application/json"
         error = _error(body)
         assert error["code"] == "unauthorized" and "Authorization: Bearer" in error["error"]
         assert_error_valid({"code": -32600, "message": error["error"], "data": {"errorKind": "unauthorized",

@@ -245,14 +245,24 @@ async def _open_http(url: str, token: str | None = None) -> AsyncIterator[trio.a
     timeout = httpx.Timeout(30.0, read=None)
     headers = {"authorization": f"Bearer {token}"} if token is not None else None
     limits = httpx.Limits(max_connections=None)
+    raised: BaseException | None = None
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
-        async with trio.open_nursery() as nursery:
-            stream = HttpClientStream(url, client, nursery)
-            try:
-                yield stream
-            finally:
-                with trio.CancelScope(shield=True):
-                    await stream.aclose()
+        try:
+            async with trio.open_nursery() as nursery:
+                stream = HttpClientStream(url, client, nursery)
+                try:
+                    yield stream
+                except BaseException as exc:
+                    raised = exc
+                    raise
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await stream.aclose()
+        except BaseExceptionGroup as group:
+            # the caller's own error, wrapped by our nursery on its way out: hand it back as raised
+            if raised is None or len(group.exceptions) != 1 or group.exceptions[0] is not raised:
+                raise
+            raise raised from None
 
 
 @asynccontextmanager
