@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from acp_server.auth import AuditLog, TokenRecord, TokenStore, hash_secret
 from acp_server.auth.gate import Authenticator, PeerInfo
-from acp_server.auth.http_rules import bearer_subprotocol
+from acp_server.auth.http_rules import UNAUTHORIZED_BODY, bearer_subprotocol
 from acp_server.server import Server
 from acp_server.transports.http.app import AcpHttpApp, HttpLimits
 from acp_server.transports.http.auth import HttpGuard
@@ -209,6 +209,7 @@ async def test_every_credential_failure_is_the_same_401_before_any_other_check()
         _, first, body = answers[0]
         assert first[b"www-authenticate"].startswith(b"Bearer") and first[b"content-type"] == b"application/json"
         error = _error(body)
+        assert body == UNAUTHORIZED_BODY
         assert error["code"] == "unauthorized" and "Authorization: Bearer" in error["error"]
         assert_error_valid({"code": -32600, "message": error["error"], "data": {"errorKind": "unauthorized",
                                                                                "scheme": error["scheme"]}})

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...auth.gate import Authenticator, PeerInfo
+from ...auth.http_rules import UNAUTHORIZED_BODY, UNAUTHORIZED_HEADERS
 from ...auth.tokens import OWNER, Identity
 from ...errors import (
     AcpError,
     InsufficientScopeError,
     InvalidParamsError,
     RateLimitedError,
-    UnauthorizedError,
 )
 from ...handlers.meta import MAX_TENANT_ID
 from .addresses import client_address
@@ -109,8 +109,8 @@ def _retry_after(retry_after_ms: int) -> tuple[bytes, bytes]:
     return (b"retry-after", str(max(1, math.ceil(retry_after_ms / 1000))).encode())
 
 
-#: The one 401 (computed once: every credential failure answers these same bytes).
-UNAUTHORIZED = _refusal(UnauthorizedError(scheme="Bearer"), 401, [(b"www-authenticate", b'Bearer realm="acp-server"')])
+#: The one 401: every credential failure answers these same bytes.
+UNAUTHORIZED = HttpRefusal(401, list(UNAUTHORIZED_HEADERS), UNAUTHORIZED_BODY)
 
 
 def _all_values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[str]:
