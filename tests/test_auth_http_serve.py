@@ -19,7 +19,11 @@ from urllib.parse import quote
 import httpx
 import pytest
 import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, Message, RejectConnection, TextMessage
+from wsproto.events import Request as WsRequest
 
+from acp_server.auth.http_rules import bearer_subprotocol
 from acp_server.auth.tokens import TokenRecord, hash_secret, new_secret, write_tokens
 from acp_server.client import connect
 from acp_server.client.errors import RpcError
@@ -194,6 +198,51 @@ async def test_tenant_a_cannot_touch_tenant_b_over_rest_and_sse_while_admin_can(
             # the beta owner still has it, untouched
             r = await c.post(f"{s.http}/session/{sid}/heartbeat", headers=s.auth("beta"))
             assert r.status_code == 200
+
+
+async def _browser_handshake(s: Served, protocols: list[str]) -> tuple[Any, trio.SocketStream, WSConnection]:
+    """A WebSocket handshake offering ``protocols`` (as a browser's, with no Authorization header)."""
+    host, port = s.http.removeprefix("http://").rsplit(":", 1)
+    sock = await trio.open_tcp_stream(host, int(port))
+    ws = WSConnection(ConnectionType.CLIENT)
+    await sock.send_all(ws.send(WsRequest(host=f"{host}:{port}", target="/acp", subprotocols=protocols)))
+    while True:
+        data = await sock.receive_some(65536)
+        assert data, "closed during the handshake"
+        ws.receive_data(data)
+        for event in ws.events():
+            if isinstance(event, (AcceptConnection, RejectConnection)):
+                return event, sock, ws
+
+
+async def test_a_browser_websocket_proves_its_token_with_the_bearer_subprotocol(served: Served) -> None:
+    """``acp.v1`` + ``acp-bearer.<base64url>``: accepted with ``acp.v1`` alone as the answer, the
+    connection acts for the token's tenant; a wrong secret in the subprotocol is the one 401."""
+    s = served
+    with trio.fail_after(20):
+        event, sock, ws = await _browser_handshake(s, ["acp.v1", bearer_subprotocol(s.secrets["acme"])])
+        assert isinstance(event, AcceptConnection) and event.subprotocol == "acp.v1"
+        line = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}}
+        await sock.send_all(ws.send(Message(data=json.dumps(line))))
+        frames: list[str] = []
+        while not frames:  # one JSON-RPC message a text frame
+            ws.receive_data(await sock.receive_some(65536))
+            frames += [e.data for e in ws.events() if isinstance(e, TextMessage)]
+        init = json.loads(frames[0])
+        assert init["id"] == 1 and "result" in init
+        assert all(m["id"] != "acp-server-token" for m in init["result"].get("authMethods", []))  # proved already
+        line = {"jsonrpc": "2.0", "id": 2, "method": "session/list", "params": {}}
+        await sock.send_all(ws.send(Message(data=json.dumps(line))))
+        frames = []
+        while not frames:
+            ws.receive_data(await sock.receive_some(65536))
+            frames += [e.data for e in ws.events() if isinstance(e, TextMessage)]
+        listed = json.loads(frames[0])
+        assert listed["id"] == 2 and "result" in listed, listed  # no authenticate needed
+        await sock.aclose()
+        event, sock, _ = await _browser_handshake(s, ["acp.v1", bearer_subprotocol("not-the-secret")])
+        assert isinstance(event, RejectConnection) and event.status_code == 401
+        await sock.aclose()
 
 
 async def test_the_metrics_endpoint_and_the_listener_share_the_one_401_and_ask_a_scope(served: Served) -> None:
