@@ -158,7 +158,8 @@ async def _http(rps: float | None = None) -> AsyncIterator[Http]:
         await nursery.start(server.bridge.run)
         rules = HostRules(port=8000, bound_host="127.0.0.1")
         app = AcpHttpApp(
-            server.handle_stream, nursery, rules, HttpLimits(), RestApi(server, max_message_bytes=1 << 20), HttpGuard(auth)
+            server.handle_stream, nursery, rules, HttpLimits(), RestApi(server, max_message_bytes=1 << 20),
+            HttpGuard(auth, clock=clock),
         )
         http = Http(server, app, audit, clock)
         yield http
@@ -233,6 +234,18 @@ async def test_liveness_and_the_console_files_need_no_token_but_deep_health_need
         for secret in (SCRAPER, ROOT):
             status, _, body = await http.request("GET", "/health", token=secret, query=b"deep=1")
             assert status == 200 and "sessions" in json.loads(body)
+
+
+async def test_successes_are_audited_once_a_minute_per_token_address_and_transport() -> None:
+    async with _http() as http:
+        for _ in range(5):
+            assert (await http.request("GET", "/capabilities", token=ACME))[0] == 200
+        assert (await http.request("GET", "/capabilities", token=BETA))[0] == 200
+        assert (await http.request("GET", "/capabilities", token=ACME, client="198.51.100.4"))[0] == 200
+        http.clock.now += 61
+        assert (await http.request("GET", "/capabilities", token=ACME))[0] == 200
+        oks = [(a["tokenId"], a["source"]) for a in http.audit_lines() if a["event"] == "auth_ok"]
+        assert oks == [("acme", "127.0.0.1"), ("beta", "127.0.0.1"), ("acme", "198.51.100.4"), ("acme", "127.0.0.1")]
 
 
 # --- rates -------------------------------------------------------------------------------------------
