@@ -6,9 +6,11 @@ SSE subscribers, whose prompts still end once; no secret is ever in a log, an au
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -393,3 +395,46 @@ async def test_revoking_a_token_evicts_its_websocket_acp_and_sse_peers_within_a_
 
 if sys.platform == "win32":  # pragma: no cover - SIGHUP
     pytestmark = pytest.mark.skip("POSIX signals")
+
+
+def _relay(url: str, lines: list[dict[str, Any]], env: dict[str, str], wait_for: int) -> tuple[list[dict[str, Any]], str]:
+    """``acp-server connect URL``: send ``lines``, read answers until the one with id ``wait_for`` (or
+    the end), then close stdin and wait for the relay to end; the answers and stderr."""
+    answers: list[dict[str, Any]] = []
+    with subprocess.Popen([sys.executable, "-m", "acp_server", "connect", url], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True) as proc:
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        try:
+            proc.stdin.write("".join(json.dumps(line) + "\n" for line in lines))
+            proc.stdin.flush()
+            for raw in proc.stdout:
+                answers.append(json.loads(raw))
+                if answers[-1].get("id") == wait_for:
+                    break
+            proc.stdin.close()
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        stderr = proc.stderr.read()
+        assert proc.returncode == 0, (answers, stderr)
+    return answers, stderr
+
+
+def test_connect_relays_over_http_with_its_token_as_the_bearer(served: Served) -> None:
+    """``acp-server connect http://.../acp`` with ``ACP_SERVER_TOKEN``: the bearer rides every request,
+    so the session is created for the token's tenant; without the token ``initialize`` is refused."""
+    s = served
+    lines = [
+        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}},
+        {"jsonrpc": "2.0", "id": 2, "method": "session/new", "params": {"cwd": s.workspace, "mcpServers": []}},
+    ]
+    env = {**os.environ, "ACP_SERVER_TOKEN": s.secrets["acme"]}
+    answers, stderr = _relay(s.http + "/acp", lines, env, 2)
+    s.seen += [json.dumps(answers), stderr]
+    by_id = {m.get("id"): m for m in answers}
+    assert "result" in by_id[1] and by_id[2]["result"]["sessionId"].startswith("sess_"), (answers, stderr)
+    env.pop("ACP_SERVER_TOKEN")
+    answers, stderr = _relay(s.http + "/acp", lines[:1], env, 1)
+    s.seen += [json.dumps(answers), stderr]
+    assert answers and answers[0]["error"]["data"]["errorKind"] == "unauthorized", (answers, stderr)
