@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from acp_server.auth import AuditLog, TokenRecord, TokenStore, hash_secret
 from acp_server.auth.gate import Authenticator, PeerInfo
 from acp_server.auth.http_rules import UNAUTHORIZED_BODY, bearer_subprotocol, http_identity
+from acp_server.auth.tokens import OWNER
 from acp_server.server import Server
 from acp_server.transports.http.app import AcpHttpApp, HttpLimits
-from acp_server.transports.http.auth import HttpGuard
+from acp_server.transports.http.auth import HttpCaller, HttpGuard, HttpRefusal
 from acp_server.transports.http.rest import RestApi
 from acp_server.transports.http.rules import HostRules
 
@@ -460,3 +461,13 @@ async def test_ndjson_a_second_initialize_cannot_switch_the_proved_tenant() -> N
             acts = [line for line in http.audit_lines() if line["event"] == "admin_act"]
             assert [(a["tokenId"], a["tenant"]) for a in acts] == [("root", "beta")]
             nursery.cancel_scope.cancel()
+
+
+def test_a_unix_socket_listener_is_the_owners() -> None:
+    """On a Unix-socket HTTP listener (mode 0600) the peer is the owner, as on NDJSON's: no token asked."""
+    auth = Authenticator(_store(), audit=AuditLog(stream=io.StringIO()))
+    scope = {"type": "http", "method": "GET", "path": "/capabilities", "headers": [HOST], "client": None}
+    caller = HttpGuard(auth, trusted=True).admit(scope)
+    assert isinstance(caller, HttpCaller) and caller.identity is OWNER
+    refused = HttpGuard(auth).admit(scope)
+    assert isinstance(refused, HttpRefusal) and refused.status == 401

@@ -153,10 +153,14 @@ class HttpGuard:
     Args:
         auth: the server's authenticator (``None``: no tokens; every caller is the owner, tenant
             ``default`` or, on the REST routes, the one ``X-Acp-Tenant`` names).
+        trusted: the listener is a Unix socket (mode 0600): its peers are the owner, as on NDJSON's.
+        clock: the monotonic clock of the audit's once-a-minute successes.
     """
 
-    def __init__(self, auth: Authenticator | None, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.auth = auth
+    def __init__(
+        self, auth: Authenticator | None, *, trusted: bool = False, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.auth = None if trusted else auth
         self._clock = clock
         #: (token id, address, transport) -> when its last ``auth_ok`` line was written
         self._audited: OrderedDict[tuple[str, str | None, str], float] = OrderedDict()
