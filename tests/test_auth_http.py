@@ -471,3 +471,22 @@ def test_a_unix_socket_listener_is_the_owners() -> None:
     assert isinstance(caller, HttpCaller) and caller.identity is OWNER
     refused = HttpGuard(auth).admit(scope)
     assert isinstance(refused, HttpRefusal) and refused.status == 401
+
+
+async def test_an_acp_connection_answers_only_the_token_that_opened_it() -> None:
+    """``initialize`` with acme's token opens a connection bound to it: a request on that connection
+    id with beta's (valid) token is 404 ``unknown_connection``; acme's own goes through."""
+    async with _http() as http:
+        initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}}
+        status, headers, body = await http.request("POST", "/acp", token=ACME, body=initialize)
+        assert status == 200 and "result" in json.loads(body)
+        assert "acp-server-token" not in body.decode()  # the bearer proved the token already
+        conn = [(b"acp-connection-id", headers[b"acp-connection-id"])]
+        listing = {"jsonrpc": "2.0", "id": 2, "method": "session/list", "params": {}}
+        status, _, body = await http.request("POST", "/acp", token=BETA, headers=conn, body=listing)
+        assert status == 404 and _error(body)["code"] == "unknown_connection"
+        status, _, _ = await http.request("POST", "/acp", token=ACME, headers=conn, body=listing)
+        assert status == 202
+        status, _, _ = await http.request("DELETE", "/acp", token=BETA, headers=conn)
+        assert status == 404
+        assert (await http.request("DELETE", "/acp", token=ACME, headers=conn))[0] == 202
