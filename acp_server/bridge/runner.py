@@ -164,11 +164,11 @@ class SessionRunner:
                             continue
                         item = fifo[0]
                         if item.settled:
-                            fifo.popleft()
+                            del fifo[0]
                             continue
                         if isinstance(item, ForkTicket):
                             await self._fork(session, item)
-                            fifo.popleft()
+                            del fifo[0]
                             continue
                         if persistence.committed < item.store_op:
                             # its admission record first
@@ -178,7 +178,7 @@ class SessionRunner:
                         if (policy.enabled or isinstance(item.lease, SharedHold)) and not await self._take_seat(item):
                             continue  # settled while it waited for a seat: the loop drops it
                         await self._call_backend(item, scope)
-                        fifo.popleft()
+                        del fifo[0]
                         if scope.cancel_called:
                             break  # the call finished before the cancel reached it
         finally:
