@@ -561,7 +561,7 @@ async def _connections(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.wait_for(_one_connection(reader, writer, args.text, now), args.timeout)
         new_client_s = time.perf_counter() - connect_started
         writer.close()
-    except (OSError, LoadError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, LoadError) as exc:
         new_client_error = f"{type(exc).__name__}: {exc}"[:120]
     for _, writer in streams:
         writer.close()
