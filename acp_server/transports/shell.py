@@ -632,8 +632,10 @@ class ConnectionShell:
     def _deferred_done(self, req: Request, reply: Callable[[bytes], None], result: Any, error: Any) -> None:
         self._inflight -= 1
         slot = self._slots.pop(req.id, None)
-        if slot is not None and not slot.running:
-            self._finished_unanswered -= 1
+        if slot is not None:
+            slot.deferred = None  # it is answered: the slot and the deferred no longer hold each other
+            if not slot.running:
+                self._finished_unanswered -= 1
         if not self._closed:
             data = self.dispatcher.shape(req.id, result, error)
             if error is None or slot is None:
