@@ -288,7 +288,9 @@ class SessionRunner:
                 stop_reason = await session.backend.prompt(turn)
             finally:
                 ticket.call_scope = None  # the call is over: settling now abandons nothing
-            result = PromptResult(stop_reason=stop_reason, meta={**turn.result_meta, "promptId": ticket.prompt_id})
+            extra = turn.result_meta
+            meta = {**extra, "promptId": ticket.prompt_id} if extra else {"promptId": ticket.prompt_id}
+            result = PromptResult(stop_reason=stop_reason, meta=meta)
         except AcpError as exc:
             result, error = None, exc
         except trio.Cancelled:
