@@ -549,6 +549,20 @@ async def _connections(args: argparse.Namespace) -> dict[str, Any]:
     outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), args.timeout)
     wall = time.perf_counter() - started
     peak = rss_bytes(args.server_pid)
+    # One more client while every other connection is still open: connect, initialize, open a
+    # session and prompt once; the time from connect() to the prompt's answer.
+    new_client_s: float | None = None
+    new_client_error: str | None = None
+    try:
+        connect_started = time.perf_counter()
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", args.port), args.timeout)
+        now = asyncio.Event()
+        now.set()
+        await asyncio.wait_for(_one_connection(reader, writer, args.text, now), args.timeout)
+        new_client_s = time.perf_counter() - connect_started
+        writer.close()
+    except (TimeoutError, OSError, LoadError) as exc:
+        new_client_error = f"{type(exc).__name__}: {exc}"[:120]
     for _, writer in streams:
         writer.close()
     await asyncio.gather(*(w.wait_closed() for _, w in streams), return_exceptions=True)
@@ -567,6 +581,8 @@ async def _connections(args: argparse.Namespace) -> dict[str, Any]:
         "rss_before_bytes": before,
         "rss_all_open_bytes": peak,
         "rss_per_connection_bytes": round((peak - before) / max(1, len(streams)), 1),
+        "new_client_ms": _ms(new_client_s),
+        "new_client_error": new_client_error,
     }
 
 

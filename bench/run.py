@@ -34,13 +34,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from openai_bench import OpenAISizes, run_openai
 from procfs import cpu_source, percentile
 from http_ab import HttpSizes, run_http
+from loadgen import raise_nofile_limit
 from sdk_ab import AbSizes, Totals, run_ab
 from servers import BENCH, BenchError, TcpServer, acp_server_argv, sdk_echo_argv, server_flags, shell_command
 from startup import median_ms, startup_runs
@@ -48,6 +49,7 @@ from startup import median_ms, startup_runs
 SCENARIOS = ("sdk", "pipelined", "overload", "scale", "openai", "coordinator", "http")
 DEFAULT_OUT = BENCH / "results" / "latest.json"
 TEXT = "the quick brown fox jumps over the lazy dog"
+ONE_WORD = "hello"
 #: Trivial requests in flight: enough that the server never waits for the client between batches.
 RPC_WINDOW = 1024
 
@@ -76,8 +78,8 @@ FULL = Sizes(
     # 3x the pending limit (5) per session stays under --max-inflight-requests (256) on one connection.
     overload_sessions=16,
     refusal_round_trips=2000,
-    idle_sessions=10_000,
-    connections=1000,
+    idle_sessions=100_000,
+    connections=10_000,
     startup_runs=11,
 )
 TINY = Sizes(
@@ -182,45 +184,56 @@ def median_run(results: list[dict[str, Any]], key: str) -> dict[str, Any]:
 def scenario_sdk(report: Report, sizes: Sizes) -> None:
     ab = sizes.ab
     ours, sdk = shell_command([*acp_server_argv(), "serve", "--stdio"]), shell_command(sdk_echo_argv())
-    progress(f"1: SDK client -> {sdk} | {ours}, {ab.rounds} A/B rounds")
-    totals = run_ab({"sdk": sdk_echo_argv(), "ours": [*acp_server_argv(), "serve", "--stdio"]}, ab)
     raw: dict[str, Any] = {
         "agents": {"ours": ours, "sdk": sdk},
         "sizes": asdict(ab),
         "words_per_prompt": len(ab.text.split()),
     }
-    for workload, label in (
-        ("sequential", "sequential prompts, 1 session"),
-        ("concurrent", f"{ab.sessions} sessions at once"),
-    ):
-        per: dict[str, dict[str, Any]] = {}
-        for name in ("ours", "sdk"):
-            t: Totals = totals[name][workload]
-            per[name] = {
-                "prompts": t.prompts,
-                "prompts_per_s": t.prompts / t.seconds,
-                "p50_ms": _ms(percentile(t.latencies, 0.50)),
-                "p99_ms": _ms(percentile(t.latencies, 0.99)),
-                "cpu_us_per_prompt": t.cpu_s * 1e6 / t.prompts,
-                "rounds": t.rounds,
-            }
-        raw[workload] = per
-        o, s = per["ours"], per["sdk"]
-        report.add("sdk", f"{label}: prompts/s", "1/s", o["prompts_per_s"], sdk=s["prompts_per_s"])
-        report.add("sdk", f"{label}: p50 latency", "ms", o["p50_ms"], sdk=s["p50_ms"])
-        report.add("sdk", f"{label}: p99 latency", "ms", o["p99_ms"], sdk=s["p99_ms"])
-        cpu_o, cpu_s = o["cpu_us_per_prompt"], s["cpu_us_per_prompt"]
-        met = cpu_o is not None and cpu_s is not None and cpu_o <= cpu_s / 3
-        report.add(
-            "sdk", f"{label}: server CPU per prompt", "µs", cpu_o, sdk=cpu_s, goal="<= 1/3 of SDK", met=met
-        )
+    # The nine-word prompt (nine updates) keeps the rows' historical names; the one-word prompt (one
+    # update: the per-prompt machinery alone) gets its own rows and raw figures.
+    for text, prefix, key in ((ab.text, "", ""), (ONE_WORD, "1 word: ", "one_word_")):
+        sized = replace(ab, text=text)
+        progress(f"1: SDK client -> {sdk} | {ours}, {ab.rounds} A/B rounds, prompts of {len(text.split())} word(s)")
+        totals = run_ab({"sdk": sdk_echo_argv(), "ours": [*acp_server_argv(), "serve", "--stdio"]}, sized)
+        for workload, label in (
+            ("sequential", "sequential prompts, 1 session"),
+            ("concurrent", f"{ab.sessions} sessions at once"),
+        ):
+            per: dict[str, dict[str, Any]] = {}
+            for name in ("ours", "sdk"):
+                t: Totals = totals[name][workload]
+                per[name] = {
+                    "prompts": t.prompts,
+                    "prompts_per_s": t.prompts / t.seconds,
+                    "p50_ms": _ms(percentile(t.latencies, 0.50)),
+                    "p99_ms": _ms(percentile(t.latencies, 0.99)),
+                    "cpu_us_per_prompt": t.cpu_s * 1e6 / t.prompts,
+                    "rounds": t.rounds,
+                }
+            raw[key + workload] = per
+            o, s = per["ours"], per["sdk"]
+            label = prefix + label
+            report.add("sdk", f"{label}: prompts/s", "1/s", o["prompts_per_s"], sdk=s["prompts_per_s"])
+            report.add("sdk", f"{label}: p50 latency", "ms", o["p50_ms"], sdk=s["p50_ms"])
+            p99_goal = workload == "concurrent"
+            report.add(
+                "sdk", f"{label}: p99 latency", "ms", o["p99_ms"], sdk=s["p99_ms"],
+                goal="<= SDK" if p99_goal else None,
+                met=(o["p99_ms"] is not None and s["p99_ms"] is not None and o["p99_ms"] <= s["p99_ms"])
+                if p99_goal else None,
+            )
+            cpu_o, cpu_s = o["cpu_us_per_prompt"], s["cpu_us_per_prompt"]
+            met = cpu_o is not None and cpu_s is not None and cpu_o <= cpu_s / 3
+            report.add(
+                "sdk", f"{label}: server CPU per prompt", "µs", cpu_o, sdk=cpu_s, goal="<= 1/3 of SDK", met=met
+            )
     scenario_startup(report, sizes, raw)
     report.scenarios["sdk"] = raw
     words = len(ab.text.split())
     report.notes.append(
-        f"Scenario 1: prompts of {words} words ({words} updates each) over stdio, {ab.rounds} alternating "
-        "A/B round(s); prompts/s and latency are bounded by the SDK client (the same on both sides), the "
-        "server CPU per prompt is the agent process's own, read from /proc."
+        f"Scenario 1: prompts of {words} words ({words} updates each), then of one word (rows '1 word'), over "
+        f"stdio, {ab.rounds} alternating A/B round(s) each; prompts/s and latency are bounded by the SDK client "
+        "(the same on both sides), the server CPU per prompt is the agent process's own, read from /proc."
     )
 
 
@@ -529,6 +542,10 @@ def scenario_overload(report: Report, sizes: Sizes) -> None:
 def scenario_scale(report: Report, sizes: Sizes) -> None:
     raw: dict[str, Any] = {"runs": []}
     runs = raw["runs"]
+    # The connections need a descriptor each on both sides: the soft RLIMIT_NOFILE goes up to the hard
+    # limit for this run (the server started below inherits it; the load generator raises its own).
+    soft = raise_nofile_limit(sizes.connections + 4096)
+    raw["nofile_soft_limit"] = soft
     extra: list[str] = []
     if "--max-sessions" in server_flags():
         extra = ["--max-sessions", str(2 * sizes.idle_sessions)]
@@ -539,7 +556,10 @@ def scenario_scale(report: Report, sizes: Sizes) -> None:
     with TcpServer(extra) as server:
         progress(f"4: {sizes.idle_sessions} idle sessions: {server.command}")
         idle = loadgen("sessions", server, ["--count", str(sizes.idle_sessions)], runs)
-    with TcpServer() as server:
+    conn_extra = ["--max-connections", str(sizes.connections + 16)]
+    if extra:
+        conn_extra += ["--max-sessions", str(2 * sizes.connections)]
+    with TcpServer(conn_extra) as server:
         progress(f"4: {sizes.connections} connections at once: {server.command}")
         conns = loadgen("connections", server, ["--count", str(sizes.connections)], runs)
     raw.update({"sessions": idle, "connections": conns})
@@ -550,8 +570,8 @@ def scenario_scale(report: Report, sizes: Sizes) -> None:
         f"RSS per idle session at {sizes.idle_sessions:,} sessions",
         "bytes",
         per,
-        goal="<= 8 KiB",
-        met=per <= 8192,
+        goal="<= 2 KiB",
+        met=per <= 2048,
     )
     report.add("scale", "session/new, pipelined: sessions/s", "1/s", idle["session_new_per_s"])
     served = conns["served"]
@@ -565,7 +585,21 @@ def scenario_scale(report: Report, sizes: Sizes) -> None:
     )
     report.add("scale", f"{sizes.connections:,} connections: wall time", "s", conns["wall_s"])
     report.add("scale", f"{sizes.connections:,} connections: p99 time to answer", "ms", conns["p99_ms"])
-    report.add("scale", "RSS per open connection", "bytes", conns["rss_per_connection_bytes"])
+    per_conn = conns["rss_per_connection_bytes"]
+    report.add(
+        "scale", "RSS per open connection", "bytes", per_conn, goal="<= 16 KiB", met=per_conn <= 16384
+    )
+    new_ms = conns.get("new_client_ms")
+    report.add(
+        "scale",
+        f"a new client with {sizes.connections:,} open: connect to its prompt answered",
+        "ms",
+        new_ms,
+        goal="<= 1 s",
+        met=new_ms is not None and new_ms <= 1000,
+    )
+    if conns.get("new_client_error"):
+        report.notes.append(f"Scenario 4: the new client failed: {conns['new_client_error']}")
 
 
 # --- scenario 5 ----------------------------------------------------------------------------------

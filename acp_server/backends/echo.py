@@ -68,6 +68,8 @@ class EchoBackend(BaseBackend):
                 emit(AgentMessageChunk(content=TextContent(text=chunk)))
         if self.delay_ms:
             await trio.sleep_until(start + self.delay_ms / 1000)
-        else:
-            await trio.lowlevel.checkpoint()
+        # Without a delay the turn ends here, without yielding: its updates and its answer are then
+        # queued in one step of the runner and leave in one write (a yield here split them in two
+        # writes half the time, and cost the runner a second scheduler pass). The runner yields as it
+        # parks, so a loop of prompts still lets everything else run.
         return "end_turn"

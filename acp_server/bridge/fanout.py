@@ -27,6 +27,7 @@ import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from functools import partial
+from time import time_ns
 from typing import Any, TypeAlias
 
 import msgspec
@@ -34,7 +35,7 @@ import trio
 
 from ..store import TURN_STATE, StoredEvent
 from ..types.ext import TERMINAL_TURN_STATES
-from .clients import ClientRegistry, now_ms
+from .clients import ClientRegistry
 from .persistence import Persistence
 from .session import Peer, PromptTicket, Session
 
@@ -122,10 +123,13 @@ class FanOut:
         if not session.attached:
             self._add_event(session.session_id, event_id, update)
             return
+        if exclude is not None and len(session.attached) == 1 and exclude in session.attached:
+            # a prompt's own text, to the one connection that sent it: nobody else to tell, and nothing
+            # to encode here (the store encodes it, as for a session nobody is attached to)
+            self._add_event(session.session_id, event_id, update)
+            return
         body = _encoder.encode(update)  # once, for the wire and the store
         self._add_event(session.session_id, event_id, body)
-        if exclude is not None and len(session.attached) == 1 and exclude in session.attached:
-            return  # a prompt's own text, to the one connection that sent it: nobody else to tell
         self.send(session, encode_update(session.session_id, event_id, body, originator), exclude)
 
     def turn_state(self, ticket: PromptTicket, state: str, *, reason: str | None = None, position: int | None = None) -> None:
@@ -141,7 +145,7 @@ class FanOut:
         session.next_event_id = event_id + 1
         # TurnStateParams' shape (tests decode every one into it); the reason (a stop reason may come
         # from an agent) is JSON-encoded.
-        fields = f'"promptId":"{ticket.prompt_id}","state":"{state}","at":{now_ms()}'
+        fields = f'"promptId":"{ticket.prompt_id}","state":"{state}","at":{time_ns() // 1_000_000}'  # epoch ms, as now_ms()
         if reason is not None:
             fields += ',"reason":' + _encoder.encode(reason).decode()
         if position is not None:

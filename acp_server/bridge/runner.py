@@ -164,11 +164,11 @@ class SessionRunner:
                             continue
                         item = fifo[0]
                         if item.settled:
-                            fifo.popleft()
+                            del fifo[0]
                             continue
                         if isinstance(item, ForkTicket):
                             await self._fork(session, item)
-                            fifo.popleft()
+                            del fifo[0]
                             continue
                         if persistence.committed < item.store_op:
                             # its admission record first
@@ -178,7 +178,7 @@ class SessionRunner:
                         if (policy.enabled or isinstance(item.lease, SharedHold)) and not await self._take_seat(item):
                             continue  # settled while it waited for a seat: the loop drops it
                         await self._call_backend(item, scope)
-                        fifo.popleft()
+                        del fifo[0]
                         if scope.cancel_called:
                             break  # the call finished before the cancel reached it
         finally:
@@ -288,7 +288,9 @@ class SessionRunner:
                 stop_reason = await session.backend.prompt(turn)
             finally:
                 ticket.call_scope = None  # the call is over: settling now abandons nothing
-            result = PromptResult(stop_reason=stop_reason, meta={**turn.result_meta, "promptId": ticket.prompt_id})
+            extra = turn.result_meta
+            meta = {**extra, "promptId": ticket.prompt_id} if extra else {"promptId": ticket.prompt_id}
+            result = PromptResult(stop_reason=stop_reason, meta=meta)
         except AcpError as exc:
             result, error = None, exc
         except trio.Cancelled:

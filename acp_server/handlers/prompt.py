@@ -13,6 +13,12 @@ __all__ = ["prompt"]
 
 def prompt(ctx: ConnContext, params: PromptParams) -> Deferred:
     bridge = ctx.bridge
+    if not params.meta and bridge.shared is None:  # the usual prompt: none of our _meta keys to read
+        ticket, duplicate = bridge.admit(
+            params.session_id, params.prompt, peer=ctx.peer, cancelled=ctx.cancelled, channel=ctx.channel(),
+            tenant=ctx.tenant,
+        )
+        return bridge.waiter(ticket, owner=not duplicate)
     key = meta_str(params.meta, "idempotencyKey")
     if bridge.shared is not None:  # the limits are a cluster's: the shared part is a coordinator call
         return admit_shared(

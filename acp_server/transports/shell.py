@@ -34,7 +34,6 @@ Refusals inside a batch are answered in the batch's array and not timed.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 from collections.abc import Callable, Coroutine
@@ -116,6 +115,9 @@ class _BatchReplies:
 class ConnectionShell:
     """Serve one JSON-RPC connection on a trio stream.
 
+    Its attributes are slots (a server holds one per connection: an instance dict of this many keys
+    took ~1.5 KiB); ``__dict__`` stays for attributes a subclass or a caller adds.
+
     Args:
         stream: the byte stream (socket, stdio pair, or in-memory for tests).
         dispatcher: routes requests and notifications to handlers.
@@ -134,6 +136,48 @@ class ConnectionShell:
         refusal_kinds: where to count each overload refusal written, by ``errorKind``.
         transport: what the connection came over (``tcp``, ``ws``, ...), for statistics.
     """
+
+    __slots__ = (
+        "__dict__",
+        "_closed",
+        "_drain_scope",
+        "_drained",
+        "_drained_event",
+        "_finished_unanswered",
+        "_first_message_timeout_s",
+        "_got_line",
+        "_handlers",
+        "_holds",
+        "_idle_timeout_s",
+        "_inflight",
+        "_input_ended",
+        "_last_input",
+        "_on_close",
+        "_out",
+        "_out_bytes",
+        "_outbound",
+        "_reader_scope",
+        "_refusal_kinds",
+        "_refusal_latency",
+        "_refusals_queued",
+        "_room",
+        "_slots",
+        "_slots_gone",
+        "_waiting",
+        "_writer_coalesce",
+        "_writer_spot",
+        "core",
+        "ctx",
+        "dispatcher",
+        "drain_timeout_s",
+        "evicted",
+        "max_inflight",
+        "max_outbound_bytes",
+        "name",
+        "peer_id",
+        "stream",
+        "transport",
+    )
 
     def __init__(
         self,
@@ -172,14 +216,15 @@ class ConnectionShell:
         self._refusals_queued: list[int] = []  # read stamps of the refusals now in _out
         self._writer_spot = ParkingSpot()  # where the writer waits for output
         self._writer_coalesce = False
-        self._drained = trio.Event()
-        self._drained.set()
+        #: nothing is queued for the writer; ``_drained_event`` is made only when somebody waits for it
+        self._drained = True
+        self._drained_event: trio.Event | None = None
         self._slots: dict[Any, _Slot] = {}
-        self._waiting: collections.deque[Request] = collections.deque()
+        self._waiting: list[Request] = []  # a list: an empty deque alone takes ~760 bytes
         self._inflight = 0  # started and not answered
         #: of those, the ones whose work is over and whose answer waits (they no longer count as running)
         self._finished_unanswered = 0
-        self._room = trio.Event()
+        self._room: trio.Event | None = None  # what the reader waits on while too many requests wait
         self._outbound: dict[Any, trio.MemorySendChannel[Response]] = {}
         self._reader_scope = trio.CancelScope()
         self._handlers: trio.Nursery | None = None
@@ -190,7 +235,7 @@ class ConnectionShell:
         self._input_ended = False  # the peer's input ended (EOF): nothing more will be read
         self._got_line = False  # a complete line has arrived
         self._last_input = 0.0  # trio.current_time() of the last bytes read
-        self._slots_gone = trio.Event()  # set when the last request in flight leaves _slots
+        self._slots_gone: trio.Event | None = None  # set when the last request in flight leaves _slots
         self._drain_scope = trio.CancelScope()
         self.ctx = make_context(self)
 
@@ -222,7 +267,7 @@ class ConnectionShell:
         :data:`RELIABLE_WATERMARK_BYTES` (or the outbound bound, if lower) are queued, instead of overflowing."""
         mark = min(RELIABLE_WATERMARK_BYTES, self.max_outbound_bytes)
         while self._out_bytes > mark and not self._closed:
-            await self._drained.wait()
+            await self._wait_drained()
         self.reply(data)
 
     def _enqueue(self, data: bytes) -> None:
@@ -241,13 +286,28 @@ class ConnectionShell:
         """
         if self._writer_spot.wake():
             self._writer_coalesce = update
-        if self._drained.is_set():
-            self._drained = trio.Event()
+        self._drained = False
+
+    def _set_drained(self) -> None:
+        self._drained = True
+        event = self._drained_event
+        if event is not None:
+            self._drained_event = None
+            event.set()
+
+    async def _wait_drained(self) -> None:
+        """Return once nothing is queued for the writer (a checkpoint either way)."""
+        if self._drained:
+            await trio.lowlevel.checkpoint()
+            return
+        event = self._drained_event
+        if event is None:
+            event = self._drained_event = trio.Event()
+        await event.wait()
 
     async def _wait_for_room(self) -> None:
         while self._out_bytes > self.max_outbound_bytes and not self._closed:
-            drained = self._drained
-            await drained.wait()
+            await self._wait_drained()
 
     def _evict(self) -> None:
         log.warning(
@@ -331,7 +391,7 @@ class ConnectionShell:
                                 slot.deferred.cancel(connection_lost=True)
                         handlers.cancel_scope.cancel()
                 with trio.move_on_after(_FLUSH_TIMEOUT_S):
-                    await self._drained.wait()
+                    await self._wait_drained()
                 outer.cancel_scope.cancel()
         finally:
             self._mark_closed()
@@ -367,11 +427,11 @@ class ConnectionShell:
 
     async def _wait_slots_gone(self) -> None:
         while self._slots:
-            self._slots_gone = trio.Event()
-            await self._slots_gone.wait()
+            gone = self._slots_gone = trio.Event()
+            await gone.wait()
 
     def _slot_done(self) -> None:
-        if not self._slots:
+        if not self._slots and self._slots_gone is not None:
             self._slots_gone.set()
 
     def _holds_nothing(self) -> bool:
@@ -404,7 +464,7 @@ class ConnectionShell:
         try:
             while True:
                 if not self._out:
-                    self._drained.set()
+                    self._set_drained()
                     await self._writer_spot.park()
                     if self._writer_coalesce:
                         # Let the tasks woken with us queue their part first: a turn's last updates
@@ -417,6 +477,7 @@ class ConnectionShell:
                 if self._refusals_queued:  # taken with the bytes that carry them, not aliased
                     refused, self._refusals_queued = self._refusals_queued, []
                 await stream.send_all(data)
+                data = b""  # not kept while the writer waits: an idle connection would hold its last write
                 if refused is not None:
                     self._record_refusals(refused)
         except Exception as exc:
@@ -427,7 +488,7 @@ class ConnectionShell:
             self._out = []
             self._out_bytes = 0
             self._refusals_queued = []
-            self._drained.set()
+            self._set_drained()
             self.close()
 
     def _record_refusals(self, read_stamps: list[int]) -> None:
@@ -457,8 +518,8 @@ class ConnectionShell:
         limit_waiting = 4 * self.max_inflight
         while True:
             while len(self._waiting) >= limit_waiting:
-                self._room = trio.Event()
-                await self._room.wait()
+                room = self._room = trio.Event()
+                await room.wait()
             if self._out_bytes > self.max_outbound_bytes:
                 await self._wait_for_room()
             data = await self.stream.receive_some(_READ_SIZE)
@@ -571,8 +632,10 @@ class ConnectionShell:
     def _deferred_done(self, req: Request, reply: Callable[[bytes], None], result: Any, error: Any) -> None:
         self._inflight -= 1
         slot = self._slots.pop(req.id, None)
-        if slot is not None and not slot.running:
-            self._finished_unanswered -= 1
+        if slot is not None:
+            slot.deferred = None  # it is answered: the slot and the deferred no longer hold each other
+            if not slot.running:
+                self._finished_unanswered -= 1
         if not self._closed:
             data = self.dispatcher.shape(req.id, result, error)
             if error is None or slot is None:
@@ -584,8 +647,11 @@ class ConnectionShell:
 
     def _start_waiting(self) -> None:
         while self._waiting and self._inflight - self._finished_unanswered < self.max_inflight:
-            self._start(self._waiting.popleft(), self.reply)
-        self._room.set()
+            self._start(self._waiting.pop(0), self.reply)
+        room = self._room
+        if room is not None:
+            self._room = None
+            room.set()
 
     async def _finish(
         self, req: Request, pending: Coroutine[Any, Any, Any], slot: _Slot, reply: Callable[[bytes], None]
