@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import trio
 import trio.testing
+from prometheus_client.parser import text_string_to_metric_families
 
 from acp_server.admission import Limits
 from acp_server.backends import EchoBackend
+from acp_server.metrics import render_metrics
 from acp_server.statsfeed import SNAPSHOT_METHOD
 
 from .helpers import connect, running_server
@@ -14,6 +16,16 @@ from .helpers import connect, running_server
 
 def prompt_params(session_id: str) -> dict[str, object]:
     return {"sessionId": session_id, "prompt": [{"type": "text", "text": "hello"}]}
+
+
+def _refusals_metric(snapshot: dict[str, object]) -> dict[str, float]:
+    """``acp_server_refusals_total{kind}`` as ``/metrics`` renders ``snapshot``."""
+    out = {}
+    for family in text_string_to_metric_families(render_metrics(snapshot).decode()):
+        for sample in family.samples:
+            if sample.name == "acp_server_refusals_total":
+                out[sample.labels["kind"]] = sample.value
+    return out
 
 
 def _snapshots(client: object) -> list[dict[str, object]]:
@@ -42,6 +54,11 @@ async def test_subscribe_feeds_snapshots_until_unsubscribe(autojump_clock: trio.
         assert len(later) - count == 3 or len(later) - count == 4
         last = later[-1]
         assert last["refusals"]["byKind"] == {"prompt_queue_full": 1}  # type: ignore[index]
+        # /metrics counts the same refusals by the same kinds
+        assert _refusals_metric(server.stats_snapshot()) == {"prompt_queue_full": 1}
+        again = await client.call_raw("session/prompt", prompt_params(session_id))
+        assert again["error"]["data"]["errorKind"] == "prompt_queue_full"
+        assert _refusals_metric(server.stats_snapshot()) == {"prompt_queue_full": 2}
         assert last["sessions"] == [  # type: ignore[comparison-overlap]
             {"sessionId": session_id, "tenant": "default", "pending": 1, "running": True, "attached": 1}
         ]
