@@ -110,15 +110,32 @@ export class Rpc {
 
   /** Send a request; resolves with its result, rejects with an RpcError. */
   send(method, params) {
+    return this.request(method, params).done;
+  }
+
+  /**
+   * Send a request and say which id it went with: `{id, done}` (`id` is null when it could not go
+   * out). The id is what `cancel(id)` names in `$/cancel_request`.
+   */
+  request(method, params) {
     const ws = this.ws;
     if (!ws || ws.readyState !== WebSocket.OPEN) {
-      return Promise.reject(new RpcError({ code: -32000, message: "not connected to the server (reconnecting)", data: { errorKind: "connection_lost" } }));
+      const lost = new RpcError({ code: -32000, message: "not connected to the server (reconnecting)", data: { errorKind: "connection_lost" } });
+      return { id: null, done: Promise.reject(lost) };
     }
     const id = this.nextId++;
-    return new Promise((resolve, reject) => {
+    const done = new Promise((resolve, reject) => {
       this.pending.set(id, { resolve, reject });
       ws.send(JSON.stringify({ jsonrpc: "2.0", id, method, params }));
     });
+    return { id, done };
+  }
+
+  /** `$/cancel_request` for a request of ours still in flight on this socket; false if there is none. */
+  cancel(id) {
+    if (id === null || !this.pending.has(id)) return false;
+    this.notify("$/cancel_request", { requestId: id });
+    return true;
   }
 
   call(method, params) {
