@@ -116,6 +116,7 @@ def test_operations_view_reflects_a_load(page: Page, echo: ServerProcess) -> Non
     page.goto(echo.http_url + "/")
     expect(page.locator("#transports tr[data-key=ws] td").nth(1)).to_have_text("1")
     expect(page.locator("#pools tr[data-key=echo] td").first).to_have_text("echo")
+    expect(page.locator("#cluster")).to_be_hidden()  # no coordinator: no cluster card
     load = echo.load(6, text="one two three four five")
     try:
         expect(page.locator("#n-pending")).not_to_have_text("0", timeout=10_000)
