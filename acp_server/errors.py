@@ -46,7 +46,9 @@ schemas agree. Blame is split as in h11: the peer's fault, overload, and our own
     │   ├── SessionNotEstablishedError      -32600 session_not_established (404)
     │   ├── BatchNotSupportedError          -32600 batch_not_supported (501)
     │   ├── SubscriberLimitExceededError    -32017 subscriber_limit_exceeded (429, Retry-After)
-    │   └── TooManyConnectionsError         -32011 too_many_connections (503, Retry-After)
+    │   ├── TooManyConnectionsError         -32011 too_many_connections (503, Retry-After)
+    │   ├── UnauthorizedError               -32600 unauthorized (401: missing, malformed, wrong or expired token)
+    │   └── InsufficientScopeError          -32600 insufficient_scope (403: the token lacks admin/metrics)
     └── InternalError                       -32603 internal (bugs only: overload is never -32603)
 """
 
@@ -70,6 +72,7 @@ __all__ = [
     "SessionNotEstablishedError",
     "SubscriberLimitExceededError",
     "TooManyConnectionsError",
+    "UnauthorizedError",
     "UnknownConnectionError",
     "UnsupportedMediaTypeError",
     "REGISTRY",
@@ -85,6 +88,7 @@ __all__ = [
     "CapacityUnavailableError",
     "DuplicateInFlightError",
     "IdempotencyKeyConflictError",
+    "InsufficientScopeError",
     "InternalError",
     "InvalidClientIdError",
     "InvalidParamsError",
@@ -465,6 +469,25 @@ class TooManyConnectionsError(HttpError):
     template = "The HTTP listener holds its limit of {limit} connections; retry after {retry_after_ms} ms"
     retryable = True
     data_type = data.TooManyConnectionsData
+
+
+class UnauthorizedError(HttpError):
+    """The one 401 of the HTTP listener: the same body for a missing, malformed, wrong or expired token."""
+
+    kind = "unauthorized"
+    status = 401
+    template = (
+        "A valid token is required: send Authorization: {scheme} <secret> (a browser's WebSocket: the "
+        "subprotocols acp.v1 and acp-bearer.<base64url(secret), no padding>)"
+    )
+    data_type = data.UnauthorizedData
+
+
+class InsufficientScopeError(HttpError):
+    kind = "insufficient_scope"
+    status = 403
+    template = "This route needs a token with one of the scopes {scopes}"
+    data_type = data.InsufficientScopeData
 
 
 class InternalError(AcpError):

@@ -377,7 +377,13 @@ def render_metrics(snapshot: Snapshot, *, tenant_labels: bool = False) -> bytes:
     return generate_latest(registry)
 
 
-def _metrics_app(snapshot: Callable[[], Snapshot], tenant_labels: bool) -> Callable[..., Any]:
+def _metrics_app(snapshot: Callable[[], Snapshot], tenant_labels: bool, auth: Any = None) -> Callable[..., Any]:
+    guard = None
+    if auth is not None:  # tokens are on: a scrape proves one with the admin or metrics scope
+        from .transports.http.auth import HttpGuard
+
+        guard = HttpGuard(auth)
+
     async def app(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         if scope["type"] == "lifespan":
             while True:
@@ -389,6 +395,11 @@ def _metrics_app(snapshot: Callable[[], Snapshot], tenant_labels: bool) -> Calla
                     return
         if scope["type"] != "http":
             await send({"type": "websocket.close", "code": 1000, "reason": None})
+            return
+        refusal = guard.scrape(dict(scope)) if guard is not None else None
+        if refusal is not None:
+            await send({"type": "http.response.start", "status": refusal.status, "headers": refusal.headers})
+            await send({"type": "http.response.body", "body": refusal.body, "more_body": False})
             return
         if scope["method"] == "GET" and scope["path"] == METRICS_PATH:
             snap = snapshot()  # in the trio thread: the bridge's state is only read there
@@ -421,6 +432,7 @@ async def serve_metrics(
     address: ListenAddress,
     *,
     tenant_labels: bool = False,
+    auth: Any = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``GET /metrics`` over HTTP on ``address`` until cancelled; anything else is a 404.
@@ -433,6 +445,9 @@ async def serve_metrics(
         snapshot: called in the trio thread on each scrape; the rendering runs in a worker thread.
         address: a ``tcp`` address (port 0: any free port).
         tenant_labels: label tenant series with tenant ids (see :func:`render_metrics`).
+        auth: the server's :class:`~acp_server.auth.gate.Authenticator` (``--auth-tokens``): every
+            request then shows ``Authorization: Bearer`` of a token with the ``admin`` or ``metrics``
+            scope (401 with the listener's one body, 403 ``insufficient_scope``); ``None``: open.
 
     Raises:
         ValueError: ``address`` is not a TCP address.
@@ -454,6 +469,6 @@ async def serve_metrics(
         config.graceful_timeout = 0.5
         shown = f"[{host}]" if ":" in host else host
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve, _metrics_app(snapshot, tenant_labels), config)
+            await nursery.start(serve, _metrics_app(snapshot, tenant_labels, auth), config)
             print(f"acp-server: metrics on http://{shown}:{port}{METRICS_PATH}", file=sys.stderr, flush=True)
             task_status.started((host, port))

@@ -253,7 +253,9 @@ class Server:
         if info is not None:  # tokens are configured: only the owner's transports skip them
             ctx.peer_info = info
             if not info.trusted:
-                ctx.identity = None
+                ctx.identity = info.identity  # None unless the transport checked a token (HTTP's bearer)
+                if info.identity is not None:
+                    ctx.tenant = info.tenant or info.identity.tenant or "default"
         return ctx
 
     def _holds(self, shell: ConnectionShell) -> bool:
@@ -437,7 +439,7 @@ async def _serve(
                 from .metrics import serve_metrics  # hypercorn and prometheus_client load only when asked
 
                 await listeners.start(
-                    partial(serve_metrics, tenant_labels=config.metrics_tenant_labels),
+                    partial(serve_metrics, tenant_labels=config.metrics_tenant_labels, auth=server.auth),
                     server.stats_snapshot,
                     config.metrics_listen,
                 )

@@ -67,6 +67,8 @@ EXPECTED_CODES = {
     "batch_not_supported": -32600,
     "subscriber_limit_exceeded": -32017,
     "too_many_connections": -32011,
+    "unauthorized": -32600,
+    "insufficient_scope": -32600,
 }
 
 KINDS = sorted(REGISTRY)

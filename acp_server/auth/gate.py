@@ -35,18 +35,30 @@ class PeerInfo:
     """Where a connection comes from.
 
     Attributes:
-        transport: ``tcp``, ``tls``, ``unix``, ``stdio`` or ``stream`` (anything else: memory, pipes).
+        transport: ``tcp``, ``tls``, ``unix``, ``stdio``, ``http``, ``ws`` or ``stream`` (anything else:
+            memory, pipes).
         address: the peer's IP address (``None`` when it has none).
         trusted: the peer is the server's owner (Unix socket, stdio): no token is asked.
+        identity: the token the transport itself checked (HTTP's bearer), or ``None``: the connection
+            proves one with ``authenticate``.
+        tenant: the tenant that ``identity`` acts for.
+        metered: the transport counts each request against the token's rate itself (HTTP POSTs).
     """
 
     transport: str
     address: str | None = None
     trusted: bool = False
+    identity: Identity | None = None
+    tenant: str | None = None
+    metered: bool = False
 
 
 def describe_stream(stream: trio.abc.Stream) -> PeerInfo:
-    """The transport and peer address of an accepted stream (a TLS stream is seen through)."""
+    """The transport and peer address of an accepted stream (a TLS stream is seen through; a stream
+    that knows its own, an HTTP connection's, tells it as ``peer_info``)."""
+    known = getattr(stream, "peer_info", None)
+    if isinstance(known, PeerInfo):
+        return known
     transport = "tcp"
     inner: Any = stream
     if isinstance(stream, trio.SSLStream):
@@ -100,6 +112,9 @@ class Authenticator:
         self.audit = audit or AuditLog()
         self.failures = failures or AuthFailureLimiter(clock=clock)
         self.rates = RateLimiter(rate_limit_rps, clock=clock) if rate_limit_rps else None
+        #: streams outside the connection shells that act for a token (HTTP's SSE subscribers): each
+        #: has ``identity`` and ``evict(reason)``, and is evicted with the connections of its token
+        self.streams: set[Any] = set()
 
     def check(self, secret: object, *, source: str | None, transport: str) -> Outcome:
         """Check a presented secret from ``source`` (an IP address, or ``None``).

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from urllib.parse import urlsplit
 
+import msgspec
+
+from ..errors import UnauthorizedError
 from .tokens import MAX_SECRET_CHARS, Identity, TokenStore
 
 __all__ = [
@@ -53,10 +56,11 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 WS_SUBPROTOCOL = "acp.v1"
 WS_BEARER_PREFIX = "acp-bearer."
 UNAUTHORIZED_STATUS = 401
-#: The one body of every 401: missing, malformed, wrong and expired credentials alike.
-UNAUTHORIZED_BODY = (
-    b'{"error":"unauthorized","detail":"a valid token is required: send Authorization: Bearer <secret> '
-    b'(WebSocket: or the subprotocols acp.v1 and acp-bearer.<base64url secret>)"}'
+_UNAUTHORIZED = UnauthorizedError(scheme="Bearer")
+#: The one body of every 401: missing, malformed, wrong and expired credentials alike (the registry's
+#: ``{error, code, ...data}`` shape, kind ``unauthorized``).
+UNAUTHORIZED_BODY = msgspec.json.encode(
+    {"error": _UNAUTHORIZED.message, "code": _UNAUTHORIZED.kind, "scheme": "Bearer"}
 )
 UNAUTHORIZED_HEADERS = (
     (b"content-type", b"application/json"),

@@ -316,7 +316,9 @@ class Client:
 
 
 @asynccontextmanager
-async def _open_stream(target: Target, ca_file: str | None = None) -> AsyncIterator[trio.abc.Stream]:
+async def _open_stream(
+    target: Target, ca_file: str | None = None, token: str | None = None
+) -> AsyncIterator[trio.abc.Stream]:
     if isinstance(target, trio.abc.Stream):
         stream: trio.abc.Stream = target
         try:
@@ -330,7 +332,7 @@ async def _open_stream(target: Target, ca_file: str | None = None) -> AsyncItera
         if kind in ("http", "ws"):
             from .remote import open_remote_stream
 
-            async with open_remote_stream(where) as remote:
+            async with open_remote_stream(where, token=token) as remote:
                 yield remote
             return
         if kind == "tcp":
@@ -404,7 +406,8 @@ async def connect(
         turn_states: ask for ``_acp_server/turn_state`` notifications (``True``) or not (``False``) at
             ``initialize``; ``None`` (default) leaves it to the server's ``--turn-states``.
         token: the secret of an ``acp-server token``: after ``initialize``, ``authenticate`` with
-            ``acp-server-token`` (a wrong one raises the server's ``auth_required``).
+            ``acp-server-token`` (a wrong one raises the server's ``auth_required``); over ``http://``
+            and ``ws://`` it is also sent as ``Authorization: Bearer`` on every request.
         ca_file: PEM file of the CAs a ``tls://`` server's certificate is checked against (default:
             the system trust store).
 
@@ -415,7 +418,7 @@ async def connect(
     """
     if max_pending_prompts is not None:
         check_prompt_limit(max_pending_prompts, "max_pending_prompts")
-    async with _open_stream(target, ca_file) as stream:
+    async with _open_stream(target, ca_file, token) as stream:
         conn = RpcConnection(
             stream, hooks=hooks or Hooks(), max_message_bytes=max_message_bytes, max_buffered_updates=max_buffered_updates
         )

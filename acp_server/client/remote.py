@@ -238,36 +238,50 @@ class HttpClientStream(trio.abc.Stream):
 
 
 @asynccontextmanager
-async def _open_http(url: str) -> AsyncIterator[trio.abc.Stream]:
+async def _open_http(url: str, token: str | None = None) -> AsyncIterator[trio.abc.Stream]:
     import httpx  # loaded only for http:// targets
 
     # no read timeout: event streams are long-lived; no connection cap: each open stream holds one
     timeout = httpx.Timeout(30.0, read=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
-        async with trio.open_nursery() as nursery:
-            stream = HttpClientStream(url, client, nursery)
-            try:
-                yield stream
-            finally:
-                with trio.CancelScope(shield=True):
-                    await stream.aclose()
+    headers = {"authorization": f"Bearer {token}"} if token is not None else None
+    limits = httpx.Limits(max_connections=None)
+    raised: BaseException | None = None
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+        try:
+            async with trio.open_nursery() as nursery:
+                stream = HttpClientStream(url, client, nursery)
+                try:
+                    yield stream
+                except BaseException as exc:
+                    raised = exc
+                    raise
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await stream.aclose()
+        except BaseExceptionGroup as group:
+            # the caller's own error, wrapped by our nursery on its way out: hand it back as raised
+            if raised is None or len(group.exceptions) != 1 or group.exceptions[0] is not raised:
+                raise
+            raise raised from None
 
 
 @asynccontextmanager
-async def open_remote_stream(url: str) -> AsyncIterator[trio.abc.Stream]:
+async def open_remote_stream(url: str, *, token: str | None = None) -> AsyncIterator[trio.abc.Stream]:
     """A byte stream of NDJSON to the ``/acp`` endpoint at ``url`` (``http://`` or ``ws://``).
+
+    ``token``: sent as ``Authorization: Bearer`` on every request (and the WebSocket handshake).
 
     Raises:
         ValueError: another scheme.
         OSError: nothing listens there (``ws://``; for ``http://`` the first POST fails).
     """
     if url.startswith("http://"):
-        async with _open_http(url) as stream:
+        async with _open_http(url, token) as stream:
             yield stream
     elif url.startswith("ws://"):
         from .websocket import open_websocket
 
-        async with open_websocket(url) as ws:
+        async with open_websocket(url, token=token) as ws:
             yield ws
     else:
         raise ValueError(f"{url!r}: a remote ACP endpoint is http://HOST:PORT/acp or ws://HOST:PORT/acp")

@@ -119,8 +119,10 @@ class WebSocketStream(trio.abc.Stream):
 
 
 @asynccontextmanager
-async def open_websocket(url: str) -> AsyncIterator[WebSocketStream]:
-    """Open ``ws://HOST:PORT/PATH``; the handshake's refusal (a 403, a 503) is an ``OSError`` naming it.
+async def open_websocket(url: str, *, token: str | None = None) -> AsyncIterator[WebSocketStream]:
+    """Open ``ws://HOST:PORT/PATH``; the handshake's refusal (a 401, 403, 503) is an ``OSError`` naming it.
+
+    ``token``: sent as ``Authorization: Bearer`` with the handshake.
 
     Raises:
         ValueError: not a ``ws://`` URL.
@@ -135,7 +137,8 @@ async def open_websocket(url: str) -> AsyncIterator[WebSocketStream]:
         ws = WSConnection(ConnectionType.CLIENT)
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        await sock.send_all(ws.send(Request(host=f"{host}:{port}", target=target)))
+        extra = [(b"authorization", f"Bearer {token}".encode())] if token is not None else []
+        await sock.send_all(ws.send(Request(host=f"{host}:{port}", target=target, extra_headers=extra)))
         stream = WebSocketStream(sock, ws)
         status: int | None = None
         body = b""

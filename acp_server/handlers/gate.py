@@ -77,7 +77,7 @@ def _guard(name: str, method: Method) -> Method:
         if scrape and not identity.may_scrape:
             raise token_required(f"{name} needs a token with the admin or metrics scope")
         auth = ctx.server.auth
-        if metered and auth is not None:
+        if metered and auth is not None and not ctx.peer_info.metered:
             wait = auth.throttle(identity)
             if wait:
                 raise RateLimitedError(reason="request_rate", retry_after_ms=wait)
@@ -132,7 +132,8 @@ def authenticate_token(ctx: ConnContext, params: AuthenticateParams) -> Any:
 
 def evict_revoked(server: Server) -> int:
     """Send ``_acp_server/evicted`` (``reason: "token_revoked"``) to every connection whose token no
-    longer holds, and close it; returns how many. Their admitted prompts end as on any disconnect."""
+    longer holds, and close it (an SSE stream gets ``client_evicted`` with that reason, then ends);
+    returns how many. Their admitted prompts end as on any disconnect."""
     auth = server.auth
     if auth is None:
         return 0
@@ -142,8 +143,16 @@ def evict_revoked(server: Server) -> int:
         identity = ctx.identity if isinstance(ctx, ConnContext) else None
         if identity is not None and identity.token_id is not None and not auth.valid(identity):
             gone.setdefault(identity.token_id, []).append(shell)
+    for stream in list(auth.streams):  # HTTP's event streams
+        identity = stream.identity
+        if identity.token_id is not None and not auth.valid(identity):
+            gone.setdefault(identity.token_id, []).append(stream)
     for token_id, shells in gone.items():
         for shell in shells:
+            if shell in auth.streams:
+                auth.streams.discard(shell)
+                shell.evict("token_revoked")
+                continue
             shell.ctx.identity = None  # what is still in flight from it meets auth_required
             shell.send(Connection.send_notification("_acp_server/evicted", {"reason": "token_revoked"}))
             shell.close()

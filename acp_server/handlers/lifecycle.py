@@ -27,8 +27,12 @@ def initialize(ctx: ConnContext, params: InitializeParams) -> InitializeResult:
     """Answer protocol version 1 whatever the client asks, with capabilities true to what is built."""
     tenant = meta_tenant(params.meta)
     named = tenant if params.meta and params.meta.get("tenantId") is not None else None
-    if named is None and ctx.identity is not None and ctx.identity.token_id is not None:
-        tenant = ctx.tenant  # bound by the token at authenticate
+    identity = ctx.identity
+    if identity is not None and identity.token_id is not None:  # a token is proved already
+        if named is None:
+            tenant = ctx.tenant  # bound by the token (at authenticate, or by HTTP's bearer)
+        elif named != ctx.tenant and not ctx.initialized:
+            _act_for(ctx, named)
     ctx.tenant_named = named
     if ctx.initialized and tenant != ctx.tenant:
         raise InvalidParamsError(
@@ -57,6 +61,21 @@ def initialize(ctx: ConnContext, params: InitializeParams) -> InitializeResult:
         agent_info=Implementation(name="acp-server", version=server.version),
         auth_methods=auth_methods,
     )
+
+
+def _act_for(ctx: ConnContext, named: str) -> None:
+    """``initialize`` names a tenant other than the proved token's: only an ``admin`` token may (audited)."""
+    identity = ctx.identity
+    assert identity is not None
+    if not identity.admin:
+        raise InvalidParamsError(
+            path="_meta.tenantId",
+            detail=f"initialize named tenant {named!r}, but this token acts for {ctx.tenant!r} "
+            "(only an admin token may name another tenant)",
+        )
+    auth = ctx.server.auth
+    if auth is not None:
+        auth.audit.admin_act(token_id=identity.token_id, action="act_for_tenant", tenant=named)
 
 
 def authenticate(ctx: ConnContext, params: AuthenticateParams) -> Any:

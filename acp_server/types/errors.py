@@ -37,6 +37,7 @@ __all__ = [
     "InternalData",
     "LeaseLostData",
     "InvalidClientIdData",
+    "InsufficientScopeData",
     "InvalidParamsData",
     "InvalidRequestData",
     "MessageTooLargeData",
@@ -49,6 +50,7 @@ __all__ = [
     "RequestCancelledData",
     "SessionLimitExceededData",
     "SessionNotFoundData",
+    "UnauthorizedData",
 ]
 
 
@@ -270,3 +272,13 @@ class SubscriberLimitExceededData(ErrorData, tag="subscriber_limit_exceeded"):
 class TooManyConnectionsData(ErrorData, tag="too_many_connections"):
     limit: int
     retry_after_ms: int
+
+
+class UnauthorizedData(ErrorData, tag="unauthorized"):
+    #: the credential scheme to send (``Bearer``); the body is the same whatever was wrong
+    scheme: str
+
+
+class InsufficientScopeData(ErrorData, tag="insufficient_scope"):
+    #: the scopes any one of which the route needs (``admin``, ``metrics``)
+    scopes: list[str]

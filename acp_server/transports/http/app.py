@@ -5,8 +5,8 @@ The app translates and holds no session state: each ``/acp`` connection id (and 
 :class:`~.peer.MessagePeer` served by the server's per-connection shell, exactly as a socket is, so
 admission, errors, client ids, turn states, ``$/cancel_request`` and fan-out are the NDJSON ones.
 
-Checks, in this order (the first that fails answers, with :func:`~.rules.error_body`): route and method
-(404, 405), ``Host`` and ``Origin`` (403), content type (415; 406 for a GET without
+Checks, in this order (the first that fails answers, with :func:`~.rules.error_body`): credentials
+(401, 429 and the tenant rules, with ``--auth-tokens``: see :mod:`.auth`), route and method (404, 405), ``Host`` and ``Origin`` (403), content type (415; 406 for a GET without
 ``Accept: text/event-stream``), size (413), JSON (400 ``parse_error``), batch (501), connection id
 (400, 404), session id (400, 404). ``initialize`` opens a connection (503 with ``Retry-After`` at
 ``max_connections``) and answers 200 with ``Acp-Connection-Id``; every other POST answers 202 and its
@@ -35,11 +35,13 @@ from ...errors import (
     MessageTooLargeError,
     MethodNotAllowedError,
     MissingHeaderError,
+    RateLimitedError,
     RouteNotFoundError,
     SessionNotEstablishedError,
     TooManyConnectionsError,
     UnknownConnectionError,
 )
+from .auth import HttpCaller, HttpGuard, HttpRefusal, current_caller
 from .console import serve_console
 from .peer import MessagePeer
 from .rules import (
@@ -106,11 +108,13 @@ class HttpOptions:
 
 
 class _Connection:
-    __slots__ = ("id", "peer")
+    __slots__ = ("caller", "id", "peer")
 
-    def __init__(self, id: str, peer: MessagePeer) -> None:
+    def __init__(self, id: str, peer: MessagePeer, caller: HttpCaller) -> None:
         self.id = id
         self.peer = peer
+        #: who opened it: every later request on it must be the same token's
+        self.caller = caller
 
 
 def _status(exc: AcpError) -> int:
@@ -118,6 +122,8 @@ def _status(exc: AcpError) -> int:
         return exc.status
     if isinstance(exc, MessageTooLargeError):
         return 413
+    if isinstance(exc, RateLimitedError):
+        return 429
     if isinstance(exc, InternalError):
         return 500
     return 400
@@ -131,10 +137,18 @@ class AcpHttpApp:
         nursery: where connections run (they outlive the request that opened them).
         rules: the ``Host``/``Origin`` rules of this listener.
         limits: its bounds.
+        rest: the REST API (``None``: only ``/acp`` and ``/health``).
+        guard: the credential checks (default: none, every caller is the owner).
     """
 
     def __init__(
-        self, handle_stream: StreamHandler, nursery: trio.Nursery, rules: HostRules, limits: HttpLimits, rest: Any = None
+        self,
+        handle_stream: StreamHandler,
+        nursery: trio.Nursery,
+        rules: HostRules,
+        limits: HttpLimits,
+        rest: Any = None,
+        guard: HttpGuard | None = None,
     ) -> None:
         self.handle_stream = handle_stream
         self.nursery = nursery
@@ -143,13 +157,23 @@ class AcpHttpApp:
         self.connections: dict[str, _Connection] = {}
         #: qwen serve's REST + SSE API (a :class:`~.rest.RestApi`; ``None``: only ``/acp`` and ``/health``)
         self.rest = rest
+        self.guard = guard or HttpGuard(None)
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        if kind == "http":
-            await self._http(scope, receive, send)
-        elif kind == "websocket":
-            await self._websocket(scope, receive, send)
+        if kind in ("http", "websocket"):
+            caller = self.guard.admit(scope)  # first of the checks: who the request is
+            if isinstance(caller, HttpRefusal):
+                await self._unadmitted(scope, receive, send, caller)
+                return
+            token = current_caller.set(caller)
+            try:
+                if kind == "http":
+                    await self._http(scope, receive, send)
+                else:
+                    await self._websocket(scope, receive, send)
+            finally:
+                current_caller.reset(token)
         elif kind == "lifespan":
             while True:
                 message = await receive()
@@ -160,6 +184,19 @@ class AcpHttpApp:
                     return
 
     # --- answers --------------------------------------------------------------------------------------
+
+    async def _unadmitted(self, scope: dict[str, Any], receive: Receive, send: Send, refusal: HttpRefusal) -> None:
+        """Answer a request the guard refused (a WebSocket's before its upgrade, when the server can)."""
+        if scope["type"] == "http":
+            await self._answer(send, refusal.status, refusal.body, refusal.headers, json=False)
+            return
+        if (await receive())["type"] != "websocket.connect":
+            return
+        if "websocket.http.response" in scope.get("extensions", {}):
+            await send({"type": "websocket.http.response.start", "status": refusal.status, "headers": refusal.headers})
+            await send({"type": "websocket.http.response.body", "body": refusal.body})
+        else:
+            await send({"type": "websocket.close", "code": 1008})
 
     async def _answer(
         self, send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]], *, json: bool = True
@@ -175,6 +212,9 @@ class AcpHttpApp:
         if isinstance(exc, TooManyConnectionsError):
             extra.append((b"retry-after", str(self.limits.retry_after_s).encode()))
         await self._answer(send, _status(exc), error_body(exc), extra)
+
+    async def _refused(self, send: Send, refusal: HttpRefusal, cors: list[tuple[bytes, bytes]]) -> None:
+        await self._answer(send, refusal.status, refusal.body, [*refusal.headers, *cors], json=False)
 
     # --- HTTP -----------------------------------------------------------------------------------------
 
@@ -229,8 +269,8 @@ class AcpHttpApp:
         if connection_id is None:
             raise MissingHeaderError(header=CONNECTION_HEADER)
         conn = self.connections.get(connection_id)
-        if conn is None:
-            raise UnknownConnectionError(connection_id=connection_id[:128])
+        if conn is None or conn.caller.identity.token_id != current_caller.get().identity.token_id:
+            raise UnknownConnectionError(connection_id=connection_id[:128])  # another token's is unknown to it
         return conn
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> bytes | None:
@@ -257,6 +297,10 @@ class AcpHttpApp:
         if body is None:
             return  # the client left before its body was in
         env = decode_inbound(body)
+        limited = self.guard.meter(current_caller.get(), env.method)
+        if limited is not None:
+            await self._refused(send, limited, cors)
+            return
         if env.is_request and env.method == "initialize":
             await self._initialize(env.id, body, send, cors)
             return
@@ -312,8 +356,10 @@ class AcpHttpApp:
 
     def _open(self, *, multiplex: bool) -> _Connection:
         conn_id = secrets.token_hex(16)
+        caller = current_caller.get()
         peer = MessagePeer(limit=self.limits.max_outbound_bytes, multiplex=multiplex)
-        conn = self.connections[conn_id] = _Connection(conn_id, peer)
+        peer.peer_info = caller.peer_info(metered=not multiplex)  # the shell's identity and tenant
+        conn = self.connections[conn_id] = _Connection(conn_id, peer, caller)
         if not multiplex:
             self.nursery.start_soon(self._run, conn)
         return conn

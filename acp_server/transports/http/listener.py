@@ -24,6 +24,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from ..address import ListenAddress
 from ..listeners import ConnectionGate, bind_tcp_socket, open_unix_listener, serve_listeners
 from .app import AcpHttpApp, HttpLimits, HttpOptions
+from .auth import HttpGuard
 from .rules import HostRules
 from .wire import BatchedWrites
 
@@ -115,6 +116,11 @@ def _rest_api(handle_stream: Any, options: HttpOptions) -> Any:
     return RestApi(server, max_message_bytes=options.limits.max_message_bytes, workspace=options.workspace)
 
 
+def _guard(handle_stream: Any) -> HttpGuard:
+    """The credential checks of the server whose shell ``handle_stream`` is (none for any other handler)."""
+    return HttpGuard(getattr(getattr(handle_stream, "__self__", None), "auth", None))
+
+
 async def serve_http(
     handle_stream: Callable[[trio.abc.Stream, str], Awaitable[None]],
     address: ListenAddress,
@@ -153,7 +159,9 @@ async def serve_http(
         raise OSError(exc.errno, f"cannot listen on http {address}: {exc.strerror or exc}") from exc
     try:
         async with listener, trio.open_nursery() as nursery:
-            app = AcpHttpApp(handle_stream, nursery, rules, options.limits, _rest_api(handle_stream, options))
+            app = AcpHttpApp(
+                handle_stream, nursery, rules, options.limits, _rest_api(handle_stream, options), _guard(handle_stream)
+            )
             await nursery.start(
                 partial(_serve_connections, gate=gate, name=f"http {address}"), app, _config(options.limits), listener
             )

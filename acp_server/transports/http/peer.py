@@ -30,6 +30,7 @@ from typing import Any
 
 import trio
 
+from ...auth.gate import PeerInfo
 from .rules import (
     ESTABLISHING_METHODS,
     RESULT_SESSION_METHODS,
@@ -110,6 +111,9 @@ class MessagePeer(trio.abc.Stream):
     def __init__(self, *, limit: int, multiplex: bool = False) -> None:
         self.limit = limit
         self.multiplex = multiplex
+        #: who the HTTP layer found the connection to be (its token's identity and tenant, its address);
+        #: the server reads it instead of asking for ``authenticate``
+        self.peer_info: PeerInfo | None = None
         self.connection = OutQueue(self)
         #: the queues of session streams (opened, or holding messages for a stream not open yet)
         self.sessions: dict[str, OutQueue] = {}

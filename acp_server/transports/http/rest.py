@@ -11,7 +11,8 @@ Routes (every non-2xx body is :func:`~.rules.error_body`'s ``{error, code, ...da
   ``POST /sessions/delete``; ``GET /workspace/:cwd/sessions`` (``session/list``, cursor paging).
 - ``GET /session/:id/events``: see :mod:`.rest_events`.
 
-A REST request acts as tenant ``default`` with the client id of its ``X-Qwen-Client-Id`` header. It
+A REST request acts for its caller's tenant (its token's; ``default`` without tokens; an admin's
+``X-Acp-Tenant``, see :mod:`.auth`) with the client id of its ``X-Qwen-Client-Id`` header. It
 runs the ACP handler of the same method with a :class:`RestContext`, whose peer (:class:`RestCaller`)
 is never attached to a session: a REST caller sees events only on its SSE subscription.
 
@@ -67,6 +68,7 @@ from ...types.acp import (
     NewSessionParams,
     PromptParams,
 )
+from .auth import current_caller
 from .rest_events import EVENT_TYPES, PermissionBoard, RestChannel, SseSubscriber, control_event
 from .rules import error_body, header
 
@@ -127,13 +129,16 @@ class RestCaller:
 
 
 class RestContext(ConnContext):
-    """The handlers' context for one REST request: tenant ``default``, the :class:`RestCaller` peer,
-    and a channel that asks the session's SSE subscribers."""
+    """The handlers' context for one REST request: its caller's identity and tenant, the
+    :class:`RestCaller` peer, and a channel that asks the session's SSE subscribers."""
 
     __slots__ = ("rest_channel",)
 
     def __init__(self, server: Server, peer: RestCaller, rest_channel: RestChannel | None = None) -> None:
         super().__init__(server, peer)
+        caller = current_caller.get()
+        self.identity = caller.identity
+        self.tenant = caller.tenant
         self.initialized = True
         self.rest_channel = rest_channel
 
@@ -302,7 +307,7 @@ class RestApi:
         elif parts[0] == "session" and len(parts) == 2:
             need("DELETE")
             meta = self._meta(headers)
-            watching = _subscribers(self.server.bridge.get(parts[1], "default"))
+            watching = _subscribers(self.server.bridge.get(parts[1], _tenant()))
             session_handler.close(self._ctx(), CloseSessionParams(session_id=parts[1], meta=meta))
             for sub in watching:
                 sub.push_event(control_event("session_closed", {"sessionId": parts[1], "reason": "closed"}))
@@ -313,7 +318,7 @@ class RestApi:
         elif parts[0] == "session" and len(parts) == 4 and parts[2] == "permission":
             need("POST")
             body = await self._body(headers, receive)
-            self.server.bridge.get(parts[1], "default")
+            self.server.bridge.get(parts[1], _tenant())
             if not self.board.answer(parts[1], parts[3], _permission_outcome(body)):
                 raise RouteNotFoundError(path=path[:256])
             await self._json(send, 200, {}, cors)
@@ -345,19 +350,19 @@ class RestApi:
             await self._json(send, 200, await self.restore(session_id, action, _convert(body, _Restore), headers), cors)
         elif action == "heartbeat":
             meta = self._meta(headers)
-            session = self.server.bridge.get(session_id, "default")
+            session = self.server.bridge.get(session_id, _tenant())
             client = self.server.bridge.resolve_client(session, self.caller, (meta or {}).get("clientId"))
             last_seen = self.server.bridge.heartbeat(session, client)
             await self._json(send, 200, {"sessionId": session_id, "clientId": client, "lastSeenAt": last_seen}, cors)
         elif action == "detach":
             client_id = self._client_id(headers)
-            session = self.server.bridge.get(session_id, "default")
+            session = self.server.bridge.get(session_id, _tenant())
             if client_id is not None and client_id in session.clients:
                 self.server.bridge.release_client(session, self.caller, client_id)
             await self._json(send, 204, None, cors)
         else:
             session_handler.cancel(self._ctx(), _cancel_params(session_id, self._meta(headers)))
-            self.server.bridge.get(session_id, "default")
+            self.server.bridge.get(session_id, _tenant())
             await self._json(send, 204, None, cors)
 
     # --- the routes -----------------------------------------------------------------------------------
@@ -404,7 +409,7 @@ class RestApi:
         bridge = self.server.bridge
         if body.sessionScope == "single":
             session_handler._check_cwd(cwd)
-            live = [s for s in bridge.list_sessions(cwd, "default") if isinstance(s, Session)]
+            live = [s for s in bridge.list_sessions(cwd, _tenant()) if isinstance(s, Session)]
             if live:
                 session = live[0]
                 got = bridge.register(session, self.caller, client_id)
@@ -412,14 +417,14 @@ class RestApi:
         meta = {"clientId": client_id} if client_id else None
         params = NewSessionParams(cwd=cwd, mcp_servers=[], meta=meta)
         result = await session_handler.new(self._ctx(), params)
-        session = bridge.get(result["sessionId"], "default")
+        session = bridge.get(result["sessionId"], _tenant())
         return _created(session, result["_meta"]["clientId"], attached=False)
 
     async def restore(self, session_id: str, action: str, body: _Restore, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
         """``POST /session/:id/load`` and ``/resume``: register the caller (a fresh id unless its header's is)."""
         bridge = self.server.bridge
         meta = self._meta(headers) or {}
-        session = bridge.get(session_id, "default")
+        session = bridge.get(session_id, _tenant())
         params = LoadSessionParams(session_id=session_id, cwd=body.cwd or session.cwd, mcp_servers=[], meta=meta)
         handler = session_handler.load if action == "load" else session_handler.resume
         result = await _maybe_await(handler(self._ctx(), params))
@@ -455,7 +460,7 @@ class RestApi:
         meta = self._meta(headers, meta) or {}
         params = _convert({"sessionId": session_id, "prompt": body.prompt, "_meta": meta}, PromptParams)
         bridge = self.server.bridge
-        session = bridge.get(session_id, "default")
+        session = bridge.get(session_id, _tenant())
         last_event_id = session.next_event_id - 1
         waiter = prompt_handler.prompt(self._ctx(RestChannel(session, self.board)), params)
         if isinstance(waiter, SharedAdmit):  # the limits are a cluster's: wait for the coordinator's answer
@@ -476,7 +481,7 @@ class RestApi:
         """``GET /session/:id/events``: replay after ``Last-Event-ID`` then stream live, until the client
         leaves, the session closes, or the subscriber is evicted."""
         bridge = self.server.bridge
-        session = bridge.get(session_id, "default")
+        session = bridge.get(session_id, _tenant())
         if len(_subscribers(session)) >= MAX_SUBSCRIBERS:
             from ...errors import SubscriberLimitExceededError
 
@@ -488,6 +493,8 @@ class RestApi:
                 raise InvalidParamsError(path="Last-Event-ID", detail="must be a non-negative integer event id")
             after = int(last)
         sub = SseSubscriber(session_id)
+        sub.identity = current_caller.get().identity
+        auth = self.server.auth
         base = sub.frames_queued
 
         def replayed() -> int:
@@ -496,6 +503,8 @@ class RestApi:
         await send({"type": "http.response.start", "status": 200, "headers": start})
         await send({"type": "http.response.body", "body": b"retry: 3000\n\n", "more_body": True})
         try:
+            if auth is not None:
+                auth.streams.add(sub)  # evicted with its token (SIGHUP revocation, expiry)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch, receive, nursery.cancel_scope)
                 nursery.start_soon(_pump, sub, send, nursery.cancel_scope)
@@ -518,8 +527,15 @@ class RestApi:
         finally:
             sub.close()
             bridge.peer_closed(sub)
+            if auth is not None:
+                auth.streams.discard(sub)
         with trio.CancelScope(shield=True):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _tenant() -> str:
+    """The tenant the request being served acts for."""
+    return current_caller.get().tenant
 
 
 def _subscribers(session: Session) -> list[SseSubscriber]:

@@ -26,6 +26,7 @@ import trio
 from ...types.acp import ClientCapabilities
 
 if TYPE_CHECKING:
+    from ...auth.tokens import Identity
     from ...bridge import Session
 
 __all__ = ["EVENT_TYPES", "PermissionBoard", "RestChannel", "SseSubscriber", "control_event", "encode_frame", "envelope"]
@@ -133,6 +134,8 @@ class SseSubscriber:
         self._closed = False
         self._ready = trio.Event()
         self._room = trio.Event()
+        #: the token the stream was opened with (evicted with it: :meth:`evict`)
+        self.identity: Identity | None = None
 
     @property
     def closed(self) -> bool:
@@ -144,6 +147,14 @@ class SseSubscriber:
         self._closed = True
         self._ready.set()
         self._room.set()
+
+    def evict(self, reason: str) -> None:
+        """End the stream with ``client_evicted`` (``reason``: ``token_revoked``), after what is queued."""
+        if self._closed:
+            return
+        self.evicted = True
+        self._append(encode_frame(_event("client_evicted", {"sessionId": self.session_id, "reason": reason})))
+        self.close()
 
     def push(self, frame: bytes) -> None:
         """Queue one frame for the stream, warning then evicting a reader that falls behind."""

@@ -238,7 +238,7 @@ def cors_headers(origin: str | None, rules: HostRules, *, preflight: bool = Fals
     if preflight:
         out += [
             (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
-            (b"access-control-allow-headers", b"Content-Type, Accept, Acp-Connection-Id, Acp-Session-Id"),
+            (b"access-control-allow-headers", b"Content-Type, Accept, Authorization, Acp-Connection-Id, Acp-Session-Id, X-Acp-Tenant"),
             (b"access-control-max-age", b"600"),
         ]
     return out
