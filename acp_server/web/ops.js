@@ -46,7 +46,17 @@ export class OpsView {
   /** Ask for the feed on a (re)opened connection. */
   async subscribe(rpc) {
     this.previous = null; // a restarted server counts from 0 again
-    await rpc.call("_acp_server/stats/subscribe", null);
+    const notice = document.getElementById("ops-notice");
+    try {
+      await rpc.call("_acp_server/stats/subscribe", null);
+      notice.hidden = true;
+    } catch (err) {
+      // a token without the admin or metrics scope may use the sessions view but not read the stats
+      const why = typeof err.data?.detail === "string" ? ` (${err.data.detail})` : "";
+      setText(notice, `The live figures are not available: ${err.message}${why}`);
+      notice.dataset.kind = err.kind ?? "";
+      notice.hidden = false;
+    }
   }
 
   render(snap) {
