@@ -78,11 +78,13 @@ export class OpsView {
     this.pools.update(pools.length ? pools : [["", ["no backend has max_active set (unlimited)", "", "", "", "", ""]]]);
 
     const adm = snap.admission ?? {};
+    // with a coordinator, the seats, the waiting room and the pools in force are the cluster's
+    const shared = snap.coordinator ? " (the limits in force are shared: see the cluster below)" : "";
     setText(
       this.figures["admission-summary"],
-      adm.enabled
+      (adm.enabled
         ? `${adm.mode}: ${adm.running} of ${adm.maxRunningPrompts || "unlimited"} seats held, ${adm.waiting} waiting`
-        : "no admission policy configured (every prompt goes straight to its pool)",
+        : "no admission policy configured (every prompt goes straight to its pool)") + shared,
     );
     this.classes.update(
       Object.entries(adm.classes ?? {}).map(([name, c]) => [name, [name, c.running, c.share, c.waiting, duration(c.oldestWaitMs)]]),
