@@ -1,11 +1,12 @@
 """The console's token sign-in in a real browser against ``serve --auth-tokens``: the form when the
 server wants a token, a readable error for a wrong one, the token kept in ``sessionStorage`` and
 offered as the WebSocket subprotocol ``acp-bearer.<base64url>`` beside ``acp.v1``, the stats needing
-a token with the admin or metrics scope, sign-out."""
+a token with the admin or metrics scope, sign-out, a revoked token's socket closed by the server."""
 
 from __future__ import annotations
 
 import base64
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,5 +95,12 @@ def test_sign_in_with_a_token(page: Page, tmp_path: Path) -> None:
         expect(conn).to_have_attribute("data-state", "open", timeout=10_000)
         expect(page.locator("#ops-notice")).to_be_hidden()
         expect(page.locator("#transports tr[data-key=ws] td").nth(1)).to_have_text("1", timeout=10_000)
+
+        # the token revoked (SIGHUP reloads the file): the server closes the socket, the page asks for a token
+        write_tokens(str(tokens), [_record("acme", acme, "acme")])
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGHUP)
+        expect(conn).to_have_attribute("data-state", "token", timeout=10_000)
+        expect(error).to_have_attribute("data-kind", "unauthorized")
     finally:
         server.stop()
