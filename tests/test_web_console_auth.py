@@ -96,6 +96,19 @@ def test_sign_in_with_a_token(page: Page, tmp_path: Path) -> None:
         expect(page.locator("#ops-notice")).to_be_hidden()
         expect(page.locator("#transports tr[data-key=ws] td").nth(1)).to_have_text("1", timeout=10_000)
 
+        # the page's fetches carry the token as a bearer: its probe (what explains a closed socket) is
+        # answered 200 with it, 401 without; a restart reconnects with the token kept
+        probe = "() => import('/console/rpc.js').then((m) => m.probe())"
+        assert page.evaluate(probe) == {"status": 200, "retryAfterS": 0, "message": ""}
+        server.restart()
+        expect(conn).to_have_attribute("data-state", "open", timeout=15_000)
+        expect(page.locator("#token-form")).to_be_hidden()
+        assert page.evaluate(f"() => sessionStorage.getItem('{TOKEN_KEY}')") == root
+        page.evaluate(f"() => sessionStorage.removeItem('{TOKEN_KEY}')")
+        unauthorized = page.evaluate(probe)
+        assert unauthorized["status"] == 401 and unauthorized["message"]
+        page.evaluate(f"() => sessionStorage.setItem('{TOKEN_KEY}', {root!r})")
+
         # the token revoked (SIGHUP reloads the file): the server closes the socket, the page asks for a token
         write_tokens(str(tokens), [_record("acme", acme, "acme")])
         assert server.proc is not None

@@ -52,15 +52,17 @@ export function authHeaders() {
 }
 
 /**
- * Why the socket could not stay open, asked over HTTP with the same token: `{status, retryAfterS}`
- * (`status` null: the server did not answer at all).
+ * Why the socket could not stay open, asked over HTTP with the same token: `{status, retryAfterS,
+ * message}` (`status` null: the server did not answer at all; `message`: an error body's `error`).
  */
-async function probe() {
+export async function probe() {
   try {
     const answer = await fetch("/capabilities", { headers: authHeaders(), cache: "no-store", credentials: "omit" });
-    return { status: answer.status, retryAfterS: Number(answer.headers.get("retry-after")) || 0 };
+    const body = answer.ok ? null : await answer.json().catch(() => null);
+    const message = typeof body?.error === "string" ? body.error : "";
+    return { status: answer.status, retryAfterS: Number(answer.headers.get("retry-after")) || 0, message };
   } catch {
-    return { status: null, retryAfterS: 0 };
+    return { status: null, retryAfterS: 0, message: "" };
   }
 }
 
@@ -114,7 +116,7 @@ export class Rpc {
   /** The socket closed (or never opened): sign in, wait out a rate limit, or reconnect. */
   async closed() {
     this.hooks.onState?.("closed", "checking");
-    const { status, retryAfterS } = await probe();
+    const { status, retryAfterS, message } = await probe();
     if (this.ws) return; // a sign-in reconnected meanwhile
     if (status === 401) {
       const refused = storedToken() !== null;
@@ -123,7 +125,8 @@ export class Rpc {
       return; // until signIn()
     }
     if (status === 429) {
-      this.hooks.onState?.("limited", `too many failed sign-ins from this address; retrying in ${retryAfterS || 1} s`);
+      // too many failed sign-ins from this address, or too many requests with this token
+      this.hooks.onState?.("limited", `${message || "rate limited"}; retrying in ${Math.max(retryAfterS, 1)} s`);
       this.later(Math.max(retryAfterS, 1) * 1000);
       return;
     }
