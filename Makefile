@@ -71,8 +71,9 @@ bench-smoke: $(STAMP_DEV)
 chromium:
 	@command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 
-# docs/console-*.png: both views of the web console at 1280x800, a real server under a little load.
-screenshots: $(STAMP_DEV) chromium
+# docs/console-*.png: both views of the web console at 1280x800, a real server under a little load,
+# and the cluster view of two replicas on a real redis-server.
+screenshots: $(STAMP_DEV) chromium redis-server
 	$(PY) docs/screenshots.py docs
 
 # Instructions per echo prompt under callgrind (about a minute), against bench/instr_baseline.json:

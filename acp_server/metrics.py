@@ -316,6 +316,15 @@ class _SnapshotCollector:
         )
 
     def _refusals(self, refusals: Mapping[str, Any]) -> Iterable[Metric]:
+        by_kind = CounterMetricFamily(
+            _P + "refusals",
+            "Overload refusals written, by errorKind (the stats feed's refusals.byKind)",
+            labels=["kind"],
+        )
+        for kind, value in sorted(_table(refusals, "byKind").items()):
+            if not isinstance(value, bool) and isinstance(value, int | float):
+                by_kind.add_metric([str(kind)], float(value))
+        yield by_kind
         yield _counter(
             "refusals_timed", "Overload refusals whose server-side cost was timed", refusals, "count"
         )

@@ -166,7 +166,7 @@ class Server:
         #: overload refusals written, by ``errorKind`` (a console turns successive counts into rates)
         self.refusal_kinds: dict[str, int] = {}
         #: the connections subscribed to ``_acp_server/stats/subscribe``
-        self.stats_feed = StatsFeed(self.stats_snapshot)
+        self.stats_feed = StatsFeed(self.stats_snapshot, cluster=shared.coordinator.cluster if shared is not None else None)
 
     def stats_snapshot(self) -> dict[str, Any]:
         """Every gauge and counter, as ``_acp_server/stats`` returns it and the metrics endpoint renders it.

@@ -98,7 +98,10 @@ def snapshot() -> dict[str, Any]:
             },
         },
         "connections": {"open": 5, "evictionsTotal": 1},
-        "refusals": {"count": 14, "p50Us": 85.5, "p99Us": 410.0, "maxUs": 1250.0},
+        "refusals": {
+            "count": 14, "p50Us": 85.5, "p99Us": 410.0, "maxUs": 1250.0,
+            "byKind": {"prompt_queue_full": 9, "capacity_exceeded": 5},
+        },
     }
 
 
@@ -205,6 +208,8 @@ def test_metrics_render_pools_bridge_connections_refusals() -> None:
     assert {name: samples[(name, ())] for name in expected} == expected
     latency = by_label(samples, "acp_server_refusal_latency_seconds", "quantile")
     assert latency == pytest.approx({"0.5": 85.5e-6, "0.99": 410e-6, "1": 1250e-6})
+    kinds = by_label(samples, "acp_server_refusals_total", "kind")
+    assert kinds == {"prompt_queue_full": 9, "capacity_exceeded": 5}
 
 
 def test_metrics_no_tenant_ids_without_tenant_labels() -> None:
@@ -226,12 +231,13 @@ def test_metrics_tolerate_missing_and_malformed_keys() -> None:
     del snap["pools"], snap["admission"]["retryAfterMsTotal"]
     snap["bridge"]["sessions"] = "many"
     snap["admission"]["queueWait"] = {"bulk": {"buckets": [[0.1], "x"], "sum": 1.0, "count": 1}}
-    snap["refusals"] = {"whatever": {"shape": [1, 2]}}  # a shape it does not know: nothing, no failure
+    snap["refusals"] = {"whatever": {"shape": [1, 2]}, "byKind": {"rate_limited": "many", "prompt_queue_full": 2}}
     types, samples = parse(render_metrics(snap))
     assert not any(name.startswith("acp_server_pool_") for name in types)
     assert "acp_server_queue_wait_seconds" not in types
     assert "acp_server_retry_after_seconds" not in types and "acp_server_sessions" not in types
     assert "acp_server_refusal_latency_seconds" not in types
+    assert by_label(samples, "acp_server_refusals_total", "kind") == {"prompt_queue_full": 2}
     assert samples[("acp_server_pending_prompts", ())] == 9
 
 

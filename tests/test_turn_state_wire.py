@@ -74,3 +74,34 @@ async def test_a_connection_may_opt_out_of_turn_states() -> None:
         later = await connect(server, nursery)
         await later.call("session/load", {"sessionId": sid, "cwd": "/tmp", "mcpServers": []})
         assert [t["state"] for t in later.turn_states] == ["completed"]
+
+
+async def test_live_turn_states_name_the_client_whose_prompt_it_is() -> None:
+    """Two connections on one session: every live turn state carries the prompt's client id in
+    ``_meta.originatorClientId`` (as its updates do), so each tells its own prompt from the other's;
+    a replayed one carries none."""
+    async with serving(Limits(), FakeBackend()) as (server, nursery):
+        alice = await connect(server, nursery)
+        bob = await connect(server, nursery)
+        sid, alice_id = await alice.new_session()
+        bob_id = (await bob.call("session/resume", {"sessionId": sid, "cwd": "/tmp"}))["_meta"]["clientId"]
+        assert alice_id != bob_id
+        first = await alice.prompt(sid, "one")
+        second = await bob.prompt(sid, "two")
+        await alice.call("_acp_server/stats")  # every notification before this answer has arrived
+        for client in (alice, bob):
+            seen = [(t["promptId"], t["state"], t["_meta"].get("originatorClientId")) for t in client.turn_states]
+            assert seen == [
+                (first["_meta"]["promptId"], "accepted", alice_id),
+                (first["_meta"]["promptId"], "running", alice_id),
+                (first["_meta"]["promptId"], "completed", alice_id),
+                (second["_meta"]["promptId"], "accepted", bob_id),
+                (second["_meta"]["promptId"], "running", bob_id),
+                (second["_meta"]["promptId"], "completed", bob_id),
+            ]
+            for t in client.turn_states:
+                assert msgspec.json.decode(msgspec.json.encode(msgspec.convert(t, TurnStateParams))) == t
+        later = await connect(server, nursery)
+        await later.call("session/load", {"sessionId": sid, "cwd": "/tmp", "mcpServers": []})
+        assert [t["state"] for t in later.turn_states] == ["completed", "completed"]
+        assert all("originatorClientId" not in t["_meta"] for t in later.turn_states)

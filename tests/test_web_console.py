@@ -7,6 +7,7 @@ would set ``window.__pwned``.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,8 +36,8 @@ def browser() -> Iterator[Any]:
         b.close()
 
 
-@pytest.fixture
-def page(browser: Any) -> Iterator[Page]:
+def _new_page(browser: Any) -> Iterator[Page]:
+    """A page in a context of its own (its own sessionStorage and WebSocket: another tab, another operator)."""
     context = browser.new_context(viewport={"width": 1280, "height": 800})
     pg = context.new_page()
     errors: list[str] = []
@@ -44,6 +45,16 @@ def page(browser: Any) -> Iterator[Page]:
     yield pg
     context.close()
     assert errors == [], errors
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Page]:
+    yield from _new_page(browser)
+
+
+@pytest.fixture
+def other_page(browser: Any) -> Iterator[Page]:
+    yield from _new_page(browser)
 
 
 def _server(tmp_path: Path, *args: str) -> ServerProcess:
@@ -105,6 +116,7 @@ def test_operations_view_reflects_a_load(page: Page, echo: ServerProcess) -> Non
     page.goto(echo.http_url + "/")
     expect(page.locator("#transports tr[data-key=ws] td").nth(1)).to_have_text("1")
     expect(page.locator("#pools tr[data-key=echo] td").first).to_have_text("echo")
+    expect(page.locator("#cluster")).to_be_hidden()  # no coordinator: no cluster card
     load = echo.load(6, text="one two three four five")
     try:
         expect(page.locator("#n-pending")).not_to_have_text("0", timeout=10_000)
@@ -137,13 +149,52 @@ def test_prompt_streams_the_answer_as_text(page: Page, echo: ServerProcess) -> N
     _not_pwned(page)
 
 
-def test_cancel_a_slow_prompt(page: Page, slow_echo: ServerProcess) -> None:
-    _open_sessions(page, slow_echo)
-    _prompt(page, "a b c d e f g h i j k l m n o p")
-    expect(page.locator("#turn")).to_have_attribute("data-state", "running", timeout=10_000)
-    page.click("#cancel")
-    expect(page.locator("#turn")).to_have_attribute("data-state", "cancelled", timeout=10_000)
-    expect(page.locator("#send")).to_be_enabled()
+# Holds this page's session/prompt frames back for a while, as a slow network would: another tab's
+# prompt sent meanwhile is admitted first, and its `accepted` reaches this page while its own prompt
+# is out and not yet named.
+_SLOW_PROMPTS = """() => {
+  const send = WebSocket.prototype.send;
+  WebSocket.prototype.send = function (data) {
+    if (String(data).includes('"session/prompt"')) setTimeout(() => send.call(this, data), 700);
+    else send.call(this, data);
+  };
+}"""
+
+
+def test_two_pages_on_one_session_each_follow_and_cancel_their_own_prompt(
+    page: Page, other_page: Page, tmp_path: Path
+) -> None:
+    """Two tabs on one session: each turn bar follows the prompt this tab sent (the turn states name
+    the client id a prompt went out as), even when the other tab's `accepted` arrives first; Cancel is
+    ``$/cancel_request`` of this tab's own request: its running prompt ends `cancelled` and the other
+    tab's prompt, queued behind it, runs on to `completed`."""
+    server = _server(tmp_path, "--echo-delay-ms", "3000", "--max-pending-prompts-per-session", "2").start()
+    try:
+        session_id = _open_sessions(page, server)
+        other_page.goto(server.http_url + "/#sessions")
+        other_page.click(f"#session-list li[data-session-id='{session_id}']")
+        expect(other_page.locator("#transcript")).to_have_attribute("data-loaded", "true")
+        other_page.evaluate(_SLOW_PROMPTS)
+        _prompt(other_page, "from the other tab")  # goes out 0.7 s late
+        _prompt(page, "from this tab")
+        mine, theirs = page.locator("#turn"), other_page.locator("#turn")
+        expect(mine).to_have_attribute("data-state", "running", timeout=10_000)
+        expect(theirs).to_have_attribute("data-prompt-id", re.compile(r"^prompt_"), timeout=10_000)
+        assert theirs.get_attribute("data-state") == "accepted"  # behind this tab's prompt, not running
+        page.click("#cancel")
+        expect(mine).to_have_attribute("data-state", "cancelled", timeout=10_000)
+        expect(page.locator("#turn-detail")).to_have_text("request_cancelled")
+        expect(page.locator("#send")).to_be_enabled()
+        expect(theirs).to_have_attribute("data-state", "completed", timeout=15_000)
+        seen = (theirs.get_attribute("data-seen") or "").split()
+        assert seen == ["sent", "accepted", "running", "completed"]
+        expect(other_page.locator("#transcript .msg.agent").last).to_have_text("from the other tab")
+        # the prompt each bar followed is the one its answer names (a cancelled request's error names none)
+        ours, other = (p.get_attribute("#turn", "data-prompt-id") for p in (page, other_page))
+        assert ours and other and ours != other
+        assert other_page.get_attribute("#turn", "data-result-prompt-id") == other
+    finally:
+        server.stop()
 
 
 def test_queue_full_refusal_shows_its_retry_time(page: Page, slow_echo: ServerProcess) -> None:

@@ -68,6 +68,7 @@ class ServerProcess:
             "--state-dir", str(self.state_dir),
             *before, *([sep] if sep else []), *after,
         ]  # fmt: skip
+        self.http_url = self.tcp_url = ""  # a restart waits for the new process's lines too
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         deadline = time.monotonic() + 20
         assert self.proc.stderr is not None

@@ -138,7 +138,8 @@ class FanOut:
 
         It takes the session's next ``eventId`` like an update. The terminal states (completed,
         failed, cancelled) are also kept in the transcript (replayed by load, stored with a store);
-        the others are live only.
+        the others are live only. Live ones carry the prompt's client id in ``_meta.originatorClientId``
+        (replays carry none, as for updates).
         """
         session = ticket.session
         event_id = session.next_event_id
@@ -165,9 +166,13 @@ class FanOut:
             peers = tuple(p for p in attached if states[p].turn_states)
         if not peers:
             return
+        # ``originatorClientId`` (as on the prompt's updates): a server-minted id, so it needs no escaping;
+        # it tells each attached client which of the session's prompts is its own.
+        client = ticket.client_id
+        meta = f'"eventId":{event_id}' if client is None else f'"eventId":{event_id},"originatorClientId":"{client}"'
         data = (
             f'{{"jsonrpc":"2.0","method":"{TURN_STATE}","params":{{"sessionId":"{session.session_id}",{fields},'
-            f'"_meta":{{"eventId":{event_id}}}}}}}\n'
+            f'"_meta":{{{meta}}}}}}}\n'
         ).encode()
         self.send(session, data, None, peers)
 

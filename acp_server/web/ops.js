@@ -6,6 +6,21 @@ import { KeyedTable, duration, el, setText } from "./dom.js";
 const HISTORY_S = 300;
 const COLORS = ["#c0322b", "#2456d6", "#b86e00", "#1f8a4c", "#7b3fbf", "#0a8a9a", "#6b7385"];
 const SVG = "http://www.w3.org/2000/svg";
+// The priority classes in rank order: a shared limit `seats:c1` is the interactive class's seats.
+const CLASSES = ["critical", "interactive", "background", "bulk"];
+const GROUPS = [["seats", "seats"], ["tenant:", "tenant"], ["room", "waiting room"], ["pool:", "backend pool"]];
+
+/** What a shared limit's name stands for, as `acp-server cluster` groups them. */
+export function describeLimit(name) {
+  const cls = /^(seats|room):c(\d+)$/.exec(name);
+  if (cls) return [cls[1] === "seats" ? "seats" : "waiting room", `class ${CLASSES[Number(cls[2])] ?? cls[2]}`];
+  if (name === "seats") return ["seats", "global seats (running prompts)"];
+  if (name === "room") return ["waiting room", "prompts waiting for a seat"];
+  if (name.startsWith("tenant:")) return ["tenant", `seats of tenant ${name.slice(7)}`];
+  const pool = /^pool:(.*?)(:active)?$/.exec(name);
+  if (pool) return ["backend pool", pool[2] ? `${pool[1]}: backend calls running` : `${pool[1]}: admitted prompts`];
+  return ["other", name];
+}
 
 export class OpsView {
   constructor() {
@@ -14,12 +29,15 @@ export class OpsView {
     this.transports = new KeyedTable(document.querySelector("#transports tbody"));
     this.refusals = new KeyedTable(document.querySelector("#refusals tbody"));
     this.sessions = new KeyedTable(document.querySelector("#session-rows tbody"));
+    this.replicas = new KeyedTable(document.querySelector("#replicas tbody"));
+    this.limits = new KeyedTable(document.querySelector("#cluster-limits tbody"));
+    this.cluster = document.getElementById("cluster");
     this.chart = document.getElementById("refusal-chart");
     this.lines = new Map(); // errorKind -> polyline
     this.history = []; // [{t, rates: {kind: per second}}]
     this.previous = null; // {t, byKind}
     this.figures = {};
-    for (const id of ["n-sessions", "n-pending", "n-running", "n-queued", "n-refused", "evictions", "admission-summary"]) {
+    for (const id of ["n-sessions", "n-pending", "n-running", "n-queued", "n-refused", "evictions", "admission-summary", "cluster-summary"]) {
       this.figures[id] = document.getElementById(id);
     }
     this.snapshots = 0;
@@ -28,7 +46,17 @@ export class OpsView {
   /** Ask for the feed on a (re)opened connection. */
   async subscribe(rpc) {
     this.previous = null; // a restarted server counts from 0 again
-    await rpc.call("_acp_server/stats/subscribe", null);
+    const notice = document.getElementById("ops-notice");
+    try {
+      await rpc.call("_acp_server/stats/subscribe", null);
+      notice.hidden = true;
+    } catch (err) {
+      // a token without the admin or metrics scope may use the sessions view but not read the stats
+      const why = typeof err.data?.detail === "string" ? ` (${err.data.detail})` : "";
+      setText(notice, `The live figures are not available: ${err.message}${why}`);
+      notice.dataset.kind = err.kind ?? "";
+      notice.hidden = false;
+    }
   }
 
   render(snap) {
@@ -50,11 +78,13 @@ export class OpsView {
     this.pools.update(pools.length ? pools : [["", ["no backend has max_active set (unlimited)", "", "", "", "", ""]]]);
 
     const adm = snap.admission ?? {};
+    // with a coordinator, the seats, the waiting room and the pools in force are the cluster's
+    const shared = snap.coordinator ? " (the limits in force are shared: see the cluster below)" : "";
     setText(
       this.figures["admission-summary"],
-      adm.enabled
+      (adm.enabled
         ? `${adm.mode}: ${adm.running} of ${adm.maxRunningPrompts || "unlimited"} seats held, ${adm.waiting} waiting`
-        : "no admission policy configured (every prompt goes straight to its pool)",
+        : "no admission policy configured (every prompt goes straight to its pool)") + shared,
     );
     this.classes.update(
       Object.entries(adm.classes ?? {}).map(([name, c]) => [name, [name, c.running, c.share, c.waiting, duration(c.oldestWaitMs)]]),
@@ -64,7 +94,52 @@ export class OpsView {
     this.sessions.update(
       (snap.sessions ?? []).map((s) => [s.sessionId, [s.sessionId, s.tenant, s.pending, s.running ? "yes" : "no", s.attached]]),
     );
+    this.renderCluster(snap.coordinator, snap.cluster);
     this.renderRefusals(snap.refusals?.byKind ?? {});
+  }
+
+  /**
+   * With a coordinator: this replica's link to it (`coordinator`) and what Redis holds for the whole
+   * cluster (`cluster`: every replica's last renewal, every shared limit's holders and cap).
+   */
+  renderCluster(coord, cluster) {
+    const shown = Boolean(coord || cluster);
+    if (this.cluster.hidden === shown) this.cluster.hidden = !shown;
+    if (!shown) return;
+    const summary = this.figures["cluster-summary"];
+    const parts = [];
+    if (coord) {
+      parts.push(`this replica ${coord.replicaId}: coordinator ${coord.up ? "up" : "DOWN"} (${coord.kind})`);
+      parts.push(`${coord.leases} leases held`, `${coord.liveReplicas} live replicas`, `failure mode ${coord.failureMode}`);
+      parts.push(`renewal ${coord.renewMsLast} ms (max ${coord.renewMsMax})`);
+    }
+    if (cluster?.error) parts.push(`cluster read failed: ${cluster.error}` + (cluster.limits?.length ? " (last figures shown)" : ""));
+    else if (!cluster) parts.push("reading the cluster…");
+    setText(summary, parts.join(" · "));
+    summary.dataset.up = String(Boolean(coord?.up ?? true) && !cluster?.error);
+
+    const self = coord?.replicaId;
+    const replicas = [...(cluster?.replicas ?? [])].sort((a, b) => String(a.replicaId).localeCompare(String(b.replicaId)));
+    this.replicas.update(
+      replicas.map((r) => [
+        String(r.replicaId),
+        [r.replicaId === self ? `${r.replicaId} (this one)` : r.replicaId, r.live ? "live" : "gone", `${r.lastRenewMsAgo ? duration(r.lastRenewMsAgo) : "0 ms"} ago`],
+      ]),
+    );
+    for (const r of replicas) {
+      const row = this.replicas.rows.get(String(r.replicaId));
+      row.tr.dataset.live = String(Boolean(r.live));
+      row.tr.dataset.self = String(r.replicaId === self);
+    }
+
+    const order = (name) => GROUPS.findIndex(([head]) => name.startsWith(head));
+    const limits = [...(cluster?.limits ?? [])].sort((a, b) => order(a.name) - order(b.name) || a.name.localeCompare(b.name));
+    this.limits.update(
+      limits.map((x) => {
+        const [group, what] = describeLimit(String(x.name));
+        return [String(x.name), [x.name, `${group}: ${what}`, x.count, x.cap ? x.cap : "-"]];
+      }),
+    );
   }
 
   renderRefusals(byKind) {

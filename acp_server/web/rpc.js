@@ -1,6 +1,12 @@
 // JSON-RPC 2.0 over the page's WebSocket to /acp: calls, notifications, the agent's requests, and a
 // reconnect with backoff when the socket drops (a server restart): every call in flight then fails
 // with a readable "connection_lost" error and `onOpen` runs again once the new socket is initialized.
+//
+// With tokens (--auth-tokens) the socket offers the token as the subprotocol `acp-bearer.<base64url>`
+// beside `acp.v1`, and fetches send it as `Authorization: Bearer`. A browser does not say why a
+// handshake failed, so after a socket closes the page asks `GET /capabilities` with the same token:
+// 401 means the server wants a (different) token, and the page waits for the sign-in form instead of
+// reconnecting; 429 means too many failed sign-ins from here, retried after its Retry-After.
 
 const TOKEN_KEY = "acp-server.token";
 const RETRY_MIN_MS = 250;
@@ -39,6 +45,27 @@ export function subprotocols() {
   return token ? ["acp.v1", "acp-bearer." + base64url(token)] : ["acp.v1"];
 }
 
+/** The headers of a fetch to this server: the kept token as a bearer. */
+export function authHeaders() {
+  const token = storedToken();
+  return token ? { Authorization: `Bearer ${token}` } : {};
+}
+
+/**
+ * Why the socket could not stay open, asked over HTTP with the same token: `{status, retryAfterS,
+ * message}` (`status` null: the server did not answer at all; `message`: an error body's `error`).
+ */
+export async function probe() {
+  try {
+    const answer = await fetch("/capabilities", { headers: authHeaders(), cache: "no-store", credentials: "omit" });
+    const body = answer.ok ? null : await answer.json().catch(() => null);
+    const message = typeof body?.error === "string" ? body.error : "";
+    return { status: answer.status, retryAfterS: Number(answer.headers.get("retry-after")) || 0, message };
+  } catch {
+    return { status: null, retryAfterS: 0, message: "" };
+  }
+}
+
 export class Rpc {
   /**
    * @param {string} url the ws:// or wss:// URL of /acp
@@ -54,9 +81,12 @@ export class Rpc {
     this.ready = false;
     this.retryMs = RETRY_MIN_MS;
     this.initResult = null;
+    this.timer = null;
   }
 
   connect() {
+    clearTimeout(this.timer);
+    this.timer = null;
     this.hooks.onState?.("connecting");
     let ws;
     try {
@@ -79,15 +109,48 @@ export class Rpc {
         waiter.reject(new RpcError({ code: -32000, message: "the connection to the server was lost", data: { errorKind: "connection_lost" } }));
       }
       this.pending.clear();
-      this.scheduleReconnect("closed");
+      this.closed();
     };
+  }
+
+  /** The socket closed (or never opened): sign in, wait out a rate limit, or reconnect. */
+  async closed() {
+    this.hooks.onState?.("closed", "checking");
+    const { status, retryAfterS, message } = await probe();
+    if (this.ws) return; // a sign-in reconnected meanwhile
+    if (status === 401) {
+      const refused = storedToken() !== null;
+      storeToken(null); // a refused token is not offered again
+      this.hooks.onState?.("token", refused ? "refused" : "needed");
+      return; // until signIn()
+    }
+    if (status === 429) {
+      // too many failed sign-ins from this address, or too many requests with this token
+      this.hooks.onState?.("limited", `${message || "rate limited"}; retrying in ${Math.max(retryAfterS, 1)} s`);
+      this.later(Math.max(retryAfterS, 1) * 1000);
+      return;
+    }
+    this.scheduleReconnect(status === null ? "the server does not answer" : "closed");
   }
 
   scheduleReconnect(detail) {
     this.hooks.onState?.("closed", detail);
     const wait = this.retryMs;
     this.retryMs = Math.min(this.retryMs * 2, RETRY_MAX_MS);
-    setTimeout(() => this.connect(), wait);
+    this.later(wait);
+  }
+
+  later(ms) {
+    clearTimeout(this.timer);
+    this.timer = setTimeout(() => this.connect(), ms);
+  }
+
+  /** Keep `token` for this tab (empty: forget it) and connect with it now. */
+  signIn(token) {
+    storeToken(token);
+    this.retryMs = RETRY_MIN_MS;
+    if (this.ws) this.ws.close(); // its close reconnects with the new token
+    else this.connect();
   }
 
   async initialize() {
@@ -110,15 +173,32 @@ export class Rpc {
 
   /** Send a request; resolves with its result, rejects with an RpcError. */
   send(method, params) {
+    return this.request(method, params).done;
+  }
+
+  /**
+   * Send a request and say which id it went with: `{id, done}` (`id` is null when it could not go
+   * out). The id is what `cancel(id)` names in `$/cancel_request`.
+   */
+  request(method, params) {
     const ws = this.ws;
     if (!ws || ws.readyState !== WebSocket.OPEN) {
-      return Promise.reject(new RpcError({ code: -32000, message: "not connected to the server (reconnecting)", data: { errorKind: "connection_lost" } }));
+      const lost = new RpcError({ code: -32000, message: "not connected to the server (reconnecting)", data: { errorKind: "connection_lost" } });
+      return { id: null, done: Promise.reject(lost) };
     }
     const id = this.nextId++;
-    return new Promise((resolve, reject) => {
+    const done = new Promise((resolve, reject) => {
       this.pending.set(id, { resolve, reject });
       ws.send(JSON.stringify({ jsonrpc: "2.0", id, method, params }));
     });
+    return { id, done };
+  }
+
+  /** `$/cancel_request` for a request of ours still in flight on this socket; false if there is none. */
+  cancel(id) {
+    if (id === null || !this.pending.has(id)) return false;
+    this.notify("$/cancel_request", { requestId: id });
+    return true;
   }
 
   call(method, params) {

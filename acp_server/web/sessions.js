@@ -46,6 +46,8 @@ export class SessionsView {
     this.permissions = new Set(); // resolvers of the permission requests shown
     this.busy = false;
     this.mine = null; // the prompt id of this page's prompt, once the server named it
+    this.sentAs = null; // the client id this page's prompt went out as (turn states name it)
+    this.inflight = null; // the JSON-RPC id of this page's session/prompt (what cancel names)
     document.getElementById("prompt-form").addEventListener("submit", (event) => {
       event.preventDefault();
       this.prompt();
@@ -157,14 +159,20 @@ export class SessionsView {
   }
 
   /**
-   * Only this page's prompt moves the turn bar. The server names prompts itself, so the page claims
-   * the first `accepted` of a new prompt id that arrives while its own prompt awaits an answer (the
-   * server sends `accepted` before the answer); other clients' prompts on the session are not shown.
+   * Only this page's prompt moves the turn bar. A live turn state names the client id its prompt was
+   * sent as (`_meta.originatorClientId`); this page's prompt is the one `accepted` under the client
+   * id it sent with, while it awaits the answer (one prompt at a time per page). Other clients' prompts
+   * on the session, another tab's included, are not shown here.
    */
   turnStateChanged(params) {
     const state = String(params.state ?? "");
-    if (this.mine === null && this.busy && state === "accepted") this.mine = params.promptId;
-    if (params.promptId !== this.mine) return;
+    if (state === "running" || TERMINAL.has(state)) this.agentMessage = null; // any prompt's answer stands apart
+    const origin = params._meta?.originatorClientId;
+    if (this.mine === null && this.busy && state === "accepted" && origin != null && origin === this.sentAs) {
+      this.mine = String(params.promptId);
+      this.turn.dataset.promptId = this.mine;
+    }
+    if (this.mine === null || params.promptId !== this.mine) return;
     let detail = "";
     if (params.reason) detail = String(params.reason);
     else if (state === "queued" && params.positionHint != null) detail = `position ${params.positionHint} in the waiting room`;
@@ -242,39 +250,63 @@ export class SessionsView {
     this.cancelButton.disabled = false;
     this.turn.dataset.seen = "";
     this.mine = null;
+    delete this.turn.dataset.promptId;
+    delete this.turn.dataset.resultPromptId;
     this.setTurn("sent", "sent", "waiting for the server");
     this.agentMessage = null;
     const sent = this.transcript.appendChild(el("div", "msg user", text));
     this.input.value = "";
     try {
       const result = await this.promptHealed(text);
-      if (!TERMINAL.has(this.turn.dataset.state)) {
-        const stop = String(result?.stopReason ?? "end_turn");
-        this.setTurn(stop === "cancelled" ? "cancelled" : "completed", stop === "cancelled" ? "cancelled" : "completed", stop);
-      } else {
-        setText(this.turnDetail, String(result?.stopReason ?? ""));
-      }
+      this.named(result?._meta?.promptId);
+      const stop = String(result?.stopReason ?? "end_turn");
+      const state = stop === "cancelled" ? "cancelled" : "completed";
+      if (this.turn.dataset.state !== state) this.setTurn(state, state, stop);
+      else setText(this.turnDetail, stop);
     } catch (err) {
-      const refused = !TERMINAL.has(this.turn.dataset.state) && this.turn.dataset.state !== "running";
-      this.setTurn(refused ? "refused" : "failed", refused ? "refused" : "failed", err.kind ?? "");
-      if (refused) sent.classList.add("refused");
-      this.showError(err);
+      this.named(err.data?.promptId);
+      if (err.kind === "request_cancelled") {
+        // $/cancel_request answered: the prompt ended cancelled (its turn state said so first)
+        if (this.turn.dataset.state !== "cancelled") this.setTurn("cancelled", "cancelled", "request_cancelled");
+      } else {
+        // refused: never admitted (no accepted of ours, no promptId in the error)
+        const refused = this.mine === null && err.kind !== "connection_lost";
+        const state = refused ? "refused" : "failed";
+        if (this.turn.dataset.state !== state) this.setTurn(state, state, err.kind ?? "");
+        if (refused) sent.classList.add("refused");
+        this.showError(err);
+      }
     } finally {
       for (const finish of [...this.permissions]) finish();
       this.busy = false;
+      this.inflight = null;
       this.sendButton.disabled = !this.current;
       this.cancelButton.disabled = true;
     }
   }
 
+  /** The prompt id the answer names (result `_meta.promptId`, or an error's `data.promptId`). */
+  named(promptId) {
+    if (promptId == null) return;
+    this.turn.dataset.resultPromptId = String(promptId);
+    if (this.mine === null) {
+      this.mine = String(promptId);
+      this.turn.dataset.promptId = this.mine;
+    }
+  }
+
   async promptHealed(text) {
     const session = this.current;
-    const call = () =>
-      this.rpc.call("session/prompt", {
+    const call = () => {
+      this.sentAs = session.clientId;
+      const { id, done } = this.rpc.request("session/prompt", {
         sessionId: session.sessionId,
         prompt: [{ type: "text", text }],
         _meta: session.clientId ? { clientId: session.clientId } : {},
       });
+      this.inflight = id;
+      return done;
+    };
     try {
       return await call();
     } catch (err) {
@@ -287,11 +319,16 @@ export class SessionsView {
     }
   }
 
+  /**
+   * Cancel this page's prompt: `$/cancel_request` of its session/prompt request, so only this page's
+   * prompt ends (`cancelled`); `session/cancel` would end every prompt of the session, another tab's
+   * or another client's included.
+   */
   cancel() {
-    if (!this.current) return;
-    this.rpc.notify("session/cancel", { sessionId: this.current.sessionId });
+    if (!this.current || !this.busy) return;
+    const sent = this.rpc.cancel(this.inflight);
     for (const finish of [...this.permissions]) finish();
-    setText(this.turnDetail, "cancel sent");
+    setText(this.turnDetail, sent ? "cancel sent" : "nothing in flight to cancel");
   }
 
   showError(err) {
