@@ -111,10 +111,10 @@ async def relay_stdio(url: str, token: str | None = None, ca_file: str | None = 
     When stdin ends, the write side is shut down and the server's last answers still reach stdout.
     With ``token``, the relay authenticates after the client's ``initialize`` (see the module).
     """
-    if url.startswith(("http://", "ws://")):
+    if url.startswith(("http://", "https://", "ws://", "wss://")):
         from ..client.remote import open_remote_stream
 
-        async with open_remote_stream(url) as remote:
+        async with open_remote_stream(url, ca_file) as remote:
             await _relay(remote, token)
         return
     await _relay(await open_url(url, ca_file), token)
