@@ -1,6 +1,6 @@
 """``acp-server connect URL``: relay this process's stdin/stdout to a running server, byte for byte.
 
-Over ``http://.../acp`` and ``ws://.../acp`` (ACP's remote transport) the bytes are NDJSON lines,
+Over ``http(s)://.../acp`` and ``ws(s)://.../acp`` (ACP's remote transport) the bytes are NDJSON lines,
 each carried as one message (:mod:`acp_server.client.remote`).
 
 An editor that can only spawn its agent as a command gets a share of one long-lived server: the
