@@ -82,18 +82,39 @@ async def test_a_wrong_ca_fails_clearly_on_each_scheme(certs: CertFiles, tmp_pat
                     assert "the server's certificate is not trusted" in message and "--ca-file" in message, message
 
 
-def test_the_cli_names_ca_file_when_the_certificate_is_not_trusted(certs: CertFiles) -> None:
+def test_the_cli_over_https_and_wss(certs: CertFiles) -> None:
     """``acp-server prompt --connect https://...`` without the CA: exit 1 and the message names
-    ``--ca-file``; with ``--ca-file`` the prompt runs."""
+    ``--ca-file``; with ``--ca-file``, or with the CA in the system trust store (``SSL_CERT_FILE``),
+    the prompt runs; ``acp-server connect wss://... --ca-file`` relays an ``initialize``."""
     with ServerProcess("--ephemeral", "--listen", "tcp://127.0.0.1:0", "--http-listen", "https://127.0.0.1:0",
                        "--tls-cert", certs.cert, "--tls-key", certs.key) as server:
         url = _wait_http(server)
         base = [sys.executable, "-m", "acp_server", "prompt", "--connect", url + "/acp"]
-        run = subprocess.run([*base, "hello"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        env = {k: v for k, v in os.environ.items() if k != "SSL_CERT_FILE"}
+        run = subprocess.run([*base, "hello"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
         assert run.returncode == 1 and "--ca-file" in run.stderr, run.stderr
         run = subprocess.run([*base, "--ca-file", certs.ca, "hello"], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert run.returncode == 0, run.stderr
         assert "hello" in run.stdout
+        env["SSL_CERT_FILE"] = certs.ca
+        run = subprocess.run([*base, "from the store"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+        assert run.returncode == 0 and "from the store" in run.stdout, run.stderr
+        wss = url.replace("https://", "wss://") + "/acp"
+        init = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}})
+        with subprocess.Popen(
+            [sys.executable, "-m", "acp_server", "connect", wss, "--ca-file", certs.ca],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+        ) as relay:
+            try:
+                assert relay.stdin is not None and relay.stdout is not None
+                relay.stdin.write(init + "\n")
+                relay.stdin.flush()
+                answer = json.loads(relay.stdout.readline())  # an editor waits for its answer, then leaves
+                relay.stdin.close()
+                assert relay.wait(30) == 0
+            finally:
+                relay.kill()
+        assert answer["id"] == 1 and answer["result"]["protocolVersion"] == 1
 
 
 def _wait_http(server: ServerProcess, timeout: float = 20.0) -> str:
