@@ -160,7 +160,10 @@ def test_the_official_sdk_over_its_own_tls_streams(tls_server: tuple[dict[str, s
     assert summary["pendingPromptsAtEnd"] == 0, context
     validated = summary["validated"]
     assert validated["AgentResponseMessage"] + validated["AgentNotification"] == summary["received"], context
-    # without the CA the SDK's TLS fails at its handshake: the driver does not get through
+    if scheme != "https":
+        return
+    # without the CA the SDK's TLS fails at its handshake: the driver does not get through (once: the
+    # three share the trust store's handling, and each run costs an SDK start)
     run = subprocess.run(
         [sys.executable, str(DRIVER), urls[scheme]], capture_output=True, text=True, timeout=90,
         env={k: v for k, v in os.environ.items() if k != "SSL_CERT_FILE"}, cwd=ROOT,
