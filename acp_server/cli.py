@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import ipaddress
 import logging
 import math
 import pathlib
@@ -27,6 +26,7 @@ from .admission import Limits
 from .admission.policy import PolicyLimits
 from .auth import cli as auth_cli
 from .auth.binds import RemoteBindError, check_remote_bind
+from .auth.hosts import access_from, add_access_flags
 from .auth.settings import add_serve_flags, settings_from
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config, openai_shorthand
@@ -157,31 +157,6 @@ def _origin_arg(text: str) -> str:
             f"--http-allow-origin {text!r} is not an origin: scheme://host[:port], no path (e.g. https://app.example)"
         )
     return text
-
-
-def _host_arg(text: str) -> str:
-    """One ``--http-allow-host`` name: lower case, an IPv6 address in brackets, no port."""
-    from .auth.http_rules import split_host
-
-    stripped = text.strip()
-    parsed = split_host(stripped)
-    if parsed is None or parsed[1] is not None or (":" in stripped and not stripped.startswith("[")):
-        raise argparse.ArgumentTypeError(
-            f"--http-allow-host {text!r}: a host name or address, without a port (e.g. acp.example.com, "
-            "10.0.0.5, [2001:db8::1])"
-        )
-    name = parsed[0]
-    return f"[{name}]" if ":" in name else name
-
-
-def _cidr_arg(text: str) -> str:
-    """One ``--trusted-proxy`` network (an address alone is a /32 or /128)."""
-    try:
-        return str(ipaddress.ip_network(text.strip(), strict=False))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--trusted-proxy {text!r}: an IP address or network in CIDR form (e.g. 10.0.0.0/8, ::1/128)"
-        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -495,24 +470,7 @@ def _add_http_flags(s: argparse.ArgumentParser) -> None:
         help="a foreign origin (scheme://host[:port], exact) allowed besides the listener's own; '*' "
         "allows any and needs tokens on; repeatable",
     )
-    g.add_argument(
-        "--http-allow-host",
-        action="append",
-        type=_host_arg,
-        default=None,
-        metavar="NAME",
-        help="a remote Host name (or address) the HTTP listeners answer to besides loopback names and the "
-        "bound address (DNS-rebinding defence: any other gets 403 forbidden_host); repeatable",
-    )
-    g.add_argument(
-        "--trusted-proxy",
-        action="append",
-        type=_cidr_arg,
-        default=None,
-        metavar="CIDR",
-        help="a reverse proxy (address or network) whose X-Forwarded-For / X-Forwarded-Proto headers count; "
-        "from any other peer they are ignored; repeatable",
-    )
+    add_access_flags(g)  # --http-allow-host, --trusted-proxy
     g.add_argument(
         "--workspace",
         default=None,
@@ -540,24 +498,8 @@ def http_from(
             origins = [_origin_arg(o) for o in table.allow_origin]
         except argparse.ArgumentTypeError as exc:
             parser.error(f"--config {args.config}: http.allow_origin: {exc}")
-    hosts = args.http_allow_host or []
-    if not hosts:
-        try:
-            hosts = [_host_arg(h) for h in table.allow_host]
-        except argparse.ArgumentTypeError as exc:
-            parser.error(f"--config {args.config}: http.allow_host: {exc}")
-    proxies = args.trusted_proxy or []
-    if not proxies:
-        try:
-            proxies = [_cidr_arg(c) for c in table.trusted_proxy]
-        except argparse.ArgumentTypeError as exc:
-            parser.error(f"--config {args.config}: http.trusted_proxy: {exc}")
     tokens = bool(getattr(args, "auth_tokens", None))  # server_config has merged [auth] tokens in by now
-    if "*" in origins and not tokens:
-        parser.error(
-            "--http-allow-origin '*' needs --auth-tokens: without tokens any web page could drive the "
-            "server from a visitor's browser; list exact origins instead (e.g. https://console.example.com)"
-        )
+    hosts, proxies = access_from(args, parser, table, origins=origins, tokens=tokens)
     max_connections = args.http_max_connections or table.max_connections
     grace = args.http_connection_grace_s if args.http_connection_grace_s is not None else table.connection_grace_s
     if max_connections is not None and max_connections < 1:
@@ -582,8 +524,8 @@ def http_from(
     return listen, HttpOptions(
         limits=limits,
         allow_origins=frozenset(origins),
-        allow_hosts=frozenset(hosts),
-        trusted_proxies=tuple(proxies),
+        allow_hosts=hosts,
+        trusted_proxies=proxies,
         workspace=workspace,
     )
 
