@@ -156,7 +156,9 @@ def _origin_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"--http-allow-origin {text!r} is not an origin: scheme://host[:port], no path (e.g. https://app.example)"
         )
-    return text
+    from .auth.http_rules import normalize_origin
+
+    return normalize_origin(text) or text  # as a browser sends it: lower case, no default port
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -125,6 +125,9 @@ def test_star_origin_needs_tokens(tmp_path: pathlib.Path, capsys: pytest.Capture
     assert "--http-allow-origin '*' needs --auth-tokens" in capsys.readouterr().err
     config = _config(["--http-listen", "http://127.0.0.1:0", "--http-allow-origin", "*", "--auth-tokens", _tokens(tmp_path)])
     assert config.http.allow_origins == frozenset({"*"})
+    # an entry is kept as a browser spells the origin, and then compared exactly
+    config = _config(["--http-listen", "http://127.0.0.1:0", "--http-allow-origin", "HTTPS://App.Example:443"])
+    assert config.http.allow_origins == frozenset({"https://app.example"})
 
 
 def test_allow_host_and_trusted_proxy_flags_and_config_keys(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
