@@ -26,6 +26,7 @@ from .admission import Limits
 from .admission.policy import PolicyLimits
 from .auth import cli as auth_cli
 from .auth.binds import RemoteBindError, check_remote_bind
+from .auth.hosts import access_from, add_access_flags
 from .auth.settings import add_serve_flags, settings_from
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config, openai_shorthand
@@ -113,35 +114,51 @@ def parse_listen(text: str, flag: str = "--listen") -> ListenAddress:
     raise argparse.ArgumentTypeError(f"{flag} {text!r}: unknown scheme; accepted: {accepted}")
 
 
-def parse_metrics_listen(text: str, flag: str = "--metrics-listen") -> ListenAddress:
-    """``tcp://HOST:PORT`` only: metrics are served over HTTP."""
-    accepted = "tcp://HOST:PORT (PORT 0-65535, 0 = any free port)"
-    if not text.startswith("tcp://"):
-        raise argparse.ArgumentTypeError(f"{flag} {text!r}: metrics are served over HTTP; accepted: {accepted}")
+def _http_address(text: str, flag: str, accepted: str) -> ListenAddress:
+    """``http://``/``tcp://`` (kind ``tcp``) or ``https://`` (kind ``https``) ``HOST:PORT``, or ``unix:/path``."""
+    given = text
+    if text.startswith("https://"):
+        text = "tcp://" + text[len("https://") :]
+    elif text.startswith("http://"):
+        text = "tcp://" + text[len("http://") :]
     try:
-        return parse_listen(text, flag)
+        addr = parse_listen(text, flag)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{flag} {text!r} is not of the form {accepted}") from None
+        raise argparse.ArgumentTypeError(f"{flag} {given!r} is not of the form {accepted}") from None
+    if addr.kind == "tls":
+        raise argparse.ArgumentTypeError(f"{flag} {given!r}: HTTP over TLS is https://HOST:PORT; accepted: {accepted}")
+    if given.startswith("https://"):
+        return ListenAddress("https", host=addr.host, port=addr.port)
+    return addr
+
+
+def parse_metrics_listen(text: str, flag: str = "--metrics-listen") -> ListenAddress:
+    """``tcp://HOST:PORT`` (also ``http://``) or ``https://HOST:PORT``: metrics are served over HTTP."""
+    accepted = "tcp://HOST:PORT, http://HOST:PORT or https://HOST:PORT (PORT 0-65535, 0 = any free port)"
+    if not text.startswith(("tcp://", "http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: metrics are served over HTTP; accepted: {accepted}")
+    return _http_address(text, flag, accepted)
 
 
 def parse_http_listen(text: str, flag: str = "--http-listen") -> ListenAddress:
-    """``http://HOST:PORT`` or ``tcp://HOST:PORT`` (port 0: any free port) or ``unix:/path``."""
-    accepted = "http://HOST:PORT or tcp://HOST:PORT (PORT 0-65535, 0 = any free port) or unix:/absolute/path"
-    if text.startswith("http://"):
-        text = "tcp://" + text[len("http://") :]
-    try:
-        return parse_listen(text, flag)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{flag} {text!r} is not of the form {accepted}") from None
+    """``http://HOST:PORT``, ``tcp://HOST:PORT`` or ``https://HOST:PORT`` (port 0: any free port) or ``unix:/path``."""
+    accepted = (
+        "http://HOST:PORT, https://HOST:PORT or tcp://HOST:PORT (PORT 0-65535, 0 = any free port) or unix:/absolute/path"
+    )
+    return _http_address(text, flag, accepted)
 
 
 def _origin_arg(text: str) -> str:
+    if text.strip() == "*":
+        return "*"  # any origin: with tokens on only (http_from checks)
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query or text.endswith("/"):
         raise argparse.ArgumentTypeError(
             f"--http-allow-origin {text!r} is not an origin: scheme://host[:port], no path (e.g. https://app.example)"
         )
-    return text
+    from .auth.http_rules import normalize_origin
+
+    return normalize_origin(text) or text  # as a browser sends it: lower case, no default port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +184,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c.add_argument(
         "url",
         metavar="URL",
-        help="tcp://HOST:PORT, tls://HOST:PORT, unix:/path, http://HOST:PORT/acp or ws://HOST:PORT/acp of a running acp-server",
+        help="tcp://HOST:PORT, tls://HOST:PORT, unix:/path, http(s)://HOST:PORT/acp or ws(s)://HOST:PORT/acp of a running acp-server",
     )
     auth_cli.add_connect_flags(c)
     d = sub.add_parser(
@@ -404,8 +421,9 @@ def _add_policy_flags(s: argparse.ArgumentParser) -> None:
         "--metrics-listen",
         type=parse_metrics_listen,
         metavar="URL",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (tcp://HOST:PORT, loopback only; "
-        "port 0 = any free port; default: no metrics endpoint)",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (also tcp://HOST:PORT) or "
+        "https://HOST:PORT/metrics (with --tls-cert/--tls-key); beyond loopback only https:// with "
+        "--auth-tokens; port 0 = any free port (default: no metrics endpoint)",
     )
     g.add_argument(
         "--metrics-tenant-labels",
@@ -420,8 +438,8 @@ def _add_http_flags(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group(
         "ACP over HTTP and WebSocket",
         "The remote transport of ACP at /acp (Streamable HTTP with SSE, and WebSocket) and GET /health. "
-        "In --config, the [http] table takes listen, max_connections, connection_grace_s and allow_origin; "
-        "flags override the file.",
+        "In --config, the [http] table takes listen, max_connections, connection_grace_s, allow_origin, "
+        "allow_host and trusted_proxy; flags override the file.",
     )
     g.add_argument(
         "--http-listen",
@@ -429,8 +447,9 @@ def _add_http_flags(s: argparse.ArgumentParser) -> None:
         type=parse_http_listen,
         default=None,
         metavar="URL",
-        help="serve /acp at http://HOST:PORT (also tcp://HOST:PORT; loopback only; port 0 = any free port) "
-        "or unix:/path; repeatable (default: none)",
+        help="serve /acp at http://HOST:PORT (also tcp://HOST:PORT), https://HOST:PORT (with --tls-cert/"
+        "--tls-key; /acp as https:// and wss://) or unix:/path; beyond loopback only https:// with "
+        "--auth-tokens; port 0 = any free port; repeatable (default: none)",
     )
     g.add_argument(
         "--http-max-connections",
@@ -450,8 +469,10 @@ def _add_http_flags(s: argparse.ArgumentParser) -> None:
         type=_origin_arg,
         default=None,
         metavar="ORIGIN",
-        help="a foreign origin (scheme://host[:port]) allowed besides the listener's own; repeatable",
+        help="a foreign origin (scheme://host[:port], exact) allowed besides the listener's own; '*' "
+        "allows any and needs tokens on; repeatable",
     )
+    add_access_flags(g)  # --http-allow-host, --trusted-proxy
     g.add_argument(
         "--workspace",
         default=None,
@@ -479,6 +500,8 @@ def http_from(
             origins = [_origin_arg(o) for o in table.allow_origin]
         except argparse.ArgumentTypeError as exc:
             parser.error(f"--config {args.config}: http.allow_origin: {exc}")
+    tokens = bool(getattr(args, "auth_tokens", None))  # server_config has merged [auth] tokens in by now
+    hosts, proxies = access_from(args, parser, table, origins=origins, tokens=tokens)
     max_connections = args.http_max_connections or table.max_connections
     grace = args.http_connection_grace_s if args.http_connection_grace_s is not None else table.connection_grace_s
     if max_connections is not None and max_connections < 1:
@@ -486,8 +509,8 @@ def http_from(
     if grace is not None and not (0 <= grace < math.inf):
         parser.error(f"--config {args.config}: http.connection_grace_s must be a non-negative number; got {grace}")
     for addr in listen:
-        if addr.kind == "tcp":
-            _check_loopback(parser, addr, "--http-listen")
+        if addr.kind in ("tcp", "https"):
+            _check_loopback(parser, addr, "--http-listen", tokens=tokens)
     if not listen:
         return [], None
     from .transports.http import HttpLimits, HttpOptions  # hypercorn loads only when asked
@@ -500,7 +523,13 @@ def http_from(
     workspace = args.workspace or table.workspace
     if workspace is not None:
         workspace = str(pathlib.Path(workspace).absolute())
-    return listen, HttpOptions(limits=limits, allow_origins=frozenset(origins), workspace=workspace)
+    return listen, HttpOptions(
+        limits=limits,
+        allow_origins=frozenset(origins),
+        allow_hosts=hosts,
+        trusted_proxies=proxies,
+        workspace=workspace,
+    )
 
 
 def _on_off(flag: str) -> Callable[[str], bool]:
@@ -627,7 +656,8 @@ def _check_loopback(
     except socket.gaierror as exc:
         parser.error(f"{flag} {addr}: cannot resolve {addr.host!r}: {exc.strerror}")
     try:
-        check_remote_bind(flag, str(addr), [str(i[4][0]) for i in infos], tls=addr.kind == "tls", tokens=tokens)
+        tls = addr.kind in ("tls", "https")
+        check_remote_bind(flag, str(addr), [str(i[4][0]) for i in infos], tls=tls, tokens=tokens)
     except RemoteBindError as exc:
         parser.error(str(exc))
 
@@ -725,6 +755,10 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
     policy = policy_from(args, serve_parser, file_config)
     metrics_listen, metrics_tenant_labels = metrics_from(args, serve_parser, file_config)
     http_listen, http_options = http_from(args, serve_parser, file_config)
+    if auth.tls is None:
+        for flag, addr in [("--metrics-listen", metrics_listen), *(("--http-listen", a) for a in http_listen)]:
+            if addr is not None and addr.kind == "https":
+                serve_parser.error(f"an https:// {flag} needs --tls-cert FILE and --tls-key FILE")
     return ServerConfig(
         stdio=args.stdio,
         listen=listen,

@@ -65,6 +65,8 @@
     max_connections = 256             # /acp connections and WebSockets at once
     connection_grace_s = 10           # a connection with no stream open is kept this long
     allow_origin = ["https://editor.example"]   # foreign origins allowed besides the listener's own
+    allow_host = ["acp.example.com"]  # remote Host names answered (besides loopback and the bound address)
+    trusted_proxy = ["10.0.0.0/8"]    # peers whose X-Forwarded-For / X-Forwarded-Proto count
     workspace = "/srv/project"        # the REST API's primary workspace (default: the working directory)
 
 An unknown key or a bad value is a :class:`ConfigError` naming the key (``backends.claude.max_active``).
@@ -216,6 +218,10 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_connections: int | None = None
     connection_grace_s: float | None = None
     allow_origin: list[str] = msgspec.field(default_factory=list)
+    #: ``--http-allow-host``: remote ``Host`` names the HTTP listeners answer to
+    allow_host: list[str] = msgspec.field(default_factory=list)
+    #: ``--trusted-proxy``: networks whose ``X-Forwarded-For``/``X-Forwarded-Proto`` count
+    trusted_proxy: list[str] = msgspec.field(default_factory=list)
     #: the REST API's primary workspace (``workspaceCwd``, the default ``cwd``)
     workspace: str | None = None
 

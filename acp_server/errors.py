@@ -397,7 +397,10 @@ class MethodNotAllowedError(HttpError):
 class ForbiddenHostError(HttpError):
     kind = "forbidden_host"
     status = 403
-    template = 'Host "{host}" is not this server\'s (127.0.0.1, localhost, [::1] or the bound address)'
+    template = (
+        'Host "{host}" is not this server\'s (127.0.0.1, localhost, [::1] or the bound address); '
+        "allow a remote name with --http-allow-host NAME"
+    )
     data_type = data.ForbiddenHostData
 
 

@@ -17,11 +17,11 @@ import logging
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import trio
 from hypercorn.config import Config
-from hypercorn.trio import serve
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -34,6 +34,9 @@ from prometheus_client.core import (
 
 from .transports.address import ListenAddress
 from .transports.listeners import bind_tcp_socket
+
+if TYPE_CHECKING:
+    from .auth.tls import ServerTls
 
 __all__ = ["CONTENT_TYPE", "METRICS_PATH", "render_metrics", "serve_metrics"]
 
@@ -433,42 +436,58 @@ async def serve_metrics(
     *,
     tenant_labels: bool = False,
     auth: Any = None,
+    tls: ServerTls | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``GET /metrics`` over HTTP on ``address`` until cancelled; anything else is a 404.
+    """Serve ``GET /metrics`` over HTTP (or HTTPS) on ``address`` until cancelled; anything else is a 404.
 
-    Once bound it prints ``acp-server: metrics on http://HOST:PORT/metrics`` to stderr and reports
-    ``(host, port)`` (the real port when 0 was asked). Hypercorn's own logs go to the
-    ``acp_server.metrics`` logger (stderr), never to stdout, which is the ACP stream under ``--stdio``.
+    Once bound it prints ``acp-server: metrics on http://HOST:PORT/metrics`` (``https://`` with TLS)
+    to stderr and reports ``(host, port)`` (the real port when 0 was asked). Hypercorn's own logs go
+    to the ``acp_server.metrics`` logger (stderr), never to stdout, which is the ACP stream under
+    ``--stdio``. Connections are served as the HTTP listener's are (each isolated; with TLS, each
+    handshake bounded by ``--tls-handshake-timeout-s`` and made with the certificates in force).
 
     Args:
         snapshot: called in the trio thread on each scrape; the rendering runs in a worker thread.
-        address: a ``tcp`` address (port 0: any free port).
+        address: a ``tcp`` address (port 0: any free port), or ``https`` (the same with TLS).
         tenant_labels: label tenant series with tenant ids (see :func:`render_metrics`).
         auth: the server's :class:`~acp_server.auth.gate.Authenticator` (``--auth-tokens``): every
             request then shows ``Authorization: Bearer`` of a token with the ``admin`` or ``metrics``
             scope (401 with the listener's one body, 403 ``insufficient_scope``); ``None``: open.
+        tls: the server's certificates (an ``https`` address needs them).
 
     Raises:
-        ValueError: ``address`` is not a TCP address.
+        ValueError: ``address`` is not a TCP address, or is ``https`` without ``tls``.
         OSError: the address cannot be bound (the message names it).
     """
-    if address.kind != "tcp":
-        raise ValueError(f"--metrics-listen {address}: metrics are served over HTTP, on tcp://HOST:PORT only")
+    from .auth.tls import HTTP_ALPN
+    from .transports.http.listener import serve_app
+
+    if address.kind not in ("tcp", "https"):
+        raise ValueError(f"--metrics-listen {address}: metrics are served over HTTP, on tcp://HOST:PORT or https://HOST:PORT")
+    secure = address.kind == "https"
+    if secure and tls is None:
+        raise ValueError(f"--metrics-listen {address}: https:// needs --tls-cert FILE and --tls-key FILE")
     try:
         sock = await bind_tcp_socket(address.host, address.port)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot listen on metrics {address}: {exc.strerror or exc}") from exc
-    with sock:
+    listener = trio.SocketListener(sock)
+    async with listener:
         host, port = sock.getsockname()[:2]
         config = Config()
-        # Hypercorn gets its own descriptor (it closes its socket when it stops; we close ours).
-        config.bind = [f"fd://{sock.dup().detach()}"]
         config.accesslog = None
         config.errorlog = log
         config.graceful_timeout = 0.5
         shown = f"[{host}]" if ":" in host else host
+        scheme = "https" if secure else "http"
+        metrics_tls = tls.with_alpn(HTTP_ALPN) if secure and tls is not None else None
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve, _metrics_app(snapshot, tenant_labels, auth), config)
-            print(f"acp-server: metrics on http://{shown}:{port}{METRICS_PATH}", file=sys.stderr, flush=True)
+            await nursery.start(
+                partial(serve_app, tls=metrics_tls, name="metrics"),
+                _metrics_app(snapshot, tenant_labels, auth),
+                config,
+                listener,
+            )
+            print(f"acp-server: metrics on {scheme}://{shown}:{port}{METRICS_PATH}", file=sys.stderr, flush=True)
             task_status.started((host, port))

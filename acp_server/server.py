@@ -439,7 +439,7 @@ async def _serve(
                 from .metrics import serve_metrics  # hypercorn and prometheus_client load only when asked
 
                 await listeners.start(
-                    partial(serve_metrics, tenant_labels=config.metrics_tenant_labels, auth=server.auth),
+                    partial(serve_metrics, tenant_labels=config.metrics_tenant_labels, auth=server.auth, tls=tls),
                     server.stats_snapshot,
                     config.metrics_listen,
                 )
@@ -459,7 +459,7 @@ async def _serve(
                     ),
                 )
                 for addr in config.http_listen:
-                    await listeners.start(partial(serve_http, gate=gate), server.handle_stream, addr, options)
+                    await listeners.start(partial(serve_http, gate=gate, tls=tls), server.handle_stream, addr, options)
 
             async def stdio_then_exit() -> None:
                 await server.handle_stream(stdio_stream(), "stdio", trusted=True, socket=False)

@@ -9,6 +9,8 @@ on trio. Usage::
     python tests/sdk_driver.py connect:tcp://127.0.0.1:PORT  # spawns `python -m acp_server connect URL`
     python tests/sdk_driver.py http://127.0.0.1:PORT/acp     # the SDK's Streamable HTTP client
     python tests/sdk_driver.py ws://127.0.0.1:PORT/acp       # the SDK's WebSocket client
+    python tests/sdk_driver.py https://localhost:PORT/acp    # the same over TLS (wss:// too), and
+    python tests/sdk_driver.py tls://localhost:PORT          # NDJSON over TLS: the CA in SSL_CERT_FILE
 
 The scenario: ``initialize`` -> ``session/new`` -> one prompt -> three concurrent prompts on the session
 -> a prompt cancelled with ``session/cancel`` while it runs -> one more prompt -> ``_acp_server/stats``.
@@ -28,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import ssl
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -240,7 +243,33 @@ async def connect(
         ) as (conn, _process):
             yield conn
         return
-    if target.startswith(("http://", "ws://")):
+    if target.startswith(("https://", "tls://")):
+        # Over TLS the server's certificate is checked against the system trust store, which honours
+        # SSL_CERT_FILE (the test's CA); the SDK's own streams run over the verified connection.
+        context = ssl.create_default_context()
+        parts = urlsplit(target)
+        if target.startswith("tls://"):
+            reader, writer = await asyncio.open_connection(parts.hostname, parts.port, ssl=context)
+            conn = acp.connect_to_agent(cast(acp.Client, client), writer, reader, observers=[recorder])
+            try:
+                yield conn
+            finally:
+                await conn.close()
+                writer.close()
+                with contextlib.suppress(ConnectionError, ssl.SSLError):
+                    await writer.wait_closed()
+            return
+        import httpx
+        from acp.http import create_http_stream
+
+        async with httpx.AsyncClient(http2=True, timeout=httpx.Timeout(None), verify=context) as http:
+            conn = acp.connect_to_agent(cast(acp.Client, client), create_http_stream(target, client=http), observers=[recorder])
+            try:
+                yield conn
+            finally:
+                await conn.close()
+        return
+    if target.startswith(("http://", "ws://", "wss://")):
         if target.startswith("http://"):
             from acp.http import create_http_stream
 

@@ -113,7 +113,7 @@ def test_bad_url_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         client_cli.main(["prompt", "--connect", "ftp://x", "hi"])
     assert info.value.code == 2
-    accepted = "tcp://HOST:PORT, tls://HOST:PORT, unix:/absolute/path, http://HOST:PORT/acp or ws://HOST:PORT/acp"
+    accepted = "tcp://HOST:PORT, tls://HOST:PORT, unix:/absolute/path, http(s)://HOST:PORT/acp or ws(s)://HOST:PORT/acp"
     assert f"--connect 'ftp://x': unknown scheme; accepted: {accepted}" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         client_cli.main(["prompt", "--connect", "http://x", "hi"])  # an HTTP endpoint needs its path

@@ -344,7 +344,7 @@ async def test_metrics_render_runs_off_the_event_loop(monkeypatch: pytest.Monkey
 
 async def test_metrics_refuse_unix_and_name_a_taken_port() -> None:
     """Metrics are HTTP over TCP only; a port someone holds is an OSError naming the address."""
-    with pytest.raises(ValueError, match=r"tcp://HOST:PORT only"):
+    with pytest.raises(ValueError, match=r"on tcp://HOST:PORT or https://HOST:PORT"):
         await serve_metrics(snapshot, ListenAddress("unix", path="/tmp/x.sock"))
     with trio.fail_after(TIMEOUT_S):
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")

@@ -2,8 +2,9 @@
 
 - :class:`ServerTls`: the server context built from ``--tls-cert``/``--tls-key``, with ALPN
   (``h2``, ``http/1.1``) for HTTP listeners and none for NDJSON; :meth:`ServerTls.reload` swaps in
-  new certificates (SIGHUP), keeping the old ones when the new files do not load. Connections already
-  open keep the context they shook hands with; the next handshake uses the new one.
+  new certificates (SIGHUP), keeping the old ones when the new files do not load, for itself and the
+  siblings :meth:`ServerTls.with_alpn` made (the HTTPS listeners'). Connections already open keep the
+  context they shook hands with; the next handshake uses the new one.
 - :func:`client_context`: what our SDK verifies servers with: the system trust store, or ``--ca-file``.
 - :func:`accept_tls`: wrap an accepted stream in ``trio.SSLStream(server_side=True,
   https_compatible=True)`` and complete the handshake within ``--tls-handshake-timeout-s``; a client
@@ -123,21 +124,37 @@ class ServerTls:
         self.alpn = tuple(alpn)
         self.handshake_timeout_s = handshake_timeout_s
         self.context = server_context(cert, key, alpn=self.alpn)
+        self._siblings: dict[tuple[str, ...], ServerTls] = {}
 
     def with_alpn(self, alpn: Sequence[str]) -> ServerTls:
-        """A sibling for another listener kind (same files and timeout, other ALPN)."""
-        return ServerTls(self.cert, self.key, alpn=alpn, handshake_timeout_s=self.handshake_timeout_s)
+        """A sibling for another listener kind (same files and timeout, other ALPN), reloaded with this one.
+
+        Asking twice for the same protocols gives the same sibling.
+        """
+        wanted = tuple(alpn)
+        if wanted == self.alpn:
+            return self
+        sibling = self._siblings.get(wanted)
+        if sibling is None:
+            sibling = self._siblings[wanted] = ServerTls(
+                self.cert, self.key, alpn=wanted, handshake_timeout_s=self.handshake_timeout_s
+            )
+        return sibling
 
     def reload(self) -> str | None:
-        """Load the files again; on failure keep the current context.
+        """Load the files again, for this context and its siblings; on failure keep the current ones.
 
         Returns:
             ``None`` when the new certificates are in use; else why they were not taken.
         """
         try:
-            self.context = server_context(self.cert, self.key, alpn=self.alpn)
+            fresh = server_context(self.cert, self.key, alpn=self.alpn)
+            siblings = {alpn: server_context(self.cert, self.key, alpn=alpn) for alpn in self._siblings}
         except TlsConfigError as exc:
             return str(exc)
+        self.context = fresh
+        for alpn, context in siblings.items():
+            self._siblings[alpn].context = context
         return None
 
 

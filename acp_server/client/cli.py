@@ -15,7 +15,7 @@ stopped with ``refusal``); 130 interrupted (a ``cancelled`` stop reason, or Ctrl
 ``--connect`` defaults to ``$ACP_SERVER_URL``, else ``tcp://127.0.0.1:4170`` (what ``make run`` serves).
 
 Both take ``--token`` (default ``$ACP_SERVER_TOKEN``; prefer the variable: arguments show in ``ps``)
-and ``--ca-file`` for ``tls://`` servers.
+and ``--ca-file`` for ``tls://``, ``https://`` and ``wss://`` servers.
 
 ``prompt`` prints the agent's text to stdout as it streams; on stderr ``acp-server: session <id>
 client <id>`` once it holds the session (again after a self-heal), then ``acp-server: stop <reason>``
@@ -102,7 +102,7 @@ def _connect_flag(p: argparse.ArgumentParser) -> None:
         type=_url,
         default=default_url(),
         metavar="URL",
-        help=f"tcp://HOST:PORT, tls://HOST:PORT, unix:/path, http://HOST:PORT/acp or ws://HOST:PORT/acp of a running acp-server (default: ${ENV_URL}, else {DEFAULT_URL})",
+        help=f"tcp://HOST:PORT, tls://HOST:PORT, unix:/path, http(s)://HOST:PORT/acp or ws(s)://HOST:PORT/acp of a running acp-server (default: ${ENV_URL}, else {DEFAULT_URL})",
     )
 
 

@@ -43,14 +43,16 @@ Target = str | Sequence[str] | trio.abc.Stream
 
 def parse_url(url: str) -> tuple[str, str, int]:
     """``tcp://HOST:PORT`` -> ``("tcp", host, port)`` (``tls://`` -> ``("tls", host, port)``); ``unix:/path``
-    (or ``unix:///path``) -> ``("unix", path, 0)``; ``http://HOST:PORT/acp`` and ``ws://HOST:PORT/acp``
-    (ACP's remote transport) -> ``("http"|"ws", url, port)``.
+    (or ``unix:///path``) -> ``("unix", path, 0)``; ``http(s)://HOST:PORT/acp`` and ``ws(s)://HOST:PORT/acp``
+    (ACP's remote transport) -> ``("http"|"https"|"ws"|"wss", url, port)``.
 
     Raises:
         ValueError: any other form (the message says what is accepted).
     """
-    accepted = "tcp://HOST:PORT, tls://HOST:PORT, unix:/absolute/path, http://HOST:PORT/acp or ws://HOST:PORT/acp"
-    if url.startswith(("http://", "ws://")):
+    accepted = (
+        "tcp://HOST:PORT, tls://HOST:PORT, unix:/absolute/path, http(s)://HOST:PORT/acp or ws(s)://HOST:PORT/acp"
+    )
+    if url.startswith(("http://", "https://", "ws://", "wss://")):
         parts = urlsplit(url)
         try:
             port = parts.port
@@ -58,7 +60,7 @@ def parse_url(url: str) -> tuple[str, str, int]:
             port = None
         if not parts.hostname or not parts.path.strip("/"):
             raise ValueError(f"{url!r} is not of the form {accepted} (the endpoint's path, e.g. /acp, is needed)")
-        return parts.scheme, url, port or 80
+        return parts.scheme, url, port or (443 if parts.scheme in ("https", "wss") else 80)
     if url.startswith("unix:"):
         path = url[len("unix:") :]
         if path.startswith("//"):
@@ -329,10 +331,10 @@ async def _open_stream(
         return
     if isinstance(target, str):
         kind, where, port = parse_url(target)
-        if kind in ("http", "ws"):
+        if kind in ("http", "https", "ws", "wss"):
             from .remote import open_remote_stream
 
-            async with open_remote_stream(where, token=token) as remote:
+            async with open_remote_stream(where, ca_file, token=token) as remote:
                 yield remote
             return
         if kind == "tcp":
@@ -391,8 +393,8 @@ async def connect(
     """Connect to a server and ``initialize``; the connection closes when the block ends.
 
     Args:
-        target: ``tcp://HOST:PORT``, ``tls://HOST:PORT``, ``unix:/path``, a command (list of strings)
-            or a trio stream.
+        target: ``tcp://HOST:PORT``, ``tls://HOST:PORT``, ``unix:/path``, ``http(s)://HOST:PORT/acp``,
+            ``ws(s)://HOST:PORT/acp``, a command (list of strings) or a trio stream.
         hooks: answers to the server's requests (default: permission ``cancelled``, fs refused).
         max_pending_prompts: the local pending-prompt limit per session; ``None`` (default) takes the
             server's ``maxPendingPromptsPerSession``, ``0`` disables it.
@@ -406,10 +408,10 @@ async def connect(
         turn_states: ask for ``_acp_server/turn_state`` notifications (``True``) or not (``False``) at
             ``initialize``; ``None`` (default) leaves it to the server's ``--turn-states``.
         token: the secret of an ``acp-server token``: after ``initialize``, ``authenticate`` with
-            ``acp-server-token`` (a wrong one raises the server's ``auth_required``); over ``http://``
-            and ``ws://`` it is also sent as ``Authorization: Bearer`` on every request.
-        ca_file: PEM file of the CAs a ``tls://`` server's certificate is checked against (default:
-            the system trust store).
+            ``acp-server-token`` (a wrong one raises the server's ``auth_required``); over ``http(s)://``
+            and ``ws(s)://`` it is also sent as ``Authorization: Bearer`` on every request.
+        ca_file: PEM file of the CAs a ``tls://``, ``https://`` or ``wss://`` server's certificate is
+            checked against (default: the system trust store).
 
     Raises:
         ValueError, TypeError: a bad argument (a limit negative or fractional, a malformed URL).

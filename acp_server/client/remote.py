@@ -14,6 +14,10 @@ unchanged:
   connection the server no longer knows (404 ``unknown_connection``: it restarted) ends the stream, as
   a closed socket would, so the client heals.
 - ``ws://``: one JSON-RPC message per text frame (:mod:`.websocket`).
+
+``https://`` and ``wss://`` are the same over TLS, the server's certificate verified against the
+system trust store or ``ca_file`` (``--ca-file``); an untrusted certificate fails before the first
+message with a ``ConnectionError`` that names ``--ca-file``, as ``tls://`` does.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 import trio
 
+from ..auth.tls import client_context, open_tls_stream
 from ..errors import REGISTRY
 from ..transports.http.rules import (
     CONNECTION_HEADER,
@@ -36,16 +42,20 @@ from ..transports.http.rules import (
     decode_outbound,
 )
 
-__all__ = ["HttpClientStream", "is_remote_url", "open_remote_stream"]
+__all__ = ["REMOTE_SCHEMES", "HttpClientStream", "is_remote_url", "open_remote_stream"]
 
 log = logging.getLogger("acp_server.client")
 
 _JSON = {"content-type": "application/json"}
 
 
+#: the schemes :func:`open_remote_stream` serves
+REMOTE_SCHEMES = ("http://", "https://", "ws://", "wss://")
+
+
 def is_remote_url(url: str) -> bool:
-    """``http://`` or ``ws://``: served by :func:`open_remote_stream`."""
-    return url.startswith(("http://", "ws://"))
+    """``http://``, ``https://``, ``ws://`` or ``wss://``: served by :func:`open_remote_stream`."""
+    return url.startswith(REMOTE_SCHEMES)
 
 
 class _Inbox:
@@ -241,16 +251,40 @@ class HttpClientStream(trio.abc.Stream):
         self._nursery.cancel_scope.cancel()
 
 
+async def _check_tls(url: str, ca_file: str | None) -> None:
+    """One verified handshake with an ``https://`` server, so that an untrusted certificate (or nothing
+    listening) fails here with the message :func:`~acp_server.auth.tls.open_tls_stream` gives, naming
+    ``--ca-file``, rather than as a failed POST.
+
+    Raises:
+        ConnectionError: the handshake failed (the message says why).
+        OSError: nothing listens there.
+    """
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        stream = await open_tls_stream(host, parts.port or 443, ca_file)
+    except ConnectionError as exc:
+        raise ConnectionError(str(exc).replace(f"tls://{host}:{parts.port or 443}", url, 1)) from exc
+    await trio.aclose_forcefully(stream)
+
+
 @asynccontextmanager
-async def _open_http(url: str, token: str | None = None) -> AsyncIterator[trio.abc.Stream]:
+async def _open_http(
+    url: str, ca_file: str | None = None, token: str | None = None
+) -> AsyncIterator[trio.abc.Stream]:
     import httpx  # loaded only for http:// targets
 
+    verify: Any = True
+    if url.startswith("https://"):
+        await _check_tls(url, ca_file)
+        verify = client_context(ca_file)
     # no read timeout: event streams are long-lived; no connection cap: each open stream holds one
     timeout = httpx.Timeout(30.0, read=None)
     headers = {"authorization": f"Bearer {token}"} if token is not None else None
     limits = httpx.Limits(max_connections=None)
     raised: BaseException | None = None
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers, verify=verify) as client:
         try:
             async with trio.open_nursery() as nursery:
                 stream = HttpClientStream(url, client, nursery)
@@ -270,22 +304,34 @@ async def _open_http(url: str, token: str | None = None) -> AsyncIterator[trio.a
 
 
 @asynccontextmanager
-async def open_remote_stream(url: str, *, token: str | None = None) -> AsyncIterator[trio.abc.Stream]:
-    """A byte stream of NDJSON to the ``/acp`` endpoint at ``url`` (``http://`` or ``ws://``).
+async def open_remote_stream(
+    url: str, ca_file: str | None = None, *, token: str | None = None
+) -> AsyncIterator[trio.abc.Stream]:
+    """A byte stream of NDJSON to the ``/acp`` endpoint at ``url`` (``http://``, ``https://``, ``ws://``
+    or ``wss://``).
 
-    ``token``: sent as ``Authorization: Bearer`` on every request (and the WebSocket handshake).
+    Args:
+        url: the endpoint.
+        ca_file: PEM file of the CAs an ``https://``/``wss://`` server's certificate is checked
+            against (default: the system trust store).
+        token: sent as ``Authorization: Bearer`` on every request (and the WebSocket handshake).
 
     Raises:
         ValueError: another scheme.
-        OSError: nothing listens there (``ws://``; for ``http://`` the first POST fails).
+        TlsConfigError: ``ca_file`` cannot be used.
+        OSError: nothing listens there (``ws://``, ``https://``, ``wss://``; for ``http://`` the first
+            POST fails); ``ConnectionError`` naming ``--ca-file`` when the certificate is not trusted.
     """
-    if url.startswith("http://"):
-        async with _open_http(url, token) as stream:
+    if url.startswith(("http://", "https://")):
+        async with _open_http(url, ca_file, token) as stream:
             yield stream
-    elif url.startswith("ws://"):
+    elif url.startswith(("ws://", "wss://")):
         from .websocket import open_websocket
 
-        async with open_websocket(url, token=token) as ws:
+        async with open_websocket(url, ca_file, token=token) as ws:
             yield ws
     else:
-        raise ValueError(f"{url!r}: a remote ACP endpoint is http://HOST:PORT/acp or ws://HOST:PORT/acp")
+        raise ValueError(
+            f"{url!r}: a remote ACP endpoint is http://HOST:PORT/acp, https://HOST:PORT/acp, ws://HOST:PORT/acp "
+            "or wss://HOST:PORT/acp"
+        )

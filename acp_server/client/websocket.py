@@ -28,6 +28,8 @@ from wsproto.events import (
     TextMessage,
 )
 
+from ..auth.tls import open_tls_stream
+
 __all__ = ["WebSocketStream", "open_websocket"]
 
 log = logging.getLogger("acp_server.client")
@@ -119,20 +121,37 @@ class WebSocketStream(trio.abc.Stream):
 
 
 @asynccontextmanager
-async def open_websocket(url: str, *, token: str | None = None) -> AsyncIterator[WebSocketStream]:
-    """Open ``ws://HOST:PORT/PATH``; the handshake's refusal (a 401, 403, 503) is an ``OSError`` naming it.
+async def open_websocket(
+    url: str, ca_file: str | None = None, *, token: str | None = None
+) -> AsyncIterator[WebSocketStream]:
+    """Open ``ws://HOST:PORT/PATH`` or ``wss://HOST:PORT/PATH``; the handshake's refusal (a 401, 403,
+    503) is an ``OSError`` naming it.
 
-    ``token``: sent as ``Authorization: Bearer`` with the handshake.
+    Args:
+        url: the endpoint.
+        ca_file: PEM file of the CAs a ``wss://`` server's certificate is checked against (default:
+            the system trust store).
+        token: sent as ``Authorization: Bearer`` with the handshake.
 
     Raises:
-        ValueError: not a ``ws://`` URL.
-        OSError: nothing listens there, or the server refused the handshake.
+        ValueError: not a ``ws://`` or ``wss://`` URL.
+        TlsConfigError: ``ca_file`` cannot be used.
+        OSError: nothing listens there, the server refused the handshake, or (``ConnectionError``
+            naming ``--ca-file``) its certificate is not trusted.
     """
     parts = urlsplit(url)
-    if parts.scheme != "ws" or not parts.hostname:
-        raise ValueError(f"{url!r} is not ws://HOST:PORT/PATH")
-    port = parts.port or 80
-    sock = await trio.open_tcp_stream(parts.hostname, port)
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+        raise ValueError(f"{url!r} is not ws://HOST:PORT/PATH or wss://HOST:PORT/PATH")
+    secure = parts.scheme == "wss"
+    port = parts.port or (443 if secure else 80)
+    sock: trio.abc.Stream
+    if secure:
+        try:
+            sock = await open_tls_stream(parts.hostname, port, ca_file)
+        except ConnectionError as exc:
+            raise ConnectionError(str(exc).replace(f"tls://{parts.hostname}:{port}", url, 1)) from exc
+    else:
+        sock = await trio.open_tcp_stream(parts.hostname, port)
     try:
         ws = WSConnection(ConnectionType.CLIENT)
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
@@ -147,7 +166,7 @@ async def open_websocket(url: str, *, token: str | None = None) -> AsyncIterator
             data = await sock.receive_some(_READ_SIZE)
             if not data:
                 raise OSError(f"{url}: the server closed the connection during the WebSocket handshake")
-            ws.receive_data(data)
+            ws.receive_data(bytes(data))
             for event in ws.events():
                 if isinstance(event, AcceptConnection):
                     headers = dict(event.extra_headers)

@@ -1,6 +1,6 @@
 """``acp-server connect URL``: relay this process's stdin/stdout to a running server, byte for byte.
 
-Over ``http://.../acp`` and ``ws://.../acp`` (ACP's remote transport) the bytes are NDJSON lines,
+Over ``http(s)://.../acp`` and ``ws(s)://.../acp`` (ACP's remote transport) the bytes are NDJSON lines,
 each carried as one message (:mod:`acp_server.client.remote`).
 
 An editor that can only spawn its agent as a command gets a share of one long-lived server: the
@@ -111,10 +111,10 @@ async def relay_stdio(url: str, token: str | None = None, ca_file: str | None = 
     When stdin ends, the write side is shut down and the server's last answers still reach stdout.
     With ``token``, the relay authenticates after the client's ``initialize`` (see the module).
     """
-    if url.startswith(("http://", "ws://")):
+    if url.startswith(("http://", "https://", "ws://", "wss://")):
         from ..client.remote import open_remote_stream
 
-        async with open_remote_stream(url, token=token) as remote:  # the bearer header on every request
+        async with open_remote_stream(url, ca_file, token=token) as remote:  # the bearer header on every request
             await _relay(remote, token)
         return
     await _relay(await open_url(url, ca_file), token)

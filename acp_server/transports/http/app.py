@@ -99,10 +99,14 @@ class HttpLimits:
 
 @dataclass(frozen=True)
 class HttpOptions:
-    """What every HTTP listener of a server shares: its bounds and the foreign origins it allows."""
+    """What every HTTP listener of a server shares: its bounds, the foreign origins and remote host
+    names it allows (``--http-allow-origin``, ``--http-allow-host``), and the reverse proxies whose
+    ``X-Forwarded-*`` headers count (``--trusted-proxy``, CIDR strings)."""
 
     limits: HttpLimits = field(default_factory=HttpLimits)
     allow_origins: frozenset[str] = field(default_factory=frozenset)
+    allow_hosts: frozenset[str] = field(default_factory=frozenset)
+    trusted_proxies: tuple[str, ...] = ()
     #: the REST API's primary workspace (``workspaceCwd``; ``None``: the server's working directory)
     workspace: str | None = None
 
@@ -233,11 +237,13 @@ class AcpHttpApp:
         headers = scope["headers"]
         method = scope["method"]
         origin = header(headers, b"origin")
-        cors = cors_headers(origin, self.rules, preflight=method == "OPTIONS")
+        host = header(headers, b"host")
+        scheme = scope.get("scheme")
+        cors = cors_headers(origin, self.rules, preflight=method == "OPTIONS", host=host, scheme=scheme)
         refusal = (
             self._route(scope["path"], method)
-            or self.rules.check_host(header(headers, b"host"))
-            or self.rules.check_origin(origin)
+            or self.rules.check_host(host)
+            or self.rules.check_origin(origin, host=host, scheme=scheme)
         )
         if refusal is not None:
             await self._refuse(send, refusal, cors)
@@ -401,8 +407,8 @@ class AcpHttpApp:
         refusal: AcpError | None = (
             RouteNotFoundError(path=scope["path"])
             if scope["path"] != ACP_PATH
-            else self.rules.check_host(header(headers, b"host"))
-            or self.rules.check_origin(header(headers, b"origin"))
+            else self.rules.check_host(host := header(headers, b"host"))
+            or self.rules.check_origin(header(headers, b"origin"), host=host, scheme=scope.get("scheme"))
         )
         if refusal is None and len(self.connections) >= limits.max_connections:
             refusal = TooManyConnectionsError(limit=limits.max_connections, retry_after_ms=limits.retry_after_s * 1000)

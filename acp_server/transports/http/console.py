@@ -68,7 +68,8 @@ async def serve_console(scope: dict[str, Any], send: Send, rules: HostRules) -> 
     method = scope["method"]
     asset = _assets().get(path)
     status, body, out = 200, b"", []
-    refusal = rules.check_host(header(headers, b"host")) or rules.check_origin(header(headers, b"origin"))
+    host = header(headers, b"host")
+    refusal = rules.check_host(host) or rules.check_origin(header(headers, b"origin"), host=host, scheme=scope.get("scheme"))
     if refusal is None and method not in ("GET", "HEAD"):
         refusal = MethodNotAllowedError(path=path, method=method, allowed=["GET", "HEAD"])
     if refusal is not None:

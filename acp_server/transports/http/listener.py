@@ -3,6 +3,12 @@
 HTTP/1.1 and HTTP/2 over cleartext (h2c with prior knowledge, and the ``Upgrade: h2c`` dance), and
 WebSocket over HTTP/1.1. The socket is bound here (a Unix socket with mode 0600, as the NDJSON one),
 and connections are served by hypercorn's protocol code (``TCPServer``) one by one, each isolated.
+
+With TLS (``https://``), each accepted socket first completes its handshake within
+``--tls-handshake-timeout-s`` (:func:`~acp_server.auth.tls.accept_tls`, ALPN ``h2`` and ``http/1.1``):
+a silent or plain-TCP client is closed there, alone, and hypercorn only ever sees finished handshakes
+(HTTP/2 when ``h2`` was chosen; WebSocket as ``wss://``). :func:`serve_app` is that loop for any ASGI
+app (the metrics endpoint uses it too).
 """
 
 from __future__ import annotations
@@ -21,14 +27,17 @@ from hypercorn.config import Config
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
+from ...auth.http_rules import TrustedProxies
+from ...auth.tls import HTTP_ALPN, ServerTls, TlsHandshakeError, accept_tls
 from ..address import ListenAddress
 from ..listeners import ConnectionGate, bind_tcp_socket, open_unix_listener, serve_listeners
+from .addresses import ForwardedFor
 from .app import AcpHttpApp, HttpLimits, HttpOptions
 from .auth import HttpGuard
 from .rules import HostRules
-from .wire import BatchedWrites
+from .wire import BatchedWrites, TlsBatchedWrites
 
-__all__ = ["serve_http"]
+__all__ = ["serve_app", "serve_http"]
 
 log = logging.getLogger("acp_server.http")
 
@@ -44,17 +53,21 @@ def _config(limits: HttpLimits) -> Config:
     return config
 
 
-async def _serve_connections(
-    app: AcpHttpApp,
+async def serve_app(
+    app: Any,
     config: Config,
     listener: trio.SocketListener,
     *,
+    tls: ServerTls | None = None,
     gate: ConnectionGate | None = None,
     name: str = "http",
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """hypercorn's trio worker loop, with each TCP connection isolated (and counted by ``gate``, the
-    server's ``--max-connections`` shared with its other listeners, when given).
+    server's ``--max-connections`` shared with its other listeners, when given), and, with ``tls``,
+    each connection's handshake bounded before hypercorn sees it (a failed one is logged at info and
+    closes that connection alone; each handshake takes the context in force, so a SIGHUP reload
+    applies to new connections).
 
     ``hypercorn.trio.serve`` runs every connection in one ``trio.serve_listeners``, where an exception
     escaping one connection's handler (hypercorn's own protocol code meeting a malformed peer, say)
@@ -62,13 +75,22 @@ async def _serve_connections(
     failure is logged and closes that connection alone. Its socket is wrapped in
     :class:`~.wire.BatchedWrites`, so that the writes of one burst leave together.
     """
-    wrapped = ASGIWrapper(app)  # type: ignore[arg-type]
+    wrapped = ASGIWrapper(app)
     context = WorkerContext(None)
 
     async def connection(stream: trio.SocketStream) -> None:
+        batched: BatchedWrites
+        if tls is not None:
+            try:
+                secure = await accept_tls(stream, tls)
+            except TlsHandshakeError as exc:
+                log.info("%s: %s; connection closed", name, exc)
+                return
+            batched = TlsBatchedWrites(secure, stream.socket)
+        else:
+            batched = BatchedWrites(stream)
         try:
             async with trio.open_nursery() as nursery:
-                batched = BatchedWrites(stream)
                 nursery.start_soon(batched.flusher)
                 await TCPServer(wrapped, config, context, {}, batched)  # type: ignore[arg-type]
                 nursery.cancel_scope.cancel()
@@ -105,6 +127,12 @@ def _http_refusal(limit: int) -> bytes:
     return head.encode() + body
 
 
+def _rules(options: HttpOptions, *, port: int | None, bound_host: str = "127.0.0.1", scheme: str = "http") -> HostRules:
+    return HostRules(
+        port=port, bound_host=bound_host, allow_origins=options.allow_origins, allow_hosts=options.allow_hosts, scheme=scheme
+    )
+
+
 def _rest_api(handle_stream: Any, options: HttpOptions) -> Any:
     """The REST API over the server whose shell ``handle_stream`` is (``None`` for any other stream handler)."""
     from ...server import Server
@@ -129,43 +157,55 @@ async def serve_http(
     options: HttpOptions,
     *,
     gate: ConnectionGate | None = None,
+    tls: ServerTls | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``/acp`` and ``/health`` on ``address`` until cancelled.
 
-    Once bound it prints ``acp-server: http on http://HOST:PORT`` (or ``unix:/path``) to stderr and
-    reports that URL. Hypercorn's logs go to the ``acp_server.http`` logger (stderr, never stdout).
+    Once bound it prints ``acp-server: http on http://HOST:PORT`` (``https://`` with TLS, or
+    ``unix:/path``) to stderr and reports that URL. Hypercorn's logs go to the ``acp_server.http``
+    logger (stderr, never stdout).
 
     Args:
         handle_stream: serves one connection's byte stream (the server's per-connection shell).
-        address: ``tcp`` (port 0: any free port) or ``unix``.
-        options: bounds and allowed origins.
+        address: ``tcp`` (port 0: any free port), ``https`` (the same with TLS) or ``unix``.
+        options: bounds, allowed hosts and origins, trusted proxies.
         gate: the count of open sockets shared with the server's other listeners (``--max-connections``);
             a connection past it is answered 503 ``too_many_connections`` and closed.
+        tls: the server's certificates (``address.kind == "https"`` needs them); this listener offers
+            ALPN ``h2`` and ``http/1.1``.
 
     Raises:
+        ValueError: an ``https`` address without ``tls``.
         OSError: the address cannot be bound (the message names it).
     """
+    secure = address.kind == "https"
+    if secure and tls is None:
+        raise ValueError(f"--http-listen {address}: https:// needs --tls-cert FILE and --tls-key FILE")
+    http_tls = tls.with_alpn(HTTP_ALPN) if secure and tls is not None else None
+    scheme = "https" if secure else "http"
     try:
         if address.kind == "unix":
             listener = await open_unix_listener(address.path)
             url = f"unix:{address.path}"
-            rules = HostRules(port=None, allow_origins=options.allow_origins)
+            rules = _rules(options, port=None)
         else:
             listener = trio.SocketListener(await bind_tcp_socket(address.host, address.port))
             host, port = listener.socket.getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
-            url = f"http://{shown}:{port}"
-            rules = HostRules(port=port, bound_host=shown, allow_origins=options.allow_origins)
+            url = f"{scheme}://{shown}:{port}"
+            rules = _rules(options, port=port, bound_host=shown, scheme=scheme)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot listen on http {address}: {exc.strerror or exc}") from exc
+    proxies = TrustedProxies(options.trusted_proxies)
     try:
         async with listener, trio.open_nursery() as nursery:
             app = AcpHttpApp(
                 handle_stream, nursery, rules, options.limits, _rest_api(handle_stream, options), _guard(handle_stream, address)
             )
+            served: Any = ForwardedFor(app, proxies) if proxies.networks else app
             await nursery.start(
-                partial(_serve_connections, gate=gate, name=f"http {address}"), app, _config(options.limits), listener
+                partial(serve_app, tls=http_tls, gate=gate, name=f"http {address}"), served, _config(options.limits), listener
             )
             print(f"acp-server: http on {url}", file=sys.stderr, flush=True)
             task_status.started(url)

@@ -178,41 +178,72 @@ def check_accept(accept: str | None) -> HttpError | None:
 class HostRules:
     """Who may talk to a listener: ``Host`` against DNS rebinding, ``Origin`` against cross-site use.
 
+    A ``Host`` is accepted when it names a loopback name or the bound address (with the bound port,
+    when it has one), or an ``--http-allow-host`` name (with any port: a reverse proxy presents its
+    own). An ``Origin`` is accepted when it is the page's own (``scheme://Host`` of the request, or a
+    loopback origin of this port), an ``--http-allow-origin`` entry (exact strings), or anything when
+    that list holds ``*`` (allowed with tokens on only; the command line checks it).
+
     Args:
         port: the bound port (``None`` on a Unix socket, where any ``Host`` port is accepted).
-        bound_host: the address bound, as a ``Host`` header would spell it (``[::1]``, ``127.0.0.1``).
-        allow_origins: foreign origins allowed besides the listener's own (exact strings).
+        bound_host: the address bound, as a ``Host`` header would spell it (``[::1]``, ``127.0.0.1``);
+            an unspecified one (``0.0.0.0``, ``[::]``) names nothing a client should send.
+        allow_origins: foreign origins allowed besides the listener's own (exact strings; ``*``: any).
+        allow_hosts: ``--http-allow-host`` names (lower case, IPv6 in brackets, no port).
+        scheme: ``http`` or ``https``: the listener's own.
     """
 
     port: int | None
     bound_host: str = "127.0.0.1"
     allow_origins: frozenset[str] = field(default_factory=frozenset)
+    allow_hosts: frozenset[str] = field(default_factory=frozenset)
+    scheme: str = "http"
+
+    def _bound_names(self) -> set[str]:
+        names = {"127.0.0.1", "localhost", "[::1]"}
+        bound = self.bound_host.lower()
+        if bound not in ("0.0.0.0", "[::]", "::"):
+            names.add(bound)
+        return names
 
     def own_origins(self) -> set[str]:
         if self.port is None:
-            return {"http://127.0.0.1", "http://localhost", "http://[::1]"}
-        hosts = {"127.0.0.1", "localhost", "[::1]", self.bound_host}
-        return {f"http://{h}:{self.port}" for h in hosts}
+            return {f"{self.scheme}://{h}" for h in ("127.0.0.1", "localhost", "[::1]")}
+        return {f"{self.scheme}://{h}:{self.port}" for h in self._bound_names()}
 
     def check_host(self, host: str | None) -> HttpError | None:
-        """403 unless ``Host`` names this server by a loopback name or the bound address."""
+        """403 unless ``Host`` names this server: a loopback name, the bound address, or an allowed name."""
         if host is None:
             return ForbiddenHostError(host="")
         name, port = _split_host(host.strip().lower())
-        if name not in ("127.0.0.1", "localhost", "[::1]", self.bound_host.lower()):
+        if name in self.allow_hosts and (port is None or (port.isdigit() and 0 < int(port) < 65536)):
+            return None
+        if name not in self._bound_names():
             return ForbiddenHostError(host=host)
         if port is not None and self.port is not None and port != str(self.port):
             return ForbiddenHostError(host=host)
         return None
 
-    def check_origin(self, origin: str | None) -> HttpError | None:
-        """403 when an ``Origin`` is sent and is neither ours nor allowed (no ``Origin``: not a browser)."""
-        if origin is None or self.origin_allowed(origin):
+    def check_origin(self, origin: str | None, *, host: str | None = None, scheme: str | None = None) -> HttpError | None:
+        """403 when an ``Origin`` is sent and is neither ours nor allowed (no ``Origin``: not a browser).
+
+        Args:
+            origin: the request's ``Origin``.
+            host: its ``Host`` (already accepted by :meth:`check_host`): ``scheme://host`` is the page's own.
+            scheme: the request's scheme as the client used it (``http``/``https``; ``ws``/``wss`` count as these).
+        """
+        if origin is None or self.origin_allowed(origin, host=host, scheme=scheme):
             return None
         return ForbiddenOriginError(origin=origin)
 
-    def origin_allowed(self, origin: str) -> bool:
-        return origin in self.allow_origins or origin.lower() in self.own_origins()
+    def origin_allowed(self, origin: str, *, host: str | None = None, scheme: str | None = None) -> bool:
+        """Whether ``origin`` may use this listener (``host``, ``scheme``: as for :meth:`check_origin`)."""
+        if origin in self.allow_origins or "*" in self.allow_origins or origin.lower() in self.own_origins():
+            return True
+        if host is None or scheme is None:
+            return False
+        page = {"ws": "http", "wss": "https"}.get(scheme, scheme)
+        return origin.lower() == f"{page}://{host.strip().lower()}"
 
 
 def _split_host(host: str) -> tuple[str, str | None]:
@@ -226,9 +257,12 @@ def _split_host(host: str) -> tuple[str, str | None]:
     return name, port if sep else None
 
 
-def cors_headers(origin: str | None, rules: HostRules, *, preflight: bool = False) -> list[tuple[bytes, bytes]]:
-    """The CORS answer headers for an allowed ``origin`` (none without one)."""
-    if origin is None or not rules.origin_allowed(origin):
+def cors_headers(
+    origin: str | None, rules: HostRules, *, preflight: bool = False, host: str | None = None, scheme: str | None = None
+) -> list[tuple[bytes, bytes]]:
+    """The CORS answer headers for an allowed ``origin`` (none without one); ``host`` and ``scheme`` as
+    for :meth:`HostRules.check_origin`."""
+    if origin is None or not rules.origin_allowed(origin, host=host, scheme=scheme):
         return []
     out = [
         (b"access-control-allow-origin", origin.encode("latin-1")),

@@ -10,13 +10,20 @@ as the shell's writer does.
 Bounds: ``send_all`` returns once its bytes are queued, and waits while more than ``limit`` bytes are
 queued, so a slow peer still stops its writers (and, through them, the per-connection shell, whose
 own bound evicts it). A failed write fails the next ``send_all`` with ``BrokenResourceError``.
+
+:class:`TlsBatchedWrites` is the same over a TLS stream whose handshake is already done (the listener
+bounds the handshake itself): it shows hypercorn what it reads of an SSL stream (the negotiated ALPN
+protocol, the socket under it), so that hypercorn speaks HTTP/2 when ``h2`` was chosen and names the
+scheme ``https``/``wss``.
 """
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import trio
 
-__all__ = ["BatchedWrites"]
+__all__ = ["BatchedWrites", "TlsBatchedWrites"]
 
 #: the most scheduling passes the flusher waits for a burst to end: it writes after the first pass that
 #: queued nothing more (a WebSocket burst queues one frame per pass)
@@ -27,13 +34,15 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
     """A socket stream whose writes are joined by :meth:`flusher` (run it beside the stream's user).
 
     Args:
-        stream: the accepted socket.
+        stream: the accepted socket (or a stream over it).
         limit: queued bytes past which ``send_all`` waits.
+        socket: the socket under ``stream`` (default: ``stream.socket``).
     """
 
-    def __init__(self, stream: trio.SocketStream, *, limit: int = 256 * 1024) -> None:
+    def __init__(self, stream: trio.abc.Stream, *, limit: int = 256 * 1024, socket: Any = None) -> None:
         self.stream = stream
-        self.socket = stream.socket  # hypercorn reads the addresses from it
+        # hypercorn reads the addresses from it
+        self.socket = socket if socket is not None else cast(trio.SocketStream, stream).socket
         self.limit = limit
         self._out: list[bytes] = []
         self._nbytes = 0
@@ -93,9 +102,41 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
 
     async def send_eof(self) -> None:
         await self._drain()
+        if not isinstance(self.stream, trio.abc.HalfCloseableStream):
+            raise AttributeError("a TLS stream has no half-close")  # what hypercorn expects of one
         await self.stream.send_eof()
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):
             await self._drain()
         await self.stream.aclose()
+
+
+class _Transport:
+    """What hypercorn reads of an SSL stream's ``transport_stream``: its socket."""
+
+    def __init__(self, socket: Any) -> None:
+        self.socket = socket
+
+
+class TlsBatchedWrites(BatchedWrites):
+    """:class:`BatchedWrites` over a TLS stream whose handshake is done (see the module docstring).
+
+    Args:
+        stream: the TLS stream, past its handshake.
+        socket: the accepted socket under it.
+        limit: queued bytes past which ``send_all`` waits.
+    """
+
+    def __init__(self, stream: trio.SSLStream[Any], socket: Any, *, limit: int = 256 * 1024) -> None:
+        super().__init__(stream, limit=limit, socket=socket)
+        self.transport_stream = _Transport(socket)
+        self._alpn: str | None = stream.selected_alpn_protocol()
+
+    async def do_handshake(self) -> None:
+        """Done already (hypercorn calls it first)."""
+        await trio.lowlevel.checkpoint()
+
+    def selected_alpn_protocol(self) -> str | None:
+        """The protocol the handshake chose (``h2``, ``http/1.1``, or ``None``: the client offered none)."""
+        return self._alpn
