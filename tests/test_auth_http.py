@@ -20,10 +20,11 @@ from hypothesis import strategies as st
 
 from acp_server.auth import AuditLog, TokenRecord, TokenStore, hash_secret
 from acp_server.auth.gate import Authenticator, PeerInfo
-from acp_server.auth.http_rules import UNAUTHORIZED_BODY, bearer_subprotocol
+from acp_server.auth.http_rules import UNAUTHORIZED_BODY, bearer_subprotocol, http_identity
+from acp_server.auth.tokens import OWNER
 from acp_server.server import Server
 from acp_server.transports.http.app import AcpHttpApp, HttpLimits
-from acp_server.transports.http.auth import HttpGuard
+from acp_server.transports.http.auth import HttpCaller, HttpGuard, HttpRefusal
 from acp_server.transports.http.rest import RestApi
 from acp_server.transports.http.rules import HostRules
 
@@ -158,7 +159,8 @@ async def _http(rps: float | None = None) -> AsyncIterator[Http]:
         await nursery.start(server.bridge.run)
         rules = HostRules(port=8000, bound_host="127.0.0.1")
         app = AcpHttpApp(
-            server.handle_stream, nursery, rules, HttpLimits(), RestApi(server, max_message_bytes=1 << 20), HttpGuard(auth)
+            server.handle_stream, nursery, rules, HttpLimits(), RestApi(server, max_message_bytes=1 << 20),
+            HttpGuard(auth, clock=clock),
         )
         http = Http(server, app, audit, clock)
         yield http
@@ -233,6 +235,18 @@ async def test_liveness_and_the_console_files_need_no_token_but_deep_health_need
         for secret in (SCRAPER, ROOT):
             status, _, body = await http.request("GET", "/health", token=secret, query=b"deep=1")
             assert status == 200 and "sessions" in json.loads(body)
+
+
+async def test_successes_are_audited_once_a_minute_per_token_address_and_transport() -> None:
+    async with _http() as http:
+        for _ in range(5):
+            assert (await http.request("GET", "/capabilities", token=ACME))[0] == 200
+        assert (await http.request("GET", "/capabilities", token=BETA))[0] == 200
+        assert (await http.request("GET", "/capabilities", token=ACME, client="198.51.100.4"))[0] == 200
+        http.clock.now += 61
+        assert (await http.request("GET", "/capabilities", token=ACME))[0] == 200
+        oks = [(a["tokenId"], a["source"]) for a in http.audit_lines() if a["event"] == "auth_ok"]
+        assert oks == [("acme", "127.0.0.1"), ("beta", "127.0.0.1"), ("acme", "198.51.100.4"), ("acme", "127.0.0.1")]
 
 
 # --- rates -------------------------------------------------------------------------------------------
@@ -386,26 +400,93 @@ _protocol = st.one_of(
 def test_fuzzed_credentials_get_a_clear_answer_and_never_break_the_app(
     values: list[str], protocols: list[str], tenant: str | None, websocket: bool
 ) -> None:
-    """Any ``Authorization`` values, subprotocols and ``X-Acp-Tenant``: a 200/401/400/429 with the
-    registry's body shape (never an exception out of the app, never a secret in an answer)."""
+    """Any ``Authorization`` values, subprotocols and ``X-Acp-Tenant``: a 401 exactly when the auth
+    room's pure reading (``http_identity``) proves no token, else 200 or 400 for the tenant header, with
+    the registry's body shape (never an exception out of the app, never a secret in an answer)."""
 
     async def main() -> None:
         async with _http() as http:
             headers = [(b"authorization", v.encode("latin-1")) for v in values]
             if tenant is not None:
                 headers.append((b"x-acp-tenant", tenant.encode("latin-1")))
+            # the reference: the auth room's pure reading of the same credentials
+            expected = http_identity(
+                _store(), authorization=values or None, ws_protocols=protocols if websocket else None
+            ).identity
             if websocket:
                 try:
                     status, _, body = await http.handshake(protocols, headers=headers)
                 except AssertionError as exc:
-                    assert "accepted" in str(exc) and len(values) == 1 and ACME in values[0]
+                    assert "accepted" in str(exc) and expected is not None
                     return
             else:
                 status, _, body = await http.request("GET", "/capabilities", headers=headers)
-            assert status in (200, 400, 401, 429), (status, body)
+            assert status in (200, 400, 401), (status, body)
+            assert (status == 401) == (expected is None), (status, body)
             if status != 200:
-                assert _error(body)["code"] in ("unauthorized", "invalid_params", "rate_limited")
+                assert _error(body)["code"] in ("unauthorized", "invalid_params")
             # the app still serves the next request
             assert (await http.request("GET", "/capabilities", token=BETA))[0] == 200
 
     trio.run(main)
+
+
+
+async def test_ndjson_a_second_initialize_cannot_switch_the_proved_tenant() -> None:
+    """After ``authenticate``, an ``initialize`` naming another tenant is refused ``invalid_params``
+    (the token binds the tenant), for an admin too; an admin names it at the first ``initialize``."""
+    async with _http() as http:
+        async with trio.open_nursery() as nursery:
+            clients = []
+            for _ in range(2):
+                client_end, server_end = trio.testing.memory_stream_pair()
+                nursery.start_soon(http.server.handle_stream, _Addressed(server_end, "127.0.0.1"), "tcp test")
+                client = RawClient(client_end)
+                nursery.start_soon(client.pump)
+                clients.append(client)
+            acme, root = clients
+            plain = {"protocolVersion": 1, "clientCapabilities": {}}
+            beta_meta = {**plain, "_meta": {"tenantId": "beta"}}
+            await acme.call("initialize", plain)
+            assert await acme.call("authenticate", {"methodId": "acp-server-token", "_meta": {"token": ACME}}) == {}
+            with pytest.raises(RpcError) as info:
+                await acme.call("initialize", beta_meta)
+            assert info.value.kind == "invalid_params" and info.value.data["path"] == "_meta.tenantId"
+            session_id, _ = await acme.new_session()
+            assert http.server.bridge.get(session_id).tenant == "acme"
+            await root.call("initialize", beta_meta)
+            assert await root.call("authenticate", {"methodId": "acp-server-token", "_meta": {"token": ROOT}}) == {}
+            session_id, _ = await root.new_session()
+            assert http.server.bridge.get(session_id).tenant == "beta"
+            acts = [line for line in http.audit_lines() if line["event"] == "admin_act"]
+            assert [(a["tokenId"], a["tenant"]) for a in acts] == [("root", "beta")]
+            nursery.cancel_scope.cancel()
+
+
+def test_a_unix_socket_listener_is_the_owners() -> None:
+    """On a Unix-socket HTTP listener (mode 0600) the peer is the owner, as on NDJSON's: no token asked."""
+    auth = Authenticator(_store(), audit=AuditLog(stream=io.StringIO()))
+    scope = {"type": "http", "method": "GET", "path": "/capabilities", "headers": [HOST], "client": None}
+    caller = HttpGuard(auth, trusted=True).admit(scope)
+    assert isinstance(caller, HttpCaller) and caller.identity is OWNER
+    refused = HttpGuard(auth).admit(scope)
+    assert isinstance(refused, HttpRefusal) and refused.status == 401
+
+
+async def test_an_acp_connection_answers_only_the_token_that_opened_it() -> None:
+    """``initialize`` with acme's token opens a connection bound to it: a request on that connection
+    id with beta's (valid) token is 404 ``unknown_connection``; acme's own goes through."""
+    async with _http() as http:
+        initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}}
+        status, headers, body = await http.request("POST", "/acp", token=ACME, body=initialize)
+        assert status == 200 and "result" in json.loads(body)
+        assert "acp-server-token" not in body.decode()  # the bearer proved the token already
+        conn = [(b"acp-connection-id", headers[b"acp-connection-id"])]
+        listing = {"jsonrpc": "2.0", "id": 2, "method": "session/list", "params": {}}
+        status, _, body = await http.request("POST", "/acp", token=BETA, headers=conn, body=listing)
+        assert status == 404 and _error(body)["code"] == "unknown_connection"
+        status, _, _ = await http.request("POST", "/acp", token=ACME, headers=conn, body=listing)
+        assert status == 202
+        status, _, _ = await http.request("DELETE", "/acp", token=BETA, headers=conn)
+        assert status == 404
+        assert (await http.request("DELETE", "/acp", token=ACME, headers=conn))[0] == 202

@@ -6,9 +6,11 @@ SSE subscribers, whose prompts still end once; no secret is ever in a log, an au
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -19,7 +21,11 @@ from urllib.parse import quote
 import httpx
 import pytest
 import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, Message, RejectConnection, TextMessage
+from wsproto.events import Request as WsRequest
 
+from acp_server.auth.http_rules import bearer_subprotocol
 from acp_server.auth.tokens import TokenRecord, hash_secret, new_secret, write_tokens
 from acp_server.client import connect
 from acp_server.client.errors import RpcError
@@ -196,6 +202,51 @@ async def test_tenant_a_cannot_touch_tenant_b_over_rest_and_sse_while_admin_can(
             assert r.status_code == 200
 
 
+async def _browser_handshake(s: Served, protocols: list[str]) -> tuple[Any, trio.SocketStream, WSConnection]:
+    """A WebSocket handshake offering ``protocols`` (as a browser's, with no Authorization header)."""
+    host, port = s.http.removeprefix("http://").rsplit(":", 1)
+    sock = await trio.open_tcp_stream(host, int(port))
+    ws = WSConnection(ConnectionType.CLIENT)
+    await sock.send_all(ws.send(WsRequest(host=f"{host}:{port}", target="/acp", subprotocols=protocols)))
+    while True:
+        data = await sock.receive_some(65536)
+        assert data, "closed during the handshake"
+        ws.receive_data(data)
+        for event in ws.events():
+            if isinstance(event, (AcceptConnection, RejectConnection)):
+                return event, sock, ws
+
+
+async def test_a_browser_websocket_proves_its_token_with_the_bearer_subprotocol(served: Served) -> None:
+    """``acp.v1`` + ``acp-bearer.<base64url>``: accepted with ``acp.v1`` alone as the answer, the
+    connection acts for the token's tenant; a wrong secret in the subprotocol is the one 401."""
+    s = served
+    with trio.fail_after(20):
+        event, sock, ws = await _browser_handshake(s, ["acp.v1", bearer_subprotocol(s.secrets["acme"])])
+        assert isinstance(event, AcceptConnection) and event.subprotocol == "acp.v1"
+        line = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}}
+        await sock.send_all(ws.send(Message(data=json.dumps(line))))
+        frames: list[str] = []
+        while not frames:  # one JSON-RPC message a text frame
+            ws.receive_data(await sock.receive_some(65536))
+            frames += [e.data for e in ws.events() if isinstance(e, TextMessage)]
+        init = json.loads(frames[0])
+        assert init["id"] == 1 and "result" in init
+        assert all(m["id"] != "acp-server-token" for m in init["result"].get("authMethods", []))  # proved already
+        line = {"jsonrpc": "2.0", "id": 2, "method": "session/list", "params": {}}
+        await sock.send_all(ws.send(Message(data=json.dumps(line))))
+        frames = []
+        while not frames:
+            ws.receive_data(await sock.receive_some(65536))
+            frames += [e.data for e in ws.events() if isinstance(e, TextMessage)]
+        listed = json.loads(frames[0])
+        assert listed["id"] == 2 and "result" in listed, listed  # no authenticate needed
+        await sock.aclose()
+        event, sock, _ = await _browser_handshake(s, ["acp.v1", bearer_subprotocol("not-the-secret")])
+        assert isinstance(event, RejectConnection) and event.status_code == 401
+        await sock.aclose()
+
+
 async def test_the_metrics_endpoint_and_the_listener_share_the_one_401_and_ask_a_scope(served: Served) -> None:
     s = served
     async with httpx.AsyncClient(timeout=20) as c:
@@ -344,3 +395,46 @@ async def test_revoking_a_token_evicts_its_websocket_acp_and_sse_peers_within_a_
 
 if sys.platform == "win32":  # pragma: no cover - SIGHUP
     pytestmark = pytest.mark.skip("POSIX signals")
+
+
+def _relay(url: str, lines: list[dict[str, Any]], env: dict[str, str], wait_for: int) -> tuple[list[dict[str, Any]], str]:
+    """``acp-server connect URL``: send ``lines``, read answers until the one with id ``wait_for`` (or
+    the end), then close stdin and wait for the relay to end; the answers and stderr."""
+    answers: list[dict[str, Any]] = []
+    with subprocess.Popen([sys.executable, "-m", "acp_server", "connect", url], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True) as proc:
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        try:
+            proc.stdin.write("".join(json.dumps(line) + "\n" for line in lines))
+            proc.stdin.flush()
+            for raw in proc.stdout:
+                answers.append(json.loads(raw))
+                if answers[-1].get("id") == wait_for:
+                    break
+            proc.stdin.close()
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        stderr = proc.stderr.read()
+        assert proc.returncode == 0, (answers, stderr)
+    return answers, stderr
+
+
+def test_connect_relays_over_http_with_its_token_as_the_bearer(served: Served) -> None:
+    """``acp-server connect http://.../acp`` with ``ACP_SERVER_TOKEN``: the bearer rides every request,
+    so the session is created for the token's tenant; without the token ``initialize`` is refused."""
+    s = served
+    lines = [
+        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}},
+        {"jsonrpc": "2.0", "id": 2, "method": "session/new", "params": {"cwd": s.workspace, "mcpServers": []}},
+    ]
+    env = {**os.environ, "ACP_SERVER_TOKEN": s.secrets["acme"]}
+    answers, stderr = _relay(s.http + "/acp", lines, env, 2)
+    s.seen += [json.dumps(answers), stderr]
+    by_id = {m.get("id"): m for m in answers}
+    assert "result" in by_id[1] and by_id[2]["result"]["sessionId"].startswith("sess_"), (answers, stderr)
+    env.pop("ACP_SERVER_TOKEN")
+    answers, stderr = _relay(s.http + "/acp", lines[:1], env, 1)
+    s.seen += [json.dumps(answers), stderr]
+    assert answers and answers[0]["error"]["data"]["errorKind"] == "unauthorized", (answers, stderr)

@@ -116,11 +116,12 @@ class Authenticator:
         #: has ``identity`` and ``evict(reason)``, and is evicted with the connections of its token
         self.streams: set[Any] = set()
 
-    def check(self, secret: object, *, source: str | None, transport: str) -> Outcome:
+    def check(self, secret: object, *, source: str | None, transport: str, audit_ok: bool = True) -> Outcome:
         """Check a presented secret from ``source`` (an IP address, or ``None``).
 
         An address over its failure limit is refused before the secret is looked at; every other
         failure counts against the address and is audited with its reason (never the secret).
+        ``audit_ok=False``: a success is not audited here (the caller audits it its own way).
         """
         refused = self.failures.refused(source)
         if refused:
@@ -137,6 +138,8 @@ class Authenticator:
                 reason = "unknown_or_expired"
             self.audit.auth_failed(reason=reason, transport=transport, source=source)
             return Outcome(None)
+        if not audit_ok:
+            return Outcome(identity)
         self.audit.auth_ok(
             token_id=identity.token_id or "", tenant=identity.tenant or "", transport=transport, source=source
         )
@@ -149,6 +152,7 @@ class Authenticator:
         ws_protocols: str | Sequence[str] | None = None,
         source: str | None,
         transport: str = "http",
+        audit_ok: bool = True,
     ) -> tuple[Outcome, str | None]:
         """Check an HTTP request's (or WebSocket handshake's) credentials, as :meth:`check` does a secret.
 
@@ -168,7 +172,7 @@ class Authenticator:
         if secret is None and not malformed:
             self.audit.auth_failed(reason="missing", transport=transport, source=source)
             return Outcome(None), None
-        outcome = self.check(secret if not malformed else "", source=source, transport=transport)
+        outcome = self.check(secret if not malformed else "", source=source, transport=transport, audit_ok=audit_ok)
         answer = WS_SUBPROTOCOL if outcome.identity is not None and offer.acp else None
         return outcome, answer
 

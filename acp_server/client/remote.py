@@ -185,7 +185,8 @@ class HttpClientStream(trio.abc.Stream):
     async def _read_stream(self, session_id: str | None) -> None:
         import httpx
 
-        assert self.connection_id is not None
+        if self.connection_id is None:
+            return  # the input ended (DELETE) before this stream could open
         headers = {"accept": "text/event-stream", CONNECTION_HEADER: self.connection_id}
         if session_id is not None:
             headers[SESSION_HEADER] = session_id
@@ -217,6 +218,9 @@ class HttpClientStream(trio.abc.Stream):
 
     async def send_eof(self) -> None:
         """Like a socket's shutdown: the server ends the connection (DELETE)."""
+        if self.connection_id is None:
+            self._inbox.end()  # no connection was opened (initialize refused): nothing more will come
+            return
         await self._delete()
 
     async def _delete(self) -> None:

@@ -114,7 +114,7 @@ async def relay_stdio(url: str, token: str | None = None, ca_file: str | None = 
     if url.startswith(("http://", "ws://")):
         from ..client.remote import open_remote_stream
 
-        async with open_remote_stream(url) as remote:
+        async with open_remote_stream(url, token=token) as remote:  # the bearer header on every request
             await _relay(remote, token)
         return
     await _relay(await open_url(url, ca_file), token)

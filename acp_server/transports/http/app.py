@@ -6,9 +6,10 @@ The app translates and holds no session state: each ``/acp`` connection id (and 
 admission, errors, client ids, turn states, ``$/cancel_request`` and fan-out are the NDJSON ones.
 
 Checks, in this order (the first that fails answers, with :func:`~.rules.error_body`): credentials
-(401, 429 and the tenant rules, with ``--auth-tokens``: see :mod:`.auth`), route and method (404, 405), ``Host`` and ``Origin`` (403), content type (415; 406 for a GET without
-``Accept: text/event-stream``), size (413), JSON (400 ``parse_error``), batch (501), connection id
-(400, 404), session id (400, 404). ``initialize`` opens a connection (503 with ``Retry-After`` at
+(401, 429, with ``--auth-tokens``: see :mod:`.auth`), route and method (404, 405), ``Host`` and
+``Origin`` (403), content type (415; 406 for a GET without ``Accept: text/event-stream``), size (413),
+JSON (400 ``parse_error``), batch (501), the token's request rate (429), connection id (400, 404;
+another token's connection is unknown), session id (400, 404). ``initialize`` opens a connection (503 with ``Retry-After`` at
 ``max_connections``) and answers 200 with ``Acp-Connection-Id``; every other POST answers 202 and its
 response comes on an event stream.
 
@@ -35,7 +36,6 @@ from ...errors import (
     MessageTooLargeError,
     MethodNotAllowedError,
     MissingHeaderError,
-    RateLimitedError,
     RouteNotFoundError,
     SessionNotEstablishedError,
     TooManyConnectionsError,
@@ -122,8 +122,6 @@ def _status(exc: AcpError) -> int:
         return exc.status
     if isinstance(exc, MessageTooLargeError):
         return 413
-    if isinstance(exc, RateLimitedError):
-        return 429
     if isinstance(exc, InternalError):
         return 500
     return 400

@@ -15,12 +15,19 @@ with the ``X-Acp-Tenant`` header (each such request audited), on ``/acp`` with `
 ``_meta.tenantId`` as over NDJSON. Each request counts against its token's ``--rate-limit-rps``
 (429 ``rate_limited`` with ``Retry-After``), but cancellations (``POST /session/:id/cancel``,
 ``session/cancel`` and ``$/cancel_request`` on ``/acp``) and the client's own JSON-RPC answers.
+
+Audit: every failure and refusal is a line, as over NDJSON; a success (``auth_ok``) is one line per
+token, address and transport a minute (HTTP authenticates each request, and one line each would
+flood the log with what the first one says).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +61,8 @@ TENANT_HEADER = b"x-acp-tenant"
 UNMETERED_METHODS = frozenset({"session/cancel", "$/cancel_request"})
 _CANCEL_ROUTE = re.compile(r"^/session/[^/]+/cancel$")
 _SCRAPE_SCOPES = ["admin", "metrics"]
+#: Seconds between two ``auth_ok`` audit lines of one token, address and transport.
+AUDIT_OK_EVERY_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +153,17 @@ class HttpGuard:
     Args:
         auth: the server's authenticator (``None``: no tokens; every caller is the owner, tenant
             ``default`` or, on the REST routes, the one ``X-Acp-Tenant`` names).
+        trusted: the listener is a Unix socket (mode 0600): its peers are the owner, as on NDJSON's.
+        clock: the monotonic clock of the audit's once-a-minute successes.
     """
 
-    def __init__(self, auth: Authenticator | None) -> None:
-        self.auth = auth
+    def __init__(
+        self, auth: Authenticator | None, *, trusted: bool = False, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.auth = None if trusted else auth
+        self._clock = clock
+        #: (token id, address, transport) -> when its last ``auth_ok`` line was written
+        self._audited: OrderedDict[tuple[str, str | None, str], float] = OrderedDict()
 
     def admit(self, scope: dict[str, Any]) -> HttpCaller | HttpRefusal:
         """The caller of an ``http`` or ``websocket`` scope, or the answer that refuses it."""
@@ -185,18 +201,32 @@ class HttpGuard:
         websocket = scope["type"] == "websocket"
         authorization = _all_values(scope["headers"], b"authorization")
         protocols = list(scope.get("subprotocols") or ()) if websocket else None
+        source = client_address(scope)
+        transport = "ws" if websocket else "http"
         outcome, subprotocol = auth.check_http(
-            authorization=authorization or None,
-            ws_protocols=protocols,
-            source=client_address(scope),
-            transport="ws" if websocket else "http",
+            authorization=authorization or None, ws_protocols=protocols, source=source, transport=transport,
+            audit_ok=False,
         )
         if outcome.retry_after_ms:
             limited = RateLimitedError(reason="auth_failures", retry_after_ms=outcome.retry_after_ms)
             return _refusal(limited, 429, [_retry_after(outcome.retry_after_ms)])
-        if outcome.identity is None:
+        identity = outcome.identity
+        if identity is None:
             return UNAUTHORIZED
-        return outcome.identity, subprotocol
+        self._audit_ok(auth, identity, source, transport)
+        return identity, subprotocol
+
+    def _audit_ok(self, auth: Authenticator, identity: Identity, source: str | None, transport: str) -> None:
+        key = (identity.token_id or "", source, transport)
+        now = self._clock()
+        last = self._audited.get(key)
+        if last is not None and now - last < AUDIT_OK_EVERY_S:
+            return
+        self._audited[key] = now
+        self._audited.move_to_end(key)
+        while len(self._audited) > 4096:
+            self._audited.popitem(last=False)
+        auth.audit.auth_ok(token_id=key[0], tenant=identity.tenant or "", transport=transport, source=source)
 
     def _name_tenant(self, identity: Identity, own: str, named: str, scope: dict[str, Any]) -> str | HttpRefusal:
         if not named or len(named) > MAX_TENANT_ID or not named.isprintable():

@@ -116,9 +116,11 @@ def _rest_api(handle_stream: Any, options: HttpOptions) -> Any:
     return RestApi(server, max_message_bytes=options.limits.max_message_bytes, workspace=options.workspace)
 
 
-def _guard(handle_stream: Any) -> HttpGuard:
-    """The credential checks of the server whose shell ``handle_stream`` is (none for any other handler)."""
-    return HttpGuard(getattr(getattr(handle_stream, "__self__", None), "auth", None))
+def _guard(handle_stream: Any, address: ListenAddress) -> HttpGuard:
+    """The credential checks of the server whose shell ``handle_stream`` is (none for any other handler;
+    a Unix socket's peers are the owner's)."""
+    auth = getattr(getattr(handle_stream, "__self__", None), "auth", None)
+    return HttpGuard(auth, trusted=address.kind == "unix")
 
 
 async def serve_http(
@@ -160,7 +162,7 @@ async def serve_http(
     try:
         async with listener, trio.open_nursery() as nursery:
             app = AcpHttpApp(
-                handle_stream, nursery, rules, options.limits, _rest_api(handle_stream, options), _guard(handle_stream)
+                handle_stream, nursery, rules, options.limits, _rest_api(handle_stream, options), _guard(handle_stream, address)
             )
             await nursery.start(
                 partial(_serve_connections, gate=gate, name=f"http {address}"), app, _config(options.limits), listener
