@@ -180,13 +180,22 @@ def _write(path: str, text: str) -> None:
 
 
 async def test_an_expiring_token_is_evicted(setup: Setup, server: tuple[ServerProcess, str, str]) -> None:
-    _, _, tcp_url = server
+    proc, _, tcp_url = server
+    # the expiry is set here, not in the fixture: a loaded machine may take seconds to start the server
+    records = load_tokens(setup.tokens)
+    soon = (datetime.now(UTC) + timedelta(seconds=4)).replace(microsecond=0)
+    records["soon"] = _record("soon", setup.secrets["soon"], "acme", soon)
+    write_tokens(setup.tokens, records.values())
+    os.kill(proc.proc.pid, signal.SIGHUP)
+    with trio.fail_after(5):
+        while not any(e["event"] == "tokens_reloaded" for e in _audit(setup)):
+            await trio.sleep(0.05)
     async with trio.open_nursery() as nursery:
         client, stream = await _open(tcp_url)
         nursery.start_soon(client.pump)
         await _login(client, setup.secrets["soon"])
         await client.call("session/list", {})
-        with trio.fail_after(8):
+        with trio.fail_after(10):
             await client.eof.wait()
         assert [n["params"]["reason"] for n in client.notifications if n["method"] == "_acp_server/evicted"] == [
             "token_revoked"
