@@ -158,6 +158,8 @@ def _responses(route: Route, components: dict[str, Any]) -> dict[str, Any]:
             name = route.response if isinstance(route.response, str) else route.response.__name__
             schema = {"$ref": _REF.format(name=name)}
         out[str(route.status)] = {"description": "OK", "content": {"application/json": {"schema": schema}}}
+        if route.response is t.SessionAttached:
+            out[str(route.status)]["links"] = _session_links()
     by_status: dict[int, list[str]] = {}
     for kind in sorted(set(route.kinds) | set(LISTENER_KINDS)):
         by_status.setdefault(status_of(REGISTRY[kind]), []).append(kind)
@@ -171,6 +173,31 @@ def _responses(route: Route, components: dict[str, Any]) -> dict[str, Any]:
             response["headers"] = {"Retry-After": {"schema": {"type": "string", "pattern": "^[0-9]+$"}}}
         out[str(status)] = response
     return out
+
+
+def _session_links() -> dict[str, Any]:
+    """OpenAPI links from a new session to the operations on it (what stateful testing follows); not
+    to ``events``, whose stream never ends by itself."""
+    return {
+        r.operation_id: {"operationId": r.operation_id, "parameters": {"sessionId": "$response.body#/sessionId"}}
+        for r in ROUTES
+        if r.path.startswith("/session/{sessionId}") and "{requestId}" not in r.path and r.operation_id != "events"
+    }
+
+
+def _required(struct: Any) -> bool:
+    """The body Struct has a field without a default (so a request without a body is refused)."""
+    fields = msgspec.structs.fields(struct)
+    return any(f.required for f in fields) or struct is t.PermissionVote
+
+
+#: What a body's Struct cannot say: ``PermissionVote`` needs ``outcome`` or ``optionId``.
+_AMENDMENTS: dict[str, dict[str, Any]] = {
+    "PermissionVote": {"anyOf": [
+        {"required": ["outcome"], "properties": {"outcome": {"type": "object"}}},
+        {"required": ["optionId"], "properties": {"optionId": {"type": "string"}}},
+    ]},
+}
 
 
 def _operation(route: Route, components: dict[str, Any]) -> dict[str, Any]:
@@ -187,7 +214,7 @@ def _operation(route: Route, components: dict[str, Any]) -> dict[str, Any]:
         op["parameters"] = params
     if route.request is not None:
         op["requestBody"] = {
-            "required": False,
+            "required": _required(route.request),
             "content": {"application/json": {"schema": {"$ref": _REF.format(name=route.request.__name__)}}},
         }
     op["responses"] = _responses(route, components)
@@ -204,6 +231,8 @@ def generate() -> dict[str, Any]:
             if isinstance(kind, type) and issubclass(kind, msgspec.Struct):
                 structs.append(kind)
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
+    for name, extra in _AMENDMENTS.items():
+        components[name] = {**components[name], **extra}
     kinds = sorted({k for r in ROUTES for k in r.kinds} | set(LISTENER_KINDS))
     for kind in kinds:
         components[_component(kind)] = error_body_schema(kind)

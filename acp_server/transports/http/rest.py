@@ -181,9 +181,13 @@ class _ClientGone(Exception):
     """The client left while its request body was being read."""
 
 
+#: What :meth:`RestApi._body` returns for a request without a body (JSON ``null`` is a body).
+NO_BODY: Any = object()
+
+
 def _convert(obj: Any, kind: type[Any]) -> Any:
     try:
-        return msgspec.convert(obj if obj is not None else {}, kind)
+        return msgspec.convert({} if obj is NO_BODY else obj, kind)
     except msgspec.ValidationError as exc:
         text = str(exc)
         path = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else "body"
@@ -240,7 +244,7 @@ class RestApi:
     # --- requests -----------------------------------------------------------------------------------
 
     async def _body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> Any:
-        """The decoded JSON body (``None`` when there is none); 415, 413, 400 ``parse_error`` in order."""
+        """The decoded JSON body (:data:`NO_BODY` when there is none); 415, 413, 400 ``parse_error`` in order."""
         limit = self.max_message_bytes
         declared = header(headers, b"content-length")
         body = bytearray()
@@ -254,7 +258,7 @@ class RestApi:
             if not message.get("more_body", False):
                 break
         if not body and not (declared and declared.strip() not in ("", "0")):
-            return None
+            return NO_BODY
         content_type = header(headers, b"content-type")
         if content_type is None or content_type.split(";")[0].strip().lower() != "application/json":
             raise UnsupportedMediaTypeError(content_type=(content_type or "")[:128])

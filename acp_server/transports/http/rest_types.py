@@ -31,6 +31,8 @@ __all__ = [
     "SessionRestored",
 ]
 
+#: An absolute directory (``session/new``'s check: absolute, no NUL).
+Cwd = Annotated[str, msgspec.Meta(pattern="^/[^\\u0000]*$", description="an absolute directory")]
 EventId = Annotated[int, msgspec.Meta(ge=0, le=2**53 - 1, description="a session event id (0: none yet)")]
 EpochMs = Annotated[int, msgspec.Meta(ge=0, description="Unix epoch milliseconds")]
 
@@ -46,14 +48,14 @@ class CreateSessionRequest(_Body):
     """``POST /session``: ``cwd`` defaults to the primary workspace; ``single`` attaches to that cwd's
     default session (creating it the first time), ``thread`` always creates one."""
 
-    cwd: Annotated[str, msgspec.Meta(description="an absolute directory")] | None = None
+    cwd: Cwd | None = None
     session_scope: Literal["single", "thread"] = "single"
 
 
 class RestoreSessionRequest(_Body):
     """``POST /session/:id/load`` and ``/resume``."""
 
-    cwd: str | None = None
+    cwd: Cwd | None = None
     last_event_id: int | None = None
 
 
