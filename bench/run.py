@@ -40,9 +40,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from http_ab import HttpSizes, run_http
 from openai_bench import OpenAISizes, run_openai
 from procfs import cpu_source, percentile
-from http_ab import HttpSizes, run_http
 from rest_bench import FANOUT, run_rest
 from sdk_ab import AbSizes, Totals, run_ab
 from servers import BENCH, BenchError, TcpServer, acp_server_argv, sdk_echo_argv, server_flags, shell_command
