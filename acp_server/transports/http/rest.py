@@ -1,15 +1,17 @@
 """qwen serve's REST + SSE session API on the HTTP listener, translated into the handlers' own calls.
 
-Routes (every non-2xx body is :func:`~.rules.error_body`'s ``{error, code, ...data}``):
+Routes (bodies are the Structs of :mod:`.rest_types`; every non-2xx body is
+:func:`~.rules.error_body`'s ``{error, code, ...data}``; :mod:`.openapi` documents them all):
 
-- ``GET /health`` (``?deep=1`` adds sessions, active prompts and connections), ``GET /capabilities``.
-- ``POST /session`` ``{cwd?, sessionScope?}``: ``single`` (default) attaches to the oldest live session
-  of that cwd, ``thread`` always creates one (``session/new``).
+- ``GET /health`` (``?deep=1`` adds sessions, active prompts and connections), ``GET /capabilities``,
+  ``GET /openapi.json``.
+- ``POST /session`` ``{cwd?, sessionScope?}``: ``single`` (default) attaches to that cwd's default
+  session (:class:`~.rest_state.RestState`), ``thread`` always creates one (``session/new``).
 - ``POST /session/:id/load`` and ``/resume`` (``session/load``, ``session/resume``), ``/heartbeat``,
-  ``/detach`` (204), ``/prompt`` (202 ``{promptId, lastEventId}``), ``/cancel`` (204),
+  ``/detach`` (204), ``/prompt`` (202 ``{promptId, lastEventId, eventEpoch}``), ``/cancel`` (204),
   ``/permission/:requestId`` (200 ``{}``); ``DELETE /session/:id`` (``session/close``, 204);
   ``POST /sessions/delete``; ``GET /workspace/:cwd/sessions`` (``session/list``, cursor paging).
-- ``GET /session/:id/events``: see :mod:`.rest_events`.
+- ``GET /session/:id/events``: see :mod:`.rest_stream` and :mod:`.rest_events`.
 
 A REST request acts as tenant ``default`` with the client id of its ``X-Qwen-Client-Id`` header. It
 runs the ACP handler of the same method with a :class:`RestContext`, whose peer (:class:`RestCaller`)
@@ -20,7 +22,8 @@ size (413), JSON (400 ``parse_error``), body shape and ``deadlineMs`` (400 ``inv
 client-id header syntax (400 ``invalid_params``), session (404 ``session_not_found``), client id
 (400 ``invalid_client_id``), then the bridge's synchronous admission: 503 for ``prompt_queue_full``,
 ``capacity_exceeded``, ``capacity_unavailable`` and ``session_limit_exceeded``, 429 for
-``admission_deferred``, 409 for ``idempotency_key_conflict``, each with ``Retry-After`` when retryable.
+``admission_deferred`` and ``rate_limited``, 409 for ``idempotency_key_conflict``, each with
+``Retry-After`` when retryable (:func:`status_of` maps every kind).
 """
 
 from __future__ import annotations
