@@ -167,9 +167,12 @@ def test_event_epoch_is_stable_across_restarts_on_one_state_dir(tmp_path: Path) 
 
 async def test_single_scope_attaches_to_the_default_session_of_each_cwd() -> None:
     """``single`` makes a cwd's default session once and attaches to it after; ``thread`` always
-    makes one and leaves the default alone; another cwd has its own; a closed default is replaced."""
+    makes one and leaves the default alone; another cwd has its own; a closed default (``DELETE`` or
+    an ACP ``session/close``) is replaced."""
+    from .helpers import connect
+
     with trio.fail_after(TIMEOUT_S):
-        async with http_server() as (_server, _n, url), httpx.AsyncClient(timeout=10) as c:
+        async with http_server() as (server, outer, url), httpx.AsyncClient(timeout=10) as c:
             a = (await c.post(url + "/session", json={"cwd": "/srv/a"})).json()
             assert a["attached"] is False
             thread = (await c.post(url + "/session", json={"cwd": "/srv/a", "sessionScope": "thread"})).json()
@@ -181,6 +184,11 @@ async def test_single_scope_attaches_to_the_default_session_of_each_cwd() -> Non
             assert (await c.delete(f"{url}/session/{a['sessionId']}")).status_code == 204
             fresh = (await c.post(url + "/session", json={"cwd": "/srv/a"})).json()
             assert fresh["attached"] is False and fresh["sessionId"] not in (a["sessionId"], thread["sessionId"])
+            acp = await connect(server, outer)  # closed by an ACP peer instead: replaced all the same
+            await acp.call("session/load", {"sessionId": b["sessionId"], "cwd": "/srv/b", "mcpServers": []})
+            await acp.call("session/close", {"sessionId": b["sessionId"]})
+            other = (await c.post(url + "/session", json={"cwd": "/srv/b"})).json()
+            assert other["attached"] is False and other["sessionId"] != b["sessionId"]
 
 
 def _qwen_capability_tags() -> set[str]:
@@ -215,3 +223,31 @@ async def test_features_are_qwen_tags_of_what_is_served() -> None:
             assert served == {"session_load": 200, "session_resume": 200, "client_heartbeat": 200, "session_prompt": 202,
                               "session_cancel": 204, "session_list": 200, "session_close": 204}
             assert set(served) <= set(FEATURES) and "permission_vote" not in FEATURES  # no POST /permission/:id
+
+
+async def test_single_scope_with_a_store_replaces_a_default_closed_by_an_acp_peer(tmp_path: Path) -> None:
+    """With a state directory a closed session stays loadable, yet a default session closed by an ACP
+    ``session/close`` is not attached to again: the next ``single`` makes a new default."""
+    from acp_server.server import ListenAddress, Server
+    from acp_server.store import SessionStore
+    from acp_server.transports.http import HttpLimits, HttpOptions, serve_http
+
+    from .helpers import connect
+
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            server = Server(store=SessionStore(tmp_path), drain_timeout_s=0)
+            await nursery.start(server.bridge.run)
+            lim = server.limits
+            options = HttpOptions(limits=HttpLimits(max_message_bytes=lim.max_message_bytes, max_outbound_bytes=lim.outbound_bytes))
+            url = await nursery.start(serve_http, server.handle_stream, ListenAddress("tcp", host="127.0.0.1", port=0), options)
+            async with httpx.AsyncClient(timeout=10) as c:
+                first = (await c.post(url + "/session", json={"cwd": "/srv/s"})).json()
+                assert (await c.post(url + "/session", json={"cwd": "/srv/s"})).json()["sessionId"] == first["sessionId"]
+                acp = await connect(server, nursery)
+                await acp.call("session/load", {"sessionId": first["sessionId"], "cwd": "/srv/s", "mcpServers": []})
+                await acp.call("session/close", {"sessionId": first["sessionId"]})
+                assert first["sessionId"] in server.bridge.persistence.stored  # still loadable
+                other = (await c.post(url + "/session", json={"cwd": "/srv/s"})).json()
+                assert other["attached"] is False and other["sessionId"] != first["sessionId"]
+            nursery.cancel_scope.cancel()

@@ -215,6 +215,8 @@ class RestApi:
         store = getattr(server, "store", None)
         self.state = RestState(store.directory if store is not None else None)
         self._openapi: bytes | None = None
+        #: default sessions that were live in this process (see :meth:`_default_session`)
+        self._defaults_seen_live: set[str] = set()
 
     @staticmethod
     def handles(path: str) -> bool:
@@ -452,18 +454,27 @@ class RestApi:
         session = self.server.bridge.get(result["sessionId"], "default")
         if body.session_scope == "single":
             self.state.set_default(cwd, session.session_id)
+            self._defaults_seen_live.add(session.session_id)
         return _created(session, result["_meta"]["clientId"], attached=False)
 
     def _default_session(self, cwd: str) -> Session | None:
-        """The default session of ``cwd`` when it still exists (live, or stored and restored here)."""
+        """The default session of ``cwd`` when it still exists: live, or stored from before a restart
+        (restored here). One that was live in this process and is no longer was closed (``DELETE``,
+        an ACP ``session/close``): it is not the default any more."""
         session_id = self.state.default_session(cwd)
         if session_id is None:
             return None
+        bridge = self.server.bridge
+        if session_id in self._defaults_seen_live and session_id not in bridge.sessions:
+            self.state.forget_session(session_id)
+            return None
         try:
-            return self.server.bridge.get(session_id, "default")
+            session = bridge.get(session_id, "default")
         except SessionNotFoundError:
             self.state.forget_session(session_id)
             return None
+        self._defaults_seen_live.add(session_id)
+        return session
 
     async def restore(
         self, session_id: str, action: str, body: RestoreSessionRequest, headers: list[tuple[bytes, bytes]]
