@@ -6,7 +6,9 @@ Outputs, all JSON Schema Draft 2020-12:
 - ``errors/codes.json``: the registry, one entry per kind (code, message template, retryable, schema);
 - ``jsonrpc-error.json``: the JSON-RPC error object, ``data`` being one of the payloads with the
   code its kind fixes;
-- ``capabilities.json``: the result of ``_acp_server/capabilities``.
+- ``capabilities.json``: the result of ``_acp_server/capabilities``;
+- ``http/``: the HTTP body of each error kind, and the REST API's ``openapi.json``
+  (:mod:`acp_server.transports.http.openapi`).
 
 A test regenerates into a temporary folder and fails when the committed files differ.
 """
@@ -110,6 +112,9 @@ def generate() -> dict[str, Any]:
         "title": "the result of _acp_server/capabilities",
         **caps,
     }
+    from .transports.http.openapi import files as http_files  # schemas/http/: the REST API's bodies
+
+    files.update(http_files())
     return files
 
 

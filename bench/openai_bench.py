@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import trio
-
 from procfs import cpu_seconds, percentile
 from servers import TcpServer
 

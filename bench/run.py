@@ -13,6 +13,8 @@ Scenarios (``--only NAME``, repeatable; all by default):
    (``bench/coordinator.py``, with its own ``redis-server``).
 7. ``http``: the SDK client over our ``/acp`` (HTTP+SSE, WebSocket) and our TCP listener, and over the
    SDK's own remote server (``acp.http`` under hypercorn): server CPU per echo prompt and prompts/s.
+8. ``rest``: qwen serve's REST + SSE API: server CPU per echo prompt beside ``/acp`` and TCP on the
+   same server, and the SSE fan-out cost with 1, 10 and 64 subscribers (``bench/rest_bench.py``).
 
 Prints a Markdown table (each figure with the command that reproduces it) and writes JSON to
 ``bench/results/latest.json``. ``--tiny`` (or ``BENCH_TINY=1``) runs everything with tiny counts, in
@@ -38,15 +40,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from openai_bench import OpenAISizes, run_openai
-from procfs import cpu_source, percentile
 from http_ab import HttpSizes, run_http
 from loadgen import raise_nofile_limit
+from openai_bench import OpenAISizes, run_openai
+from procfs import cpu_source, percentile
+from rest_bench import FANOUT, run_rest
 from sdk_ab import AbSizes, Totals, run_ab
 from servers import BENCH, BenchError, TcpServer, acp_server_argv, sdk_echo_argv, server_flags, shell_command
 from startup import median_ms, startup_runs
 
-SCENARIOS = ("sdk", "pipelined", "overload", "scale", "openai", "coordinator", "http")
+SCENARIOS = ("sdk", "pipelined", "overload", "scale", "openai", "coordinator", "http", "rest")
 DEFAULT_OUT = BENCH / "results" / "latest.json"
 TEXT = "the quick brown fox jumps over the lazy dog"
 ONE_WORD = "hello"
@@ -264,6 +267,29 @@ def scenario_http(report: Report, sizes: Sizes) -> None:
         f"connection over a TCP socket) send {hs.prompts} sequential echo prompts of {len(hs.text.split())} words "
         "per run; the SDK column is the SDK's acp.http server (create_asgi_app under hypercorn) serving "
         "its echo agent to the same HTTP client. CPU is the server process's own, from /proc."
+    )
+
+
+def scenario_rest(report: Report, sizes: Sizes) -> None:
+    """qwen serve's REST + SSE API beside /acp and TCP; SSE fan-out to 1, 10 and 64 subscribers."""
+    hs = sizes.http
+    progress(f"8: REST + SSE, /acp HTTP+SSE and TCP on one server; fan-out {FANOUT}; {hs.rounds} rounds")
+    per, command = run_rest(hs)
+    report.scenarios["rest"] = {"server": command, "sizes": asdict(hs), **per}
+    tcp, rest, sse = (per[k]["cpu_us_per_prompt"] for k in ("tcp", "rest", "acp_sse"))
+    report.add("rest", "TCP NDJSON: server CPU per prompt", "µs", tcp)
+    report.add("rest", "/acp HTTP+SSE: server CPU per prompt", "µs", sse)
+    report.add("rest", "REST prompt + SSE events: server CPU per prompt", "µs", rest, goal="<= 2x our TCP",
+               met=rest <= 2 * tcp)
+    report.add("rest", "REST prompt + SSE events: prompts/s (sequential, 1 session)", "1/s", per["rest"]["prompts_per_s"])
+    for n, fig in per["fanout"].items():
+        report.add("rest", f"SSE fan-out, {n} subscriber(s): server CPU per prompt", "µs", fig["cpu_us_per_prompt"])
+        report.add("rest", f"SSE fan-out, {n} subscriber(s): server CPU per frame sent", "µs", fig["cpu_us_per_frame"])
+    report.notes.append(
+        f"Scenario 8: {hs.prompts} sequential echo prompts of {len(hs.text.split())} words per run on one session; "
+        "REST posts each prompt (202) and waits for its turn_complete on the session's SSE stream (httpx); /acp "
+        "and TCP are the official SDK client. Fan-out: each prompt waits until every subscriber has its "
+        "turn_complete. CPU is the server process's own, from /proc."
     )
 
 
@@ -669,6 +695,7 @@ RUNNERS: dict[str, Callable[[Report, Sizes], None]] = {
     "openai": scenario_openai,
     "coordinator": scenario_coordinator,
     "http": scenario_http,
+    "rest": scenario_rest,
 }
 
 

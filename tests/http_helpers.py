@@ -6,12 +6,16 @@ headers and event streams themselves; every error body it meets is checked again
 
 from __future__ import annotations
 
+import functools
 import json
+import pathlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import jsonschema
+import referencing
 import trio
 
 from acp_server.admission import Limits
@@ -33,11 +37,34 @@ async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> N
             await trio.sleep(0.01)
 
 
+_HTTP_SCHEMAS = pathlib.Path(__file__).resolve().parent.parent / "schemas" / "http"
+
+
+@functools.cache
+def http_error_validator() -> jsonschema.Draft202012Validator:
+    """A validator of ``schemas/http/error.json`` (every non-2xx body), its sibling files resolved."""
+    resources = [
+        (doc["$id"], referencing.Resource.from_contents(doc))
+        for doc in (json.loads(p.read_text()) for p in _HTTP_SCHEMAS.glob("*.json") if p.name != "openapi.json")
+    ]
+    registry: referencing.Registry[Any] = referencing.Registry().with_resources(resources)
+    root = json.loads((_HTTP_SCHEMAS / "error.json").read_text())
+    return jsonschema.Draft202012Validator(root, registry=registry)
+
+
+def assert_http_error_valid(body: Any) -> None:
+    """``body`` validates against ``schemas/http/error.json`` (and against its kind's own file)."""
+    http_error_validator().validate(body)
+    kind_schema = json.loads((_HTTP_SCHEMAS / f"{body['code']}.json").read_text())
+    jsonschema.Draft202012Validator(kind_schema).validate(body)
+
+
 def check_error_body(response: httpx.Response) -> dict[str, Any]:
-    """The body of a non-2xx answer: ``{"error", "code", ...data}``, whose data validates as the
-    JSON-RPC error of the same kind would."""
+    """The body of a non-2xx answer: ``{"error", "code", ...data}``; it validates against
+    ``schemas/http/`` and its data as the JSON-RPC error of the same kind would."""
     body = response.json()
     assert set(body) >= {"error", "code"}, body
+    assert_http_error_valid(body)
     kind = body["code"]
     data = {k: v for k, v in body.items() if k not in ("error", "code")}
     assert_error_valid({"code": REGISTRY[kind].code, "message": body["error"], "data": {"errorKind": kind, **data}})

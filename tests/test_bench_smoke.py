@@ -35,9 +35,9 @@ def test_bench_tiny_prints_the_table_and_writes_json(tmp_path: pathlib.Path) -> 
     assert set(report) == {"meta", "figures", "scenarios", "skipped", "notes", "errors"}
     assert report["errors"] == {}
     assert report["meta"]["tiny"] is True
-    assert set(report["scenarios"]) == {"sdk", "pipelined", "overload", "scale", "openai", "coordinator", "http"}
+    assert set(report["scenarios"]) == {"sdk", "pipelined", "overload", "scale", "openai", "coordinator", "http", "rest"}
     figures = report["figures"]
-    assert {f["scenario"] for f in figures} == {"1", "2", "3", "4", "5", "6", "7"}
+    assert {f["scenario"] for f in figures} == {"1", "2", "3", "4", "5", "6", "7", "8"}
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == len(figures)
     for figure, row in zip(figures, rows, strict=True):
@@ -56,6 +56,10 @@ def test_bench_tiny_prints_the_table_and_writes_json(tmp_path: pathlib.Path) -> 
     assert [f["goal"] for f in costs] == ["<= 25%", "<= 25%"] and all(f["ours"] is not None for f in costs)
     added = next(f for f in figures if f["name"] == "one sequential prompt: latency the store adds (p50)")
     assert added["unit"] == "ms" and added["ours"] is not None
+    rest = report["scenarios"]["rest"]
+    assert all(rest[k]["prompts"] > 0 for k in ("rest", "acp_sse", "tcp"))
+    assert [rest["fanout"][n]["frames_per_prompt"] for n in ("1", "10", "64")] == sorted(
+        rest["fanout"][n]["frames_per_prompt"] for n in ("1", "10", "64"))  # more subscribers, more frames
     overload = report["scenarios"]["overload"]
     refusals = overload["refusals"]
     assert refusals["round_trips"] > 0 and refusals["pipelined"]["ok"] == 0

@@ -150,3 +150,19 @@ def test_workspace_flag_is_the_capabilities_workspace(tmp_path: Path) -> None:
         assert httpx.get(base + "/capabilities", timeout=10).json()["workspaceCwd"] == str(tmp_path)
         created = httpx.post(base + "/session", json={}, timeout=10).json()
         assert created["workspaceCwd"] == str(tmp_path)
+
+
+@_needs_node
+def test_every_frame_kind_against_the_sdk_event_guard() -> None:
+    """A completed and a cancelled turn, a resync (a cursor from another bus) and the session's close,
+    read raw with the SDK's ``subscribeEvents``: every frame type is one the SDK lists, and each passes
+    its ``isKnownDaemonEvent`` except ``replay_complete`` and ``prompt_cancelled``, for which 0.1.14's
+    guard has no case (it answers false for any data); the SDK learns the epoch from the header."""
+    with serve("--ephemeral", "--http-listen", "http://127.0.0.1:0", "--echo-delay-ms", "1000") as server:
+        out = flow(wait_http(server), "kinds")
+    expected = {"session_update", "turn_complete", "prompt_cancelled", "state_resync_required", "replay_complete",
+                "session_closed"}
+    assert expected <= set(out["types"]), out
+    assert out["listed"] == out["types"], out  # every type is in DAEMON_KNOWN_EVENT_TYPE_VALUES
+    assert set(out["unknown"]) <= {"replay_complete", "prompt_cancelled"}, out
+    assert isinstance(out["epoch"], str) and len(out["epoch"]) == 16, out

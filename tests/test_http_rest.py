@@ -131,7 +131,7 @@ async def test_replay_after_last_event_id_then_replay_complete() -> None:
 async def test_refusals_status_and_bodies() -> None:
     """Every refusal: its status, its ``Retry-After`` and a body that validates as its error kind."""
     with trio.fail_after(TIMEOUT_S):
-        async with http_server(Limits(max_pending_prompts_per_session=1), EchoBackend(delay_ms=100)) as (server, _n, url):
+        async with http_server(Limits(max_pending_prompts_per_session=1), EchoBackend(delay_ms=2000)) as (server, _n, url):
             async with httpx.AsyncClient(timeout=10) as c:
                 ok = [{"type": "text", "text": "x"}]
 

@@ -194,11 +194,15 @@ class ClientRegistry:
     def session_closed(self, session: Session) -> None:
         """The session ended: every connection is detached from it and every client id dropped."""
         session_id = session.session_id
-        for peer in session.attached:
+        for peer in list(session.attached):
             state = self.peers.get(peer)
             if state is not None:
                 state.sessions.discard(session)
                 state.registrations.pop(session_id, None)
+            # a peer that watches one session (a REST event stream) is told, so that it can end
+            ended = getattr(peer, "session_ended", None)
+            if ended is not None:
+                ended(session_id)
         session.attached.clear()
         session.clients.clear()
 

@@ -2,7 +2,7 @@
 // Usage: node flows.mjs BASE_URL FLOW   (tests/test_http_qwen_sdk.py runs each flow and checks its line)
 import { createInterface } from 'node:readline';
 import {
-  DaemonClient, DaemonSessionClient, DaemonPendingPromptLimitError, isKnownDaemonEvent,
+  DaemonClient, DaemonSessionClient, DaemonPendingPromptLimitError, isKnownDaemonEvent, DAEMON_KNOWN_EVENT_TYPE_VALUES,
 } from '@qwen-code/sdk/daemon';
 
 const [base, flow] = process.argv.slice(2);
@@ -104,6 +104,41 @@ const flows = {
       firstTurnEnd, types: resumed.frames.map((f) => f.type), text: agentText(resumed.frames),
       unknown: unknown([...sub.frames, ...resumed.frames]),
       ids: resumed.frames.filter((f) => f.id !== undefined).map((f) => f.id),
+    });
+  },
+  // Every kind of frame a session's stream can carry in these conditions, read raw with subscribeEvents:
+  // a completed and a cancelled turn, a replay with a cursor from another bus, and the session's close.
+  async kinds() {
+    const s = await DaemonSessionClient.createOrAttach(client, { cwd: '/tmp', sessionScope: 'thread' });
+    const frames = [];
+    let epoch;
+    const ac = new AbortController();
+    const read = (async () => {
+      for await (const ev of client.subscribeEvents(s.sessionId, { signal: ac.signal, onEpoch: (e) => { epoch = e; } })) {
+        frames.push(ev);
+        if (ev.type === 'session_closed') break;
+      }
+    })().catch((e) => { if (!ac.signal.aborted) throw e; });
+    await new Promise((r) => setTimeout(r, 200));
+    await s.prompt(text('done'));
+    const p = s.prompt(text('a long prompt that the echo agent takes its time over')).catch(() => null);
+    await new Promise((r) => setTimeout(r, 300));
+    await s.cancel();
+    await p;
+    const resync = [];
+    const ac2 = new AbortController();
+    for await (const ev of client.subscribeEvents(s.sessionId, { lastEventId: 1, epoch: 'another-bus', signal: ac2.signal })) {
+      resync.push(ev);
+      if (ev.type === 'replay_complete') break;
+    }
+    await new Promise((r) => setTimeout(r, 300));
+    await client.closeSession(s.sessionId);
+    await Promise.race([read, new Promise((r) => setTimeout(r, 5000))]);
+    ac.abort();
+    const all = [...frames, ...resync];
+    out({
+      types: [...new Set(all.map((f) => f.type))].sort(), unknown: [...new Set(unknown(all))].sort(),
+      listed: DAEMON_KNOWN_EVENT_TYPE_VALUES.filter((t) => all.some((f) => f.type === t)).sort(), epoch,
     });
   },
 };

@@ -1,15 +1,17 @@
 """qwen serve's REST + SSE session API on the HTTP listener, translated into the handlers' own calls.
 
-Routes (every non-2xx body is :func:`~.rules.error_body`'s ``{error, code, ...data}``):
+Routes (bodies are the Structs of :mod:`.rest_types`; every non-2xx body is
+:func:`~.rules.error_body`'s ``{error, code, ...data}``; :mod:`.openapi` documents them all):
 
-- ``GET /health`` (``?deep=1`` adds sessions, active prompts and connections), ``GET /capabilities``.
-- ``POST /session`` ``{cwd?, sessionScope?}``: ``single`` (default) attaches to the oldest live session
-  of that cwd, ``thread`` always creates one (``session/new``).
+- ``GET /health`` (``?deep=1`` adds sessions, active prompts and connections), ``GET /capabilities``,
+  ``GET /openapi.json``.
+- ``POST /session`` ``{cwd?, sessionScope?}``: ``single`` (default) attaches to that cwd's default
+  session (:class:`~.rest_state.RestState`), ``thread`` always creates one (``session/new``).
 - ``POST /session/:id/load`` and ``/resume`` (``session/load``, ``session/resume``), ``/heartbeat``,
-  ``/detach`` (204), ``/prompt`` (202 ``{promptId, lastEventId}``), ``/cancel`` (204),
+  ``/detach`` (204), ``/prompt`` (202 ``{promptId, lastEventId, eventEpoch}``), ``/cancel`` (204),
   ``/permission/:requestId`` (200 ``{}``); ``DELETE /session/:id`` (``session/close``, 204);
   ``POST /sessions/delete``; ``GET /workspace/:cwd/sessions`` (``session/list``, cursor paging).
-- ``GET /session/:id/events``: see :mod:`.rest_events`.
+- ``GET /session/:id/events``: see :mod:`.rest_stream` and :mod:`.rest_events`.
 
 A REST request acts for its caller's tenant (its token's; ``default`` without tokens; an admin's
 ``X-Acp-Tenant``, see :mod:`.auth`) with the client id of its ``X-Qwen-Client-Id`` header. It
@@ -21,7 +23,8 @@ size (413), JSON (400 ``parse_error``), body shape and ``deadlineMs`` (400 ``inv
 client-id header syntax (400 ``invalid_params``), session (404 ``session_not_found``), client id
 (400 ``invalid_client_id``), then the bridge's synchronous admission: 503 for ``prompt_queue_full``,
 ``capacity_exceeded``, ``capacity_unavailable`` and ``session_limit_exceeded``, 429 for
-``admission_deferred``, 409 for ``idempotency_key_conflict``, each with ``Retry-After`` when retryable.
+``admission_deferred`` and ``rate_limited``, 409 for ``idempotency_key_conflict``, each with
+``Retry-After`` when retryable (:func:`status_of` maps every kind).
 """
 
 from __future__ import annotations
@@ -42,16 +45,21 @@ from ...bridge.shared_admit import SharedAdmit
 from ...errors import (
     AcpError,
     AdmissionDeferredError,
+    AgentError,
+    BackendUnavailableError,
     CapacityExceededError,
     CapacityUnavailableError,
+    DuplicateInFlightError,
     HttpError,
     IdempotencyKeyConflictError,
     InternalError,
     InvalidParamsError,
+    LeaseLostError,
     MessageTooLargeError,
     MethodNotAllowedError,
     ParseError,
     PromptQueueFullError,
+    RateLimitedError,
     RouteNotFoundError,
     SessionLimitExceededError,
     SessionNotFoundError,
@@ -69,46 +77,77 @@ from ...types.acp import (
     PromptParams,
 )
 from .auth import current_caller
-from .rest_events import EVENT_TYPES, PermissionBoard, RestChannel, SseSubscriber, control_event
+from .rest_events import EVENT_TYPES, PermissionBoard, RestChannel, SseSubscriber
+from .rest_state import RestState
+from .rest_stream import MAX_SUBSCRIBERS, serve_events
+from .rest_types import (
+    CapabilitiesBody,
+    CreateSessionRequest,
+    DeleteSessionsRequest,
+    DeleteSessionsResult,
+    HealthBody,
+    HeartbeatResult,
+    PermissionAnswered,
+    PermissionVote,
+    PromptAccepted,
+    PromptRequest,
+    RestLimits,
+    RestoreSessionRequest,
+    SessionAttached,
+    SessionRestored,
+)
 from .rules import error_body, header
 
 if TYPE_CHECKING:
     from ...server import Server
     from .streams import Receive, Send
 
-__all__ = ["FEATURES", "RestApi", "RestCaller", "RestContext", "http_status"]
+__all__ = ["EPOCH_HEADER", "FEATURES", "RestApi", "RestCaller", "RestContext", "http_status", "status_of"]
 
 log = logging.getLogger("acp_server.http")
 
 CLIENT_HEADER = b"x-qwen-client-id"
+#: The event epoch (a response header of ``GET /session/:id/events``, sent back with ``Last-Event-ID``).
+EPOCH_HEADER = b"x-qwen-event-epoch"
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _JSON = (b"content-type", b"application/json")
-#: The tags of what this API serves (``GET /capabilities`` ``features``).
-FEATURES = ["health", "capabilities", "session_create", "session_load", "session_resume", "session_heartbeat",
-            "session_detach", "session_close", "sessions_delete", "session_list", "prompt", "cancel",
-            "permissions", "events", "event_replay"]
-MAX_SUBSCRIBERS = 64
-HEARTBEAT_S = 15.0
+#: The tags of what this API serves (``GET /capabilities`` ``features``), in qwen serve's own names
+#: (its capability registry): no tag is listed for a route or behaviour this API does not have.
+FEATURES = (
+    "health", "capabilities", "session_create", "session_scope_override", "session_load", "session_resume",
+    "session_list", "session_prompt", "non_blocking_prompt", "prompt_absolute_deadline", "session_cancel",
+    "session_close", "session_events", "slow_client_warning", "typed_event_schema", "client_identity",
+    "client_heartbeat", "session_permission_vote",
+)
 _decoder = msgspec.json.Decoder()
 
 
-def http_status(exc: AcpError) -> int:
-    """The HTTP status a refusal is sent with."""
-    if isinstance(exc, HttpError):
-        return exc.status
-    if isinstance(exc, (PromptQueueFullError, CapacityExceededError, CapacityUnavailableError, SessionLimitExceededError)):
+def status_of(kind: type[AcpError]) -> int:
+    """The HTTP status a refusal of class ``kind`` is sent with."""
+    if issubclass(kind, HttpError):
+        return kind.status
+    if issubclass(kind, (PromptQueueFullError, CapacityExceededError, CapacityUnavailableError, SessionLimitExceededError)):
         return 503
-    if isinstance(exc, AdmissionDeferredError):
+    if issubclass(kind, (AdmissionDeferredError, RateLimitedError)):
         return 429
-    if isinstance(exc, IdempotencyKeyConflictError):
+    if issubclass(kind, (IdempotencyKeyConflictError, DuplicateInFlightError)):
         return 409
-    if isinstance(exc, SessionNotFoundError):
+    if issubclass(kind, (BackendUnavailableError, LeaseLostError)):
+        return 503
+    if issubclass(kind, AgentError):
+        return 502
+    if issubclass(kind, SessionNotFoundError):
         return 404
-    if isinstance(exc, MessageTooLargeError):
+    if issubclass(kind, MessageTooLargeError):
         return 413
-    if isinstance(exc, InternalError):
+    if issubclass(kind, InternalError):
         return 500
     return 400
+
+
+def http_status(exc: AcpError) -> int:
+    """The HTTP status the refusal ``exc`` is sent with."""
+    return status_of(type(exc))
 
 
 class RestCaller:
@@ -146,33 +185,17 @@ class RestContext(ConnContext):
         return self.rest_channel if self.rest_channel is not None else super().channel()
 
 
-class _Prompt(msgspec.Struct, kw_only=True):
-    prompt: list[Any]
-    deadlineMs: int | None = None  # noqa: N815 - the wire name
-    meta: dict[str, Any] | None = msgspec.field(default=None, name="_meta")
-
-
-class _NewSession(msgspec.Struct, kw_only=True):
-    cwd: str | None = None
-    sessionScope: str = "single"  # noqa: N815 - the wire name
-
-
-class _Restore(msgspec.Struct, kw_only=True):
-    cwd: str | None = None
-    lastEventId: int | None = None  # noqa: N815 - the wire name
-
-
-class _Delete(msgspec.Struct, kw_only=True):
-    sessionIds: list[str]  # noqa: N815 - the wire name
-
-
 class _ClientGone(Exception):
     """The client left while its request body was being read."""
 
 
+#: What :meth:`RestApi._body` returns for a request without a body (JSON ``null`` is a body).
+NO_BODY: Any = object()
+
+
 def _convert(obj: Any, kind: type[Any]) -> Any:
     try:
-        return msgspec.convert(obj if obj is not None else {}, kind)
+        return msgspec.convert({} if obj is NO_BODY else obj, kind)
     except msgspec.ValidationError as exc:
         text = str(exc)
         path = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else "body"
@@ -194,11 +217,16 @@ class RestApi:
         self.workspace = workspace or os.getcwd()
         self.caller = RestCaller()
         self.board = PermissionBoard()
+        store = getattr(server, "store", None)
+        self.state = RestState(store.directory if store is not None else None)
+        self._openapi: bytes | None = None
+        #: default sessions that were live in this process (see :meth:`_default_session`)
+        self._defaults_seen_live: set[str] = set()
 
     @staticmethod
     def handles(path: str) -> bool:
         """Whether ``path`` is one of this API's."""
-        return path in ("/capabilities", "/session", "/sessions/delete") or path.startswith(("/session/", "/workspace/"))
+        return path in ("/openapi.json", "/capabilities", "/session", "/sessions/delete") or path.startswith(("/session/", "/workspace/"))
 
     # --- answers --------------------------------------------------------------------------------------
 
@@ -206,6 +234,10 @@ class RestApi:
         body = msgspec.json.encode(obj) if obj is not None else b""
         headers = [_JSON, *cors] if obj is not None else list(cors)
         await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _raw_json(self, send: Send, status: int, body: bytes, cors: list[tuple[bytes, bytes]]) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": [_JSON, *cors]})
         await send({"type": "http.response.body", "body": body})
 
     async def refuse(self, send: Send, exc: AcpError, cors: list[tuple[bytes, bytes]]) -> None:
@@ -222,7 +254,7 @@ class RestApi:
     # --- requests -----------------------------------------------------------------------------------
 
     async def _body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> Any:
-        """The decoded JSON body (``None`` when there is none); 415, 413, 400 ``parse_error`` in order."""
+        """The decoded JSON body (:data:`NO_BODY` when there is none); 415, 413, 400 ``parse_error`` in order."""
         limit = self.max_message_bytes
         declared = header(headers, b"content-length")
         body = bytearray()
@@ -236,7 +268,7 @@ class RestApi:
             if not message.get("more_body", False):
                 break
         if not body and not (declared and declared.strip() not in ("", "0")):
-            return None
+            return NO_BODY
         content_type = header(headers, b"content-type")
         if content_type is None or content_type.split(";")[0].strip().lower() != "application/json":
             raise UnsupportedMediaTypeError(content_type=(content_type or "")[:128])
@@ -282,17 +314,20 @@ class RestApi:
             if method not in allowed:
                 raise MethodNotAllowedError(path=path[:256], method=method, allowed=list(allowed))
 
-        if path == "/capabilities":
+        if path == "/openapi.json":
+            need("GET")
+            await self._raw_json(send, 200, self.openapi(), cors)
+        elif path == "/capabilities":
             need("GET")
             await self._json(send, 200, self.capabilities(), cors)
         elif path == "/session":
             need("POST")
-            body = _convert(await self._body(headers, receive), _NewSession)
+            body = _convert(await self._body(headers, receive), CreateSessionRequest)
             await self._json(send, 200, await self.create(body, self._client_id(headers)), cors)
         elif path == "/sessions/delete":
             need("POST")
-            body = _convert(await self._body(headers, receive), _Delete)
-            await self._json(send, 200, self.delete_many(body.sessionIds), cors)
+            body = _convert(await self._body(headers, receive), DeleteSessionsRequest)
+            await self._json(send, 200, self.delete_many(body.session_ids), cors)
         elif parts[0] == "workspace" and path.endswith("/sessions") and len(path) > len("/workspace//sessions"):
             need("GET")
             # the cwd is one url-encoded segment: read it from the raw path (``path`` is decoded)
@@ -307,11 +342,9 @@ class RestApi:
         elif parts[0] == "session" and len(parts) == 2:
             need("DELETE")
             meta = self._meta(headers)
-            watching = _subscribers(self.server.bridge.get(parts[1], _tenant()))
+            self.server.bridge.get(parts[1], _tenant())
             session_handler.close(self._ctx(), CloseSessionParams(session_id=parts[1], meta=meta))
-            for sub in watching:
-                sub.push_event(control_event("session_closed", {"sessionId": parts[1], "reason": "closed"}))
-                sub.close()
+            self.state.forget_session(parts[1])  # its subscribers were sent session_closed by the bridge
             await self._json(send, 204, None, cors)
         elif parts[0] == "session" and len(parts) == 3:
             await self._session_route(parts[1], parts[2], method, path, headers, query, receive, send, cors)
@@ -319,9 +352,9 @@ class RestApi:
             need("POST")
             body = await self._body(headers, receive)
             self.server.bridge.get(parts[1], _tenant())
-            if not self.board.answer(parts[1], parts[3], _permission_outcome(body)):
+            if not self.board.answer(parts[1], parts[3], _permission_outcome(_convert(body, PermissionVote))):
                 raise RouteNotFoundError(path=path[:256])
-            await self._json(send, 200, {}, cors)
+            await self._json(send, 200, PermissionAnswered(), cors)
         else:
             raise RouteNotFoundError(path=path[:256])
 
@@ -341,19 +374,20 @@ class RestApi:
         if method != allowed:
             raise MethodNotAllowedError(path=path[:256], method=method, allowed=[allowed])
         if action == "events":
-            await self.events(session_id, headers, query, receive, send, cors)
+            session = self.server.bridge.get(session_id, _tenant())
+            await serve_events(self, session, headers, query, receive, send, cors)
             return
         body = await self._body(headers, receive)
         if action == "prompt":
-            await self._json(send, 202, await self.prompt(session_id, _convert(body, _Prompt), headers), cors)
+            await self._json(send, 202, await self.prompt(session_id, _convert(body, PromptRequest), headers), cors)
         elif action in ("load", "resume"):
-            await self._json(send, 200, await self.restore(session_id, action, _convert(body, _Restore), headers), cors)
+            await self._json(send, 200, await self.restore(session_id, action, _convert(body, RestoreSessionRequest), headers), cors)
         elif action == "heartbeat":
             meta = self._meta(headers)
             session = self.server.bridge.get(session_id, _tenant())
             client = self.server.bridge.resolve_client(session, self.caller, (meta or {}).get("clientId"))
             last_seen = self.server.bridge.heartbeat(session, client)
-            await self._json(send, 200, {"sessionId": session_id, "clientId": client, "lastSeenAt": last_seen}, cors)
+            await self._json(send, 200, HeartbeatResult(session_id=session_id, client_id=client, last_seen_at=last_seen), cors)
         elif action == "detach":
             client_id = self._client_id(headers)
             session = self.server.bridge.get(session_id, _tenant())
@@ -367,60 +401,89 @@ class RestApi:
 
     # --- the routes -----------------------------------------------------------------------------------
 
-    def capabilities(self) -> dict[str, Any]:
+    def capabilities(self) -> CapabilitiesBody:
         """``GET /capabilities``: the version, features, limits and primary workspace."""
-        server = self.server
-        limits = server.limits
-        pending = limits.max_pending_prompts_per_session or None
-        return {
-            "v": 1,
-            "protocolVersions": [1],
-            "mode": "acp-server",
-            "features": FEATURES,
-            "eventTypes": list(EVENT_TYPES),
-            "limits": {
-                "maxPendingPromptsPerSession": pending,
-                "maxMessageBytes": self.max_message_bytes,
-                "maxSubscribersPerSession": MAX_SUBSCRIBERS,
-                "promptDeadlineMs": limits.prompt_deadline_ms or None,
-            },
-            "workspaceCwd": self.workspace,
-        }
+        limits = self.server.limits
+        return CapabilitiesBody(
+            v=1,
+            protocol_versions=[1],
+            mode="acp-server",
+            features=list(FEATURES),
+            event_types=list(EVENT_TYPES),
+            limits=RestLimits(
+                max_pending_prompts_per_session=limits.max_pending_prompts_per_session or None,
+                max_message_bytes=self.max_message_bytes,
+                max_subscribers_per_session=MAX_SUBSCRIBERS,
+                prompt_deadline_ms=limits.prompt_deadline_ms or None,
+            ),
+            workspace_cwd=self.workspace,
+        )
 
-    def health(self, deep: bool) -> dict[str, Any]:
+    def openapi(self) -> bytes:
+        """``GET /openapi.json``: the document :mod:`.openapi` generates (built once)."""
+        if self._openapi is None:
+            from .openapi import openapi_json
+
+            self._openapi = openapi_json()
+        return self._openapi
+
+    def health(self, deep: bool) -> HealthBody:
         """``GET /health``: ``{"status": "ok"}``; deep adds sessions, active prompts and connections."""
-        out: dict[str, Any] = {"status": "ok"}
-        if deep:
-            bridge = self.server.bridge
-            sessions = list(bridge.sessions.values()) if hasattr(bridge, "sessions") else []
-            out["sessions"] = len(sessions)
-            out["activePrompts"] = sum(s.pending_count for s in sessions)
-            out["selfHealResumesTotal"] = bridge.self_heal_resumes
-            out["connectedClients"] = len(self.server.connections) + sum(
-                sum(isinstance(p, SseSubscriber) for p in s.attached) for s in sessions
-            )
-        return out
-
-    async def create(self, body: _NewSession, client_id: str | None) -> dict[str, Any]:
-        """``POST /session``."""
-        if body.sessionScope not in ("single", "thread"):
-            raise InvalidParamsError(path="sessionScope", detail='must be "single" or "thread"')
-        cwd = body.cwd or self.workspace
+        if not deep:
+            return HealthBody(status="ok")
         bridge = self.server.bridge
-        if body.sessionScope == "single":
+        sessions = list(bridge.sessions.values()) if hasattr(bridge, "sessions") else []
+        return HealthBody(
+            status="ok",
+            sessions=len(sessions),
+            active_prompts=sum(s.pending_count for s in sessions),
+            self_heal_resumes_total=bridge.self_heal_resumes,
+            connected_clients=len(self.server.connections) + sum(
+                sum(isinstance(p, SseSubscriber) for p in s.attached) for s in sessions
+            ),
+        )
+
+    async def create(self, body: CreateSessionRequest, client_id: str | None) -> SessionAttached:
+        """``POST /session``: ``single`` attaches to the cwd's default session (made the first time, and
+        again once it ended), ``thread`` always makes one."""
+        cwd = body.cwd or self.workspace
+        if body.session_scope == "single":
             session_handler._check_cwd(cwd)
-            live = [s for s in bridge.list_sessions(cwd, _tenant()) if isinstance(s, Session)]
-            if live:
-                session = live[0]
-                got = bridge.register(session, self.caller, client_id)
+            session = self._default_session(cwd)
+            if session is not None:
+                got = self.server.bridge.register(session, self.caller, client_id)
                 return _created(session, got, attached=True)
         meta = {"clientId": client_id} if client_id else None
         params = NewSessionParams(cwd=cwd, mcp_servers=[], meta=meta)
         result = await session_handler.new(self._ctx(), params)
-        session = bridge.get(result["sessionId"], _tenant())
+        session = self.server.bridge.get(result["sessionId"], _tenant())
+        if body.session_scope == "single":
+            self.state.set_default(_default_key(cwd), session.session_id)
+            self._defaults_seen_live.add(session.session_id)
         return _created(session, result["_meta"]["clientId"], attached=False)
 
-    async def restore(self, session_id: str, action: str, body: _Restore, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    def _default_session(self, cwd: str) -> Session | None:
+        """The default session of ``cwd`` when it still exists: live, or stored from before a restart
+        (restored here). One that was live in this process and is no longer was closed (``DELETE``,
+        an ACP ``session/close``): it is not the default any more."""
+        session_id = self.state.default_session(_default_key(cwd))
+        if session_id is None:
+            return None
+        bridge = self.server.bridge
+        if session_id in self._defaults_seen_live and session_id not in bridge.sessions:
+            self.state.forget_session(session_id)
+            return None
+        try:
+            session = bridge.get(session_id, _tenant())
+        except SessionNotFoundError:
+            self.state.forget_session(session_id)
+            return None
+        self._defaults_seen_live.add(session_id)
+        return session
+
+    async def restore(
+        self, session_id: str, action: str, body: RestoreSessionRequest, headers: list[tuple[bytes, bytes]]
+    ) -> SessionRestored:
         """``POST /session/:id/load`` and ``/resume``: register the caller (a fresh id unless its header's is)."""
         bridge = self.server.bridge
         meta = self._meta(headers) or {}
@@ -428,16 +491,12 @@ class RestApi:
         params = LoadSessionParams(session_id=session_id, cwd=body.cwd or session.cwd, mcp_servers=[], meta=meta)
         handler = session_handler.load if action == "load" else session_handler.resume
         result = await _maybe_await(handler(self._ctx(), params))
-        return {
-            "sessionId": session_id,
-            "workspaceCwd": session.cwd,
-            "attached": True,
-            "clientId": result["_meta"]["clientId"],
-            "lastEventId": session.next_event_id - 1,
-            "createdAt": session.created_ms,
-        }
+        return SessionRestored(
+            session_id=session_id, workspace_cwd=session.cwd, attached=True, client_id=result["_meta"]["clientId"],
+            last_event_id=session.next_event_id - 1, created_at=session.created_ms, event_epoch=self.state.epoch,
+        )
 
-    def delete_many(self, session_ids: list[str]) -> dict[str, Any]:
+    def delete_many(self, session_ids: list[str]) -> DeleteSessionsResult:
         """``POST /sessions/delete``: ``session/delete`` each one."""
         removed: list[str] = []
         missing: list[str] = []
@@ -448,17 +507,18 @@ class RestApi:
                 missing.append(session_id)
             else:
                 removed.append(session_id)
-        return {"removed": removed, "notFound": missing}
+                self.state.forget_session(session_id)
+        return DeleteSessionsResult(removed=removed, not_found=missing)
 
-    async def prompt(self, session_id: str, body: _Prompt, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    async def prompt(self, session_id: str, body: PromptRequest, headers: list[tuple[bytes, bytes]]) -> PromptAccepted:
         """``POST /session/:id/prompt``: ``session/prompt``'s admission (synchronous, or with a coordinator
         its shared part's one call); 202 once admitted."""
         meta = dict(body.meta or {})
-        if body.deadlineMs is not None:
-            meta["deadlineMs"] = body.deadlineMs
+        if body.deadline_ms is not None:
+            meta["deadlineMs"] = body.deadline_ms
         meta_deadline_ms(meta)
         meta = self._meta(headers, meta) or {}
-        params = _convert({"sessionId": session_id, "prompt": body.prompt, "_meta": meta}, PromptParams)
+        params = PromptParams(session_id=session_id, prompt=body.prompt, meta=meta)
         bridge = self.server.bridge
         session = bridge.get(session_id, _tenant())
         last_event_id = session.next_event_id - 1
@@ -469,68 +529,10 @@ class RestApi:
             await waiter.decided.wait()
             if waiter.ticket is None:
                 raise refusal[0] if refusal else InternalError()
-            return {"promptId": waiter.ticket.prompt_id, "lastEventId": last_event_id}
+            return PromptAccepted(prompt_id=waiter.ticket.prompt_id, last_event_id=last_event_id, event_epoch=self.state.epoch)
         assert isinstance(waiter, PromptWaiter)
         waiter.subscribe(_ignore)
-        return {"promptId": waiter.ticket.prompt_id, "lastEventId": last_event_id}
-
-    async def events(
-        self, session_id: str, headers: list[tuple[bytes, bytes]], query: dict[str, list[str]],
-        receive: Receive, send: Send, cors: list[tuple[bytes, bytes]],
-    ) -> None:
-        """``GET /session/:id/events``: replay after ``Last-Event-ID`` then stream live, until the client
-        leaves, the session closes, or the subscriber is evicted."""
-        bridge = self.server.bridge
-        session = bridge.get(session_id, _tenant())
-        if len(_subscribers(session)) >= MAX_SUBSCRIBERS:
-            from ...errors import SubscriberLimitExceededError
-
-            raise SubscriberLimitExceededError(session_id=session_id, limit=MAX_SUBSCRIBERS, retry_after_ms=1000)
-        last = header(headers, b"last-event-id") or query.get("lastEventId", [None])[0]
-        after: int | None = None
-        if last is not None:
-            if not last.isascii() or not last.isdigit() or len(last) > 18:
-                raise InvalidParamsError(path="Last-Event-ID", detail="must be a non-negative integer event id")
-            after = int(last)
-        sub = SseSubscriber(session_id)
-        sub.identity = current_caller.get().identity
-        auth = self.server.auth
-        base = sub.frames_queued
-
-        def replayed() -> int:
-            return sub.frames_queued - base
-        start = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *cors]
-        await send({"type": "http.response.start", "status": 200, "headers": start})
-        await send({"type": "http.response.body", "body": b"retry: 3000\n\n", "more_body": True})
-        try:
-            if auth is not None:
-                auth.streams.add(sub)  # evicted with its token (SIGHUP revocation, expiry)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_watch, receive, nursery.cancel_scope)
-                nursery.start_soon(_pump, sub, send, nursery.cancel_scope)
-                if after is not None:
-                    newest = session.next_event_id - 1
-                    if after > newest:  # a cursor from another life of the session (or made up)
-                        sub.push_event(control_event("state_resync_required", {
-                            "sessionId": session_id, "reason": "epoch_reset", "lastDeliveredId": after,
-                            "earliestAvailableId": 1, "lastEventId": newest,
-                        }))
-                        await bridge.replay(session, sub, newest)
-                    else:
-                        await bridge.replay(session, sub, after)
-                    sub.push_event(control_event("replay_complete", {
-                        "sessionId": session_id, "lastReplayedEventId": sub.last_event_id,
-                        "lastEventId": session.next_event_id - 1, "replayedCount": replayed(),
-                    }))
-                else:
-                    await bridge.replay(session, sub, session.next_event_id - 1)
-        finally:
-            sub.close()
-            bridge.peer_closed(sub)
-            if auth is not None:
-                auth.streams.discard(sub)
-        with trio.CancelScope(shield=True):
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return PromptAccepted(prompt_id=waiter.ticket.prompt_id, last_event_id=last_event_id, event_epoch=self.state.epoch)
 
 
 def _tenant() -> str:
@@ -538,13 +540,15 @@ def _tenant() -> str:
     return current_caller.get().tenant
 
 
-def _subscribers(session: Session) -> list[SseSubscriber]:
-    return [p for p in session.attached if isinstance(p, SseSubscriber)]
+def _default_key(cwd: str) -> str:
+    """The default-session map's key of ``cwd`` for the caller's tenant (each tenant has its own)."""
+    tenant = _tenant()
+    return cwd if tenant == "default" else f"{tenant}\n{cwd}"
 
 
-def _created(session: Session, client_id: str, *, attached: bool) -> dict[str, Any]:
-    return {"sessionId": session.session_id, "workspaceCwd": session.cwd, "attached": attached,
-            "clientId": client_id, "createdAt": session.created_ms}
+def _created(session: Session, client_id: str, *, attached: bool) -> SessionAttached:
+    return SessionAttached(session_id=session.session_id, workspace_cwd=session.cwd, attached=attached,
+                           client_id=client_id, created_at=session.created_ms)
 
 
 def _cancel_params(session_id: str, meta: dict[str, Any] | None) -> Any:
@@ -553,11 +557,11 @@ def _cancel_params(session_id: str, meta: dict[str, Any] | None) -> Any:
     return CancelParams(session_id=session_id, meta=meta)
 
 
-def _permission_outcome(body: Any) -> Any:
-    if isinstance(body, dict) and isinstance(body.get("outcome"), dict):
-        return {"outcome": body["outcome"]}
-    if isinstance(body, dict) and isinstance(body.get("optionId"), str):
-        return {"outcome": {"outcome": "selected", "optionId": body["optionId"]}}
+def _permission_outcome(vote: PermissionVote) -> Any:
+    if vote.outcome is not None:
+        return {"outcome": vote.outcome}
+    if vote.option_id is not None:
+        return {"outcome": {"outcome": "selected", "optionId": vote.option_id}}
     raise InvalidParamsError(path="outcome", detail='give {"outcome": {...}} or {"optionId": "..."}')
 
 
@@ -569,24 +573,3 @@ async def _maybe_await(value: Any) -> Any:
     if hasattr(value, "__await__"):
         return await value
     return value
-
-
-async def _watch(receive: Receive, scope: trio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
-
-
-async def _pump(sub: SseSubscriber, send: Send, scope: trio.CancelScope) -> None:
-    """Write the subscriber's frames, and ``: heartbeat`` when it has been idle for 15 s."""
-    while True:
-        with trio.move_on_after(HEARTBEAT_S) as idle:
-            frames = await sub.take()
-        if idle.cancelled_caught:
-            await send({"type": "http.response.body", "body": b": heartbeat\n\n", "more_body": True})
-            continue
-        if frames is None:
-            scope.cancel()
-            return
-        await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
-

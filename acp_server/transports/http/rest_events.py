@@ -29,7 +29,10 @@ if TYPE_CHECKING:
     from ...auth.tokens import Identity
     from ...bridge import Session
 
-__all__ = ["EVENT_TYPES", "PermissionBoard", "RestChannel", "SseSubscriber", "control_event", "encode_frame", "envelope"]
+__all__ = [
+    "EVENT_TYPES", "PermissionBoard", "RestChannel", "SseSubscriber", "control_event", "encode_frame", "envelope", "envelopes",
+    "frames_of",
+]
 
 #: Every event type this server sends on ``GET /session/:id/events``.
 EVENT_TYPES = (
@@ -38,6 +41,7 @@ EVENT_TYPES = (
     "permission_resolved",
     "turn_complete",
     "turn_error",
+    "prompt_cancelled",
     "session_closed",
     "client_evicted",
     "slow_client_warning",
@@ -46,6 +50,7 @@ EVENT_TYPES = (
 )
 
 _TURN_STATE = "_acp_server/turn_state"
+_REPLAY_TRUNCATED = "_acp_server/replay_truncated"
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder()
 #: REST peers' ids stay clear of the socket shells' (small counters).
@@ -62,40 +67,64 @@ def _event(type: str, data: dict[str, Any], event_id: int | None = None, origina
     return out
 
 
-def envelope(line: bytes) -> dict[str, Any] | None:
-    """qwen's event envelope for one NDJSON line the bridge sent (``None``: not sent over REST)."""
+def envelopes(line: bytes) -> list[dict[str, Any]]:
+    """qwen's event envelopes for one NDJSON line the bridge sent (none: not sent over REST).
+
+    A cancelled turn is ``prompt_cancelled`` then its ``turn_complete`` (which carries the event id);
+    a replay that starts past a gap (``_acp_server/replay_truncated``) is ``state_resync_required``.
+    """
     try:
         msg = _decoder.decode(line)
     except msgspec.DecodeError:
-        return None
-    if not isinstance(msg, dict):
-        return None
+        return []
+    if not isinstance(msg, dict) or not isinstance(msg.get("params"), dict):
+        return []
     method = msg.get("method")
-    params = msg.get("params")
-    if not isinstance(params, dict):
-        return None
-    meta = params.get("_meta") or {}
-    event_id = meta.get("eventId") if isinstance(meta, dict) else None
+    params: dict[str, Any] = msg["params"]
+    raw_meta = params.get("_meta")
+    meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
+    event_id = meta.get("eventId")
     if not isinstance(event_id, int) or isinstance(event_id, bool) or event_id < 1:
         event_id = None
     session_id = params.get("sessionId")
     if method == "session/update":
-        originator = meta.get("originatorClientId") if isinstance(meta, dict) else None
-        return _event("session_update", {"sessionId": session_id, "update": params.get("update")}, event_id, originator)
+        data = {"sessionId": session_id, "update": params.get("update")}
+        return [_event("session_update", data, event_id, meta.get("originatorClientId"))]
     if method == _TURN_STATE:
-        state = params.get("state")
-        prompt_id = params.get("promptId")
-        if state == "completed":
-            stop = params.get("reason") or "end_turn"
-            return _event("turn_complete", {"sessionId": session_id, "stopReason": stop, "promptId": prompt_id}, event_id)
-        if state == "cancelled":
-            data = {"sessionId": session_id, "stopReason": "cancelled", "promptId": prompt_id}
-            return _event("turn_complete", data, event_id)
-        if state == "failed":
-            code = params.get("reason") or "internal"
-            data = {"sessionId": session_id, "message": f"the prompt failed: {code}", "code": code, "promptId": prompt_id}
-            return _event("turn_error", data, event_id)
-    return None
+        return _turn_end(params, event_id)
+    if method == _REPLAY_TRUNCATED:
+        return [_event("state_resync_required", {
+            "sessionId": session_id, "reason": "replay_window_exceeded",
+            "lastDeliveredId": params.get("requestedAfterEventId", 0), "earliestAvailableId": params.get("firstEventId", 1),
+        })]
+    return []
+
+
+def _turn_end(params: dict[str, Any], event_id: int | None) -> list[dict[str, Any]]:
+    """The frames of a terminal turn state (none for the others)."""
+    state = params.get("state")
+    session_id = params.get("sessionId")
+    prompt_id = params.get("promptId")
+    if state == "completed":
+        stop = params.get("reason") or "end_turn"
+        return [_event("turn_complete", {"sessionId": session_id, "stopReason": stop, "promptId": prompt_id}, event_id)]
+    if state == "cancelled":
+        cancelled: dict[str, Any] = {"sessionId": session_id, "promptId": prompt_id}
+        if params.get("reason"):
+            cancelled["reason"] = params["reason"]
+        data = {"sessionId": session_id, "stopReason": "cancelled", "promptId": prompt_id}
+        return [_event("prompt_cancelled", cancelled), _event("turn_complete", data, event_id)]
+    if state == "failed":
+        code = params.get("reason") or "internal"
+        data = {"sessionId": session_id, "message": f"the prompt failed: {code}", "code": code, "promptId": prompt_id}
+        return [_event("turn_error", data, event_id)]
+    return []
+
+
+def envelope(line: bytes) -> dict[str, Any] | None:
+    """The last of :func:`envelopes` (the one that carries the line's event id), or ``None``."""
+    events = envelopes(line)
+    return events[-1] if events else None
 
 
 def control_event(type: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -107,6 +136,21 @@ def encode_frame(event: dict[str, Any]) -> bytes:
     """One SSE frame: ``id:`` (only with a session event id), ``event:`` and ``data:``."""
     head = f"id: {event['id']}\n" if "id" in event else ""
     return f"{head}event: {event['type']}\n".encode() + b"data: " + _encoder.encode(event) + b"\n\n"
+
+
+_last_line: tuple[bytes, list[tuple[int | None, bytes]]] = (b"", [])
+
+
+def frames_of(line: bytes) -> list[tuple[int | None, bytes]]:
+    """The encoded SSE frames of one bridge line, each with the event id it carries. The bridge sends
+    one line object to every subscriber of a session, so the last line's frames are kept: a fan-out to
+    N subscribers translates and encodes once."""
+    global _last_line
+    if _last_line[0] is line:
+        return _last_line[1]
+    frames = [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
+    _last_line = (line, frames)
+    return frames
 
 
 class SseSubscriber:
@@ -190,21 +234,33 @@ class SseSubscriber:
             self.last_event_id = event["id"]
         self.push(encode_frame(event))
 
+    def push_frame(self, event_id: int | None, frame: bytes) -> None:
+        """Queue one encoded frame (``event_id``: the session event id it carries)."""
+        if event_id is not None:
+            self.last_event_id = event_id
+        self.push(frame)
+
     def send(self, data: bytes) -> None:
         """The bridge's live fan-out: translate and queue (never waits)."""
-        event = envelope(data)
-        if event is not None:
-            self.push_event(event)
+        for event_id, frame in frames_of(data):
+            self.push_frame(event_id, frame)
 
     async def send_reliably(self, data: bytes) -> None:
         """A replayed line: waits while the queue is at half its bound instead of evicting."""
-        event = envelope(data)
-        if event is None:
+        frames = frames_of(data)
+        if not frames:
             return
         while not self._closed and (len(self.frames) * 2 >= self.max_frames or self.nbytes * 2 >= self.max_bytes):
             self._room = trio.Event()
             await self._room.wait()
-        self.push_event(event)
+        for event_id, frame in frames:
+            self.push_frame(event_id, frame)
+
+    def session_ended(self, session_id: str) -> None:
+        """The bridge closed the session (``DELETE``, an ACP ``session/close``, ``session/delete``):
+        one ``session_closed``, then the stream ends."""
+        self.push_event(_event("session_closed", {"sessionId": session_id, "reason": "client_close"}))
+        self.close()
 
     async def request(self, method: str, params: Any = None) -> Any:
         """A subscriber is never asked directly (permissions go through :class:`RestChannel`)."""
