@@ -30,6 +30,10 @@ refusal (an :class:`~acp_server.errors.OverloadError`: ``prompt_queue_full``, ``
 dispatch to the moment the writer's ``send_all`` carrying the error returned. The request is stamped
 when it is read; the answer path pays only for errors (a type check), results pay nothing more.
 Refusals inside a batch are answered in the batch's array and not timed.
+
+Refusal budget: each overload refusal also spends from the peer's own budget
+(:mod:`.refusal_budget`); a peer that spends it by re-sending what it was told to hold off is sent
+``_acp_server/evicted {reason: "ignored_retry_after"}`` and closed. Accepted requests pay nothing.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from ..jsonrpc import (
 from ..logtext import clip
 from ..parking import ParkingSpot
 from ..types.acp import CancelRequestParams
+from .refusal_budget import RefusalBudget, RefusalBudgetSettings
 from .timing import LatencyHistogram
 
 __all__ = ["ConnectionShell"]
@@ -133,6 +138,9 @@ class ConnectionShell:
             session): such a connection is not idle.
         refusal_kinds: where to count each overload refusal written, by ``errorKind``.
         transport: what the connection came over (``tcp``, ``ws``, ...), for statistics.
+        refusal_budget: the per-peer budget of hold-off refusals (see :mod:`.refusal_budget`); a peer
+            that spends it is sent ``_acp_server/evicted`` (``ignored_retry_after``) and closed.
+            ``None`` (or a zero rate): no budget.
     """
 
     def __init__(
@@ -153,11 +161,15 @@ class ConnectionShell:
         holds: Callable[[], bool] | None = None,
         refusal_kinds: dict[str, int] | None = None,
         transport: str = "stream",
+        refusal_budget: RefusalBudgetSettings | None = None,
     ) -> None:
         self.peer_id = next(_ids)
         self.name = name
         self.transport = transport
         self._refusal_kinds = refusal_kinds
+        self._budget_settings = refusal_budget if refusal_budget is not None and refusal_budget.enabled else None
+        #: this peer's refusal budget, from its first hold-off refusal on (``None`` before, or when off)
+        self.refusal_budget: RefusalBudget | None = None
         self.stream = stream
         self.core = Connection(max_message_bytes=max_message_bytes)
         self.dispatcher = dispatcher
@@ -438,18 +450,33 @@ class ConnectionShell:
             histogram.record(written - read_ns)
 
     def _reply_error(self, data: bytes, slot: _Slot, reply: Callable[[bytes], None]) -> None:
-        """Queue an error answer; an overload refusal is timed until its bytes are written."""
+        """Queue an error answer; an overload refusal is timed until its bytes are written, and spends
+        from the peer's refusal budget (evicted once it is spent)."""
         error = getattr(data, "error", None)
-        if self._refusal_kinds is not None and isinstance(error, OverloadError):
+        if not isinstance(error, OverloadError):
+            reply(data)
+            return
+        if self._refusal_kinds is not None:
             self._refusal_kinds[error.kind] = self._refusal_kinds.get(error.kind, 0) + 1
-        if (
-            self._refusal_latency is not None
-            and isinstance(getattr(data, "error", None), OverloadError)
-            and reply == self.reply
-            and not self.evicted
-        ):
+        if self._refusal_latency is not None and reply == self.reply and not self.evicted:
             self._refusals_queued.append(slot.read_ns)
         reply(data)
+        if self._budget_settings is not None:
+            self._spend(error)
+
+    def _spend(self, error: OverloadError) -> None:
+        """Charge one hold-off refusal to this peer's budget (made at its first refusal); evict the
+        peer once the budget is spent."""
+        now = trio.current_time()
+        budget = self.refusal_budget
+        if budget is None:
+            assert self._budget_settings is not None
+            budget = self.refusal_budget = RefusalBudget(self._budget_settings, now)
+        if budget.charge(error, now) and not self.evicted:
+            log.warning("%s: evicting a peer that ignored retryAfterMs: %s", self.name, budget.evicted_params())
+            self.evicted = True
+            self._enqueue(Connection.send_notification("_acp_server/evicted", budget.evicted_params()))
+            self.close()
 
     async def _reader(self) -> bool:
         """Read and dispatch until the input ends (``True``) or the connection must close (``False``)."""

@@ -1,0 +1,154 @@
+"""The per-peer refusal budget: a peer that keeps sending what it was just told to hold off is shed.
+
+A refusal cannot be made cheap enough in Python (building the error alone costs microseconds), so a
+client that re-sends a refused prompt at once, ignoring ``retryAfterMs``, spends the server's CPU on
+refusals instead of on its neighbours' prompts. Each connection therefore gets a token bucket
+(``rate_per_s`` tokens a second, at most ``burst``) that every *hold-off* refusal spends from: the
+:class:`~acp_server.errors.OverloadError` family, each of which carries ``retryAfterMs``
+(``prompt_queue_full``, ``capacity_exceeded``, ``admission_deferred``, ``capacity_unavailable``,
+``rate_limited``). Other errors (bad params, unknown session, a deadline) are not hold-offs and cost
+nothing. When the bucket is empty the shell sends ``_acp_server/evicted {reason: "ignored_retry_after"}``
+and closes the connection; its admitted prompts end as on any disconnect.
+
+What counts as ignoring: a refusal opens a *hold* on its scope until ``retryAfterMs`` has passed (the
+session for ``prompt_queue_full``, which is per session; the error kind for the others, which hold for
+a backend, a tenant, a token or the whole server). A later refusal on a held scope, of a request read
+more than ``grace_s`` after the hold opened (so it was not merely already on its way, pipelined behind
+the first), ignored the hint: it costs ``ignored_cost`` tokens instead of one. A hold is not extended by
+the refusals that ignore it, so a client re-sending at once pays ``ignored_cost`` for each re-send once
+``grace_s`` has passed.
+
+Why a polite client is never shed: a client that waits ``retryAfterMs`` after each refusal before it
+re-sends that request (acp-server's SDK, :mod:`acp_server.client.retry`) re-sends after the hold that
+refused it has ended, so its re-sends cost one token, and each of its calls is refused at most once per
+``retryAfterMs`` (5 s for ``prompt_queue_full``). ``burst`` absorbs one wave of refusals of a pipelined
+client (the default is above ``--max-inflight-requests``' default of 256) and ``rate_per_s`` its
+sustained rate (256 calls refused every 5 s are 51 a second, under the default of 60).
+
+The budget is pure (no trio, no I/O): the shell passes the time and acts on the answer, and it is
+created at a peer's first refusal, so a connection that is never refused pays nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import OverloadError, PromptQueueFullError
+
+__all__ = ["DEFAULT_REFUSAL_BUDGET", "EVICTION_REASON", "RefusalBudget", "RefusalBudgetSettings"]
+
+#: ``_acp_server/evicted``'s ``reason`` when a peer's budget is spent
+EVICTION_REASON = "ignored_retry_after"
+#: holds remembered per peer before expired ones are dropped (a peer with many sessions held at once)
+_MAX_HOLDS = 256
+
+
+@dataclass(frozen=True)
+class RefusalBudgetSettings:
+    """The bucket's parameters (``--refusal-budget-rps``, ``--refusal-budget-burst``).
+
+    Attributes:
+        rate_per_s: tokens added per second (0: no budget, never evict).
+        burst: the bucket's size, and its content at a peer's first refusal.
+        ignored_cost: tokens a refusal costs when its request ignored an earlier refusal's
+            ``retryAfterMs`` (one otherwise).
+        grace_s: refusals of requests read within this long of the refusal that opened a hold were
+            already on their way (pipelined) and cost one token.
+    """
+
+    rate_per_s: float = 60.0
+    burst: float = 500.0
+    ignored_cost: float = 4.0
+    grace_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("rate_per_s", "burst", "ignored_cost", "grace_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"refusal budget: {name} must be a non-negative number; got {value!r}")
+        if self.rate_per_s and not self.burst:
+            raise ValueError("refusal budget: burst must be positive when rate_per_s is (0 rate turns it off)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rate_per_s > 0
+
+
+DEFAULT_REFUSAL_BUDGET = RefusalBudgetSettings()
+
+
+def _scope(error: OverloadError) -> Any:
+    """What one refusal's hold covers: the session for ``prompt_queue_full``, else its kind."""
+    if type(error) is PromptQueueFullError:
+        return error.payload.session_id  # type: ignore[attr-defined]
+    return error.kind
+
+
+class RefusalBudget:
+    """One peer's bucket (see the module docstring).
+
+    Args:
+        settings: rate, burst, the cost of ignoring a hold, the pipelining grace.
+        now: the current time in seconds (any monotonic clock; the same one for :meth:`charge`).
+
+    Attributes:
+        tokens: what is left, as of ``stamp``.
+        refusals: hold-off refusals charged; ignored: those that ignored a hold.
+    """
+
+    __slots__ = ("_holds", "ignored", "refusals", "settings", "stamp", "tokens")
+
+    def __init__(self, settings: RefusalBudgetSettings, now: float) -> None:
+        self.settings = settings
+        self.tokens = float(settings.burst)
+        self.stamp = now
+        self.refusals = 0
+        self.ignored = 0
+        #: scope -> (when its hold opened, when it ends)
+        self._holds: dict[Any, tuple[float, float]] = {}
+
+    def charge(self, error: OverloadError, now: float) -> bool:
+        """Spend for one hold-off refusal written to this peer at ``now``.
+
+        Returns:
+            ``True`` when the budget is spent: the peer is to be evicted.
+        """
+        s = self.settings
+        self.tokens = min(float(s.burst), self.tokens + (now - self.stamp) * s.rate_per_s)
+        self.stamp = now
+        self.refusals += 1
+        cost = 1.0
+        retry_after_ms = getattr(error.payload, "retry_after_ms", 0)
+        if retry_after_ms:
+            key = _scope(error)
+            hold = self._holds.get(key)
+            if hold is not None and now < hold[1]:
+                if now - hold[0] > s.grace_s:
+                    cost = s.ignored_cost
+                    self.ignored += 1
+            else:
+                holds = self._holds
+                if len(holds) >= _MAX_HOLDS:
+                    self._prune(now)
+                holds[key] = (now, now + retry_after_ms / 1000)
+        self.tokens -= cost
+        return self.tokens < 0
+
+    def _prune(self, now: float) -> None:
+        holds = self._holds
+        for key in [k for k, (_, until) in holds.items() if until <= now]:
+            del holds[key]
+        if len(holds) >= _MAX_HOLDS:  # all still held: forget them (the bucket still bounds the peer)
+            holds.clear()
+
+    def evicted_params(self) -> dict[str, Any]:
+        """The params of the ``_acp_server/evicted`` notification this peer is sent."""
+        s = self.settings
+        return {
+            "reason": EVICTION_REASON,
+            "refusals": self.refusals,
+            "ignoredRetryAfter": self.ignored,
+            "budgetRps": s.rate_per_s,
+            "budgetBurst": s.burst,
+        }
