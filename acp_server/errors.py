@@ -78,6 +78,7 @@ __all__ = [
     "BackendError",
     "BackendUnavailableError",
     "RETRY_AFTER_MS",
+    "EVICTION_REASONS",
     "AcpError",
     "AdmissionDeferredError",
     "BranchWhilePromptActiveError",
@@ -108,6 +109,16 @@ __all__ = [
 
 #: The retry hint sent with ``prompt_queue_full``: long enough for a few echo-sized turns to drain.
 RETRY_AFTER_MS = 5000
+
+#: Why the server closes a connection: ``reason`` of ``_acp_server/evicted``, its last message
+#: (:class:`~acp_server.types.ext.EvictedParams`, ``schemas/evicted.json``).
+EVICTION_REASONS: dict[str, str] = {
+    "queue_overflow": "the connection did not read: its outbound queue outgrew --max-outbound-bytes (limit, queuedBytes)",
+    "too_many_connections": "the listeners hold --max-connections sockets already (limit)",
+    "token_revoked": "the connection's token was revoked or expired",
+    "ignored_retry_after": "the connection spent its refusal budget by re-sending what it was told to hold off "
+    "(--refusal-budget-rps, --refusal-budget-burst; refusals, ignoredRetryAfter, budgetRps, budgetBurst)",
+}
 
 
 class AcpError(Exception):

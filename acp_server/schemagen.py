@@ -6,7 +6,8 @@ Outputs, all JSON Schema Draft 2020-12:
 - ``errors/codes.json``: the registry, one entry per kind (code, message template, retryable, schema);
 - ``jsonrpc-error.json``: the JSON-RPC error object, ``data`` being one of the payloads with the
   code its kind fixes;
-- ``capabilities.json``: the result of ``_acp_server/capabilities``.
+- ``capabilities.json``: the result of ``_acp_server/capabilities``;
+- ``evicted.json``: the params of ``_acp_server/evicted`` (each ``reason`` described).
 
 A test regenerates into a temporary folder and fails when the committed files differ.
 """
@@ -21,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from .errors import REGISTRY
-from .types.ext import CapabilitiesResult
+from .errors import EVICTION_REASONS, REGISTRY
+from .types.ext import CapabilitiesResult, EvictedParams
 
 __all__ = ["generate", "main"]
 
@@ -109,6 +110,16 @@ def generate() -> dict[str, Any]:
         "$id": f"{BASE_ID}capabilities.json",
         "title": "the result of _acp_server/capabilities",
         **caps,
+    }
+    evicted = _inline(msgspec.json.schema(EvictedParams))
+    evicted.pop("title", None)
+    evicted["additionalProperties"] = False
+    evicted["description"] = "; ".join(f"{reason}: {meaning}" for reason, meaning in EVICTION_REASONS.items())
+    files["evicted.json"] = {
+        "$schema": DRAFT,
+        "$id": f"{BASE_ID}evicted.json",
+        "title": "the params of _acp_server/evicted, the last message of a connection the server closes",
+        **evicted,
     }
     return files
 

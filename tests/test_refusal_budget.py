@@ -8,10 +8,12 @@ flags and config keys through the CLI's own parsing.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
+import jsonschema
 import pytest
 import trio
 import trio.testing
@@ -21,6 +23,7 @@ from acp_server.backends import Backend
 from acp_server.cli import _build, _parse, server_config
 from acp_server.client import Client, RetryPolicy
 from acp_server.errors import (
+    EVICTION_REASONS,
     RETRY_AFTER_MS,
     AdmissionDeferredError,
     CapacityExceededError,
@@ -36,7 +39,7 @@ from acp_server.transports.refusal_budget import (
 )
 
 from .fakes import FakeBackend
-from .helpers import RawClient, scaled
+from .helpers import ROOT, SCHEMAS, RawClient, scaled
 from .test_client_session import client_for
 
 EVICTED = "_acp_server/evicted"
@@ -130,6 +133,27 @@ def test_settings_refuse_nonsense() -> None:
     with pytest.raises(ValueError, match="burst must be positive"):
         RefusalBudgetSettings(rate_per_s=1, burst=0)
     assert not RefusalBudgetSettings(rate_per_s=0, burst=0).enabled
+
+
+# --- the registry and the schema --------------------------------------------------------------------
+
+
+def evicted_schema() -> jsonschema.protocols.Validator:
+    return jsonschema.Draft202012Validator(json.loads((SCHEMAS / "evicted.json").read_text()))
+
+
+def test_every_eviction_reason_is_in_the_registry_the_schema_and_the_readme() -> None:
+    schema = json.loads((SCHEMAS / "evicted.json").read_text())
+    assert sorted(schema["properties"]["reason"]["enum"]) == sorted(EVICTION_REASONS)
+    assert EVICTION_REASON in EVICTION_REASONS
+    readme = (ROOT / "README.md").read_text()
+    for reason in EVICTION_REASONS:
+        assert f"| `{reason}` |" in readme, f"the README's table of eviction reasons lacks {reason}"
+    evicted_schema().validate({"reason": "queue_overflow", "limit": 4096, "queuedBytes": 5000})
+    with pytest.raises(jsonschema.ValidationError):
+        evicted_schema().validate({"reason": "ignored_retry_after", "surprise": 1})
+    with pytest.raises(jsonschema.ValidationError):
+        evicted_schema().validate({"reason": "no_such_reason"})
 
 
 # --- the shell's hook, against the real server ----------------------------------------------------
@@ -227,6 +251,7 @@ async def test_a_rude_peer_is_evicted_and_its_accepted_prompt_ends_once() -> Non
             # refilled meanwhile) was spent
             assert refused + 3 * params["ignoredRetryAfter"] >= 20
             assert (params["budgetRps"], params["budgetBurst"]) == (1, 20)
+            evicted_schema().validate(params)
             assert rude.messages[-1]["method"] == EVICTED, "the eviction is the last thing it is sent"
             shells = [s for s in server.connections if s.name == "rude"]
             assert shells == []
