@@ -46,7 +46,8 @@ schemas agree. Blame is split as in h11: the peer's fault, overload, and our own
     │   ├── SessionNotEstablishedError      -32600 session_not_established (404)
     │   ├── BatchNotSupportedError          -32600 batch_not_supported (501)
     │   ├── SubscriberLimitExceededError    -32017 subscriber_limit_exceeded (429, Retry-After)
-    │   └── TooManyConnectionsError         -32011 too_many_connections (503, Retry-After)
+    │   ├── TooManyConnectionsError         -32011 too_many_connections (503, Retry-After)
+    │   └── ConnectionEvictedError          -32600 connection_evicted (429: the connection was evicted)
     └── InternalError                       -32603 internal (bugs only: overload is never -32603)
 """
 
@@ -60,6 +61,7 @@ from .types import errors as data
 
 __all__ = [
     "BatchNotSupportedError",
+    "ConnectionEvictedError",
     "ForbiddenHostError",
     "ForbiddenOriginError",
     "HttpError",
@@ -476,6 +478,13 @@ class TooManyConnectionsError(HttpError):
     template = "The HTTP listener holds its limit of {limit} connections; retry after {retry_after_ms} ms"
     retryable = True
     data_type = data.TooManyConnectionsData
+
+
+class ConnectionEvictedError(HttpError):
+    kind = "connection_evicted"
+    status = 429
+    template = 'Connection "{connection_id}" was evicted ({reason}); initialize a new one'
+    data_type = data.ConnectionEvictedData
 
 
 class InternalError(AcpError):

@@ -19,9 +19,10 @@ import trio
 import trio.testing
 
 from acp_server.admission import Limits
-from acp_server.backends import Backend
+from acp_server.backends import Backend, EchoBackend
 from acp_server.cli import _build, _parse, server_config
 from acp_server.client import Client, RetryPolicy
+from acp_server.client.websocket import open_websocket
 from acp_server.errors import (
     EVICTION_REASONS,
     RETRY_AFTER_MS,
@@ -40,6 +41,7 @@ from acp_server.transports.refusal_budget import (
 
 from .fakes import FakeBackend
 from .helpers import ROOT, SCHEMAS, RawClient, scaled
+from .http_helpers import TIMEOUT_S, check_error_body, eventually, http_peer, http_server
 from .test_client_session import client_for
 
 EVICTED = "_acp_server/evicted"
@@ -435,3 +437,68 @@ def test_a_bad_config_value_names_its_key(tmp_path: Any, capsys: pytest.CaptureF
     with pytest.raises(SystemExit):
         server_config(_parse(parser, ["serve", "--ephemeral", "--config", str(toml)]), serve)
     assert "refusal_budget_rps" in capsys.readouterr().err
+
+
+# --- over HTTP: WebSocket and HTTP+SSE ------------------------------------------------------------
+
+
+async def test_a_rude_websocket_peer_gets_the_eviction_then_the_socket_closes() -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with http_server(Limits(max_pending_prompts_per_session=1), EchoBackend(delay_ms=60_000)) as (server, nursery, url):
+            server.refusal_budget = RefusalBudgetSettings(rate_per_s=1, burst=10)
+            async with open_websocket(url.replace("http", "ws") + "/acp") as ws:
+                client = RawClient(ws)
+                nursery.start_soon(client.pump)
+                await client.initialize()
+                session_id, _ = await client.new_session()
+                held_id, _ = client.start_request("session/prompt")
+                await client.send(prompt_msg(held_id, session_id, "held"))
+                await eventually(lambda: server.bridge.pending_total() == 1)
+                refused = await hammer(client, session_id, most=1000)
+                await client.eof.wait()
+            assert 0 < refused <= 11
+            last = client.messages[-1]
+            assert last["method"] == EVICTED and last["params"]["reason"] == "ignored_retry_after"
+            evicted_schema().validate(last["params"])
+            await eventually(lambda: not server.connections and server.bridge.pending_total() == 0)
+            assert server.evictions == 1
+
+
+async def test_a_rude_http_peer_gets_the_eviction_on_its_stream_then_429() -> None:
+    """HTTP+SSE: refusals come on the session's stream; the eviction ends the connection's stream, and
+    every later POST on that connection is answered 429 ``connection_evicted`` with
+    ``Connection: close``; a new connection is served."""
+    with trio.fail_after(TIMEOUT_S * 2):
+        async with http_server(Limits(max_pending_prompts_per_session=1), EchoBackend(delay_ms=60_000)) as (server, nursery, url):
+            server.refusal_budget = RefusalBudgetSettings(rate_per_s=1, burst=10)
+            async with http_peer(url, nursery) as peer:
+                await peer.initialize()
+                sid = await peer.new_session()
+                _, r = await peer.post("session/prompt", {"sessionId": sid, "prompt": [{"type": "text", "text": "held"}]}, session_id=sid)
+                assert r.status_code == 202
+                await eventually(lambda: server.bridge.pending_total() == 1)
+                assert peer.conn_stream is not None
+                statuses = []
+                for _ in range(100):
+                    id, r = await peer.post("session/prompt", {"sessionId": sid, "prompt": [{"type": "text", "text": "again"}]}, session_id=sid)
+                    statuses.append(r.status_code)
+                    if r.status_code != 202:
+                        break
+                    answer = await peer.session_streams[sid].wait_for(lambda m, id=id: m.get("id") == id or m.get("method") == EVICTED)
+                    if "error" in answer:
+                        assert answer["error"]["data"]["errorKind"] == "prompt_queue_full"
+                    await trio.sleep(0.06)  # past the grace: each re-send now ignores the hold
+                await peer.conn_stream.ended.wait()
+                evicted = [m for m in peer.conn_stream.messages if m.get("method") == EVICTED]
+                assert [m["params"]["reason"] for m in evicted] == ["ignored_retry_after"]
+                _, r = await peer.post("_acp_server/stats", {})
+                assert r.status_code == 429
+                assert r.headers["connection"] == "close"
+                body = check_error_body(r)
+                assert (body["code"], body["reason"], body["connectionId"]) == ("connection_evicted", "ignored_retry_after", peer.connection_id)
+                assert statuses.count(202) <= 11
+            async with http_peer(url, nursery) as fresh:
+                await fresh.initialize()
+                _, r = await fresh.post("_acp_server/capabilities", {})
+                assert r.status_code == 202
+            assert server.evictions == 1

@@ -67,6 +67,7 @@ EXPECTED_CODES = {
     "batch_not_supported": -32600,
     "subscriber_limit_exceeded": -32017,
     "too_many_connections": -32011,
+    "connection_evicted": -32600,
 }
 
 KINDS = sorted(REGISTRY)

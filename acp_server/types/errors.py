@@ -13,6 +13,7 @@ import msgspec
 
 __all__ = [
     "BatchNotSupportedData",
+    "ConnectionEvictedData",
     "ForbiddenHostData",
     "ForbiddenOriginData",
     "MethodNotAllowedData",
@@ -270,3 +271,9 @@ class SubscriberLimitExceededData(ErrorData, tag="subscriber_limit_exceeded"):
 class TooManyConnectionsData(ErrorData, tag="too_many_connections"):
     limit: int
     retry_after_ms: int
+
+
+class ConnectionEvictedData(ErrorData, tag="connection_evicted"):
+    # reason: the _acp_server/evicted reason the connection was closed for (schemas/evicted.json)
+    connection_id: str
+    reason: str
