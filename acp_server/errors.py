@@ -119,7 +119,7 @@ EVICTION_REASONS: dict[str, str] = {
     "too_many_connections": "the listeners hold --max-connections sockets already (limit)",
     "token_revoked": "the connection's token was revoked or expired",
     "ignored_retry_after": "the connection spent its refusal budget by re-sending what it was told to hold off "
-    "(--refusal-budget-rps, --refusal-budget-burst; refusals, ignoredRetryAfter, budgetRps, budgetBurst)",
+    "(--refusal-budget-rps, --refusal-budget-burst; refusals, ignoredRetryAfter, inDebt, budgetRps, budgetBurst)",
 }
 
 

@@ -7,8 +7,17 @@ refusals instead of on its neighbours' prompts. Each connection therefore gets a
 :class:`~acp_server.errors.OverloadError` family, each of which carries ``retryAfterMs``
 (``prompt_queue_full``, ``capacity_exceeded``, ``admission_deferred``, ``capacity_unavailable``,
 ``rate_limited``). Other errors (bad params, unknown session, a deadline) are not hold-offs and cost
-nothing. When the bucket is empty the shell sends ``_acp_server/evicted {reason: "ignored_retry_after"}``
-and closes the connection; its admitted prompts end as on any disconnect.
+nothing.
+
+A bucket may go into debt. In debt, the shell stops reading from the peer until the refill has paid the
+debt back, at most :data:`MAX_PAUSE_S` (1 s) at a time, so what the peer sent meanwhile, a
+``session/cancel`` included, is read at most a second late; its admitted prompts run on and their
+answers are written. A peer that still re-sends at once therefore gets one read a second, and every
+read deepens its debt: once the debt is a whole ``burst``, the shell sends ``_acp_server/evicted
+{reason: "ignored_retry_after"}`` and closes the connection; its admitted prompts end as on any
+disconnect. Pausing first is what keeps a rude client from costing its neighbours: an evicted client
+that reconnects at once starts a new connection with a full bucket, and evicting at the first empty
+bucket would let it spend a burst every few milliseconds; paused, it spends one read a second.
 
 What counts as ignoring: a refusal opens a *hold* on its scope until ``retryAfterMs`` has passed (the
 session for ``prompt_queue_full``, which is per session; the error kind for the others, which hold for
@@ -31,17 +40,21 @@ created at a peer's first refusal, so a connection that is never refused pays no
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import OverloadError, PromptQueueFullError
 
-__all__ = ["DEFAULT_REFUSAL_BUDGET", "EVICTION_REASON", "RefusalBudget", "RefusalBudgetSettings"]
+__all__ = ["DEFAULT_REFUSAL_BUDGET", "EVICTION_REASON", "MAX_PAUSE_S", "RefusalBudget", "RefusalBudgetSettings"]
 
 #: ``_acp_server/evicted``'s ``reason`` when a peer's budget is spent
 EVICTION_REASON = "ignored_retry_after"
 #: holds remembered per peer before expired ones are dropped (a peer with many sessions held at once)
 _MAX_HOLDS = 256
+#: the longest one pause of a peer's reads: what it sends meanwhile (a ``session/cancel`` too) is read
+#: at most this late
+MAX_PAUSE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -94,10 +107,11 @@ class RefusalBudget:
 
     Attributes:
         tokens: what is left, as of ``stamp``.
-        refusals: hold-off refusals charged; ignored: those that ignored a hold.
+        refusals: hold-off refusals charged; ignored: those that ignored a hold; in_debt: those that
+            left the bucket in debt (each paused the peer's reads).
     """
 
-    __slots__ = ("_holds", "ignored", "refusals", "settings", "stamp", "tokens")
+    __slots__ = ("_holds", "ignored", "in_debt", "refusals", "settings", "stamp", "tokens")
 
     def __init__(self, settings: RefusalBudgetSettings, now: float) -> None:
         self.settings = settings
@@ -105,14 +119,17 @@ class RefusalBudget:
         self.stamp = now
         self.refusals = 0
         self.ignored = 0
+        self.in_debt = 0
         #: scope -> (when its hold opened, when it ends)
         self._holds: dict[Any, tuple[float, float]] = {}
 
-    def charge(self, error: OverloadError, now: float) -> bool:
+    def charge(self, error: OverloadError, now: float) -> float:
         """Spend for one hold-off refusal written to this peer at ``now``.
 
         Returns:
-            ``True`` when the budget is spent: the peer is to be evicted.
+            How long to stop reading from the peer: 0 while the bucket holds tokens; in debt, the time
+            the refill takes to pay it back, at most :data:`MAX_PAUSE_S`; ``inf`` once the debt reaches a
+            whole burst: the peer is to be evicted.
         """
         s = self.settings
         self.tokens = min(float(s.burst), self.tokens + (now - self.stamp) * s.rate_per_s)
@@ -132,8 +149,13 @@ class RefusalBudget:
                 if len(holds) >= _MAX_HOLDS:
                     self._prune(now)
                 holds[key] = (now, now + retry_after_ms / 1000)
-        self.tokens -= cost
-        return self.tokens < 0
+        tokens = self.tokens = self.tokens - cost
+        if tokens >= 0:
+            return 0.0
+        self.in_debt += 1
+        if tokens <= -s.burst:
+            return math.inf
+        return min(-tokens / s.rate_per_s, MAX_PAUSE_S)
 
     def _prune(self, now: float) -> None:
         holds = self._holds
@@ -149,6 +171,7 @@ class RefusalBudget:
             "reason": EVICTION_REASON,
             "refusals": self.refusals,
             "ignoredRetryAfter": self.ignored,
+            "inDebt": self.in_debt,
             "budgetRps": s.rate_per_s,
             "budgetBurst": s.burst,
         }

@@ -32,8 +32,9 @@ when it is read; the answer path pays only for errors (a type check), results pa
 Refusals inside a batch are answered in the batch's array and not timed.
 
 Refusal budget: each overload refusal also spends from the peer's own budget
-(:mod:`.refusal_budget`); a peer that spends it by re-sending what it was told to hold off is sent
-``_acp_server/evicted {reason: "ignored_retry_after"}`` and closed. Accepted requests pay nothing.
+(:mod:`.refusal_budget`); a peer that spends it by re-sending what it was told to hold off has its reads
+paused (at most a second at a time), and once deep in debt is sent ``_acp_server/evicted {reason:
+"ignored_retry_after"}`` and closed. Accepted requests pay nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 from collections.abc import Callable, Coroutine
 from functools import partial
 from time import perf_counter_ns
@@ -170,6 +172,7 @@ class ConnectionShell:
         self._budget_settings = refusal_budget if refusal_budget is not None and refusal_budget.enabled else None
         #: this peer's refusal budget, from its first hold-off refusal on (``None`` before, or when off)
         self.refusal_budget: RefusalBudget | None = None
+        self._reads_resume_at = 0.0  # trio time: the budget is in debt, reading waits until then
         self.stream = stream
         self.core = Connection(max_message_bytes=max_message_bytes)
         self.dispatcher = dispatcher
@@ -465,14 +468,19 @@ class ConnectionShell:
             self._spend(error)
 
     def _spend(self, error: OverloadError) -> None:
-        """Charge one hold-off refusal to this peer's budget (made at its first refusal); evict the
-        peer once the budget is spent."""
+        """Charge one hold-off refusal to this peer's budget (made at its first refusal): in debt, reads
+        pause; deep in debt, the peer is evicted."""
         now = trio.current_time()
         budget = self.refusal_budget
         if budget is None:
             assert self._budget_settings is not None
             budget = self.refusal_budget = RefusalBudget(self._budget_settings, now)
-        if budget.charge(error, now) and not self.evicted:
+        pause = budget.charge(error, now)
+        if not pause:
+            return
+        if pause < math.inf:
+            self._reads_resume_at = max(self._reads_resume_at, now + pause)
+        elif not self.evicted:
             log.warning("%s: evicting a peer that ignored retryAfterMs: %s", self.name, budget.evicted_params())
             self.evicted = True
             self._enqueue(Connection.send_notification("_acp_server/evicted", budget.evicted_params()))
@@ -488,6 +496,9 @@ class ConnectionShell:
                 await self._room.wait()
             if self._out_bytes > self.max_outbound_bytes:
                 await self._wait_for_room()
+            if self._reads_resume_at:  # the refusal budget is in debt
+                await trio.sleep_until(self._reads_resume_at)
+                self._reads_resume_at = 0.0
             data = await self.stream.receive_some(_READ_SIZE)
             if not data:
                 log.debug("%s: end of input", self.name)

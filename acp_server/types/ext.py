@@ -110,8 +110,10 @@ class EvictedParams(Wire):
     limit: int | None = None
     #: queue_overflow: what was queued to the connection
     queued_bytes: int | None = None
-    #: ignored_retry_after: hold-off refusals charged, those that ignored a retryAfterMs, the budget
+    #: ignored_retry_after: hold-off refusals charged, those that ignored a retryAfterMs, those that
+    #: found the budget in debt (each paused the connection's reads), the budget's rate and burst
     refusals: int | None = None
     ignored_retry_after: int | None = None
+    in_debt: int | None = None
     budget_rps: float | None = None
     budget_burst: float | None = None
