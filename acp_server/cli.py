@@ -340,9 +340,9 @@ def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
         metavar="R",
         help="each connection's budget of hold-off refusals (prompt_queue_full, capacity_*, "
         "admission_deferred, rate_limited): R a second, one per refusal, 4 for a re-send inside the "
-        "retryAfterMs it was given; a connection in debt has its reads paused (up to 1 s at a time), "
-        "one whose debt reaches the burst is sent _acp_server/evicted (ignored_retry_after) and closed "
-        "(default 60)",
+        "retryAfterMs it was given; a connection in debt has its next requests wait (up to 1 s at a time), "
+        "one refused a burst's worth of times in debt is sent _acp_server/evicted (ignored_retry_after) "
+        "and closed (default 200)",
     )
     s.add_argument(
         "--refusal-budget-burst",

@@ -6,7 +6,7 @@
     max_history_events = 10000        # recent events of a session kept in memory (older: from the store)
     drain_timeout_s = 30              # accepted requests may run this long after their input ends
     connection_idle_timeout_s = 300   # a socket holding nothing is closed after this long (0: off)
-    refusal_budget_rps = 60           # each connection's hold-off refusals a second (0: no budget)
+    refusal_budget_rps = 200          # each connection's hold-off refusals a second (0: no budget)
     refusal_budget_burst = 500        # ... and at once; past it: evicted (ignored_retry_after)
 
     [backends.claude]

@@ -11,7 +11,8 @@ Modes:
     echo         one-word echo prompts over ``--sessions`` sessions, ``--depth`` in flight per session;
                  a depth over the pending limit makes the overload run: refused prompts are re-sent at
                  once (a client ignoring ``retryAfterMs``), or with ``--retry-after`` after the
-                 refusal's ``retryAfterMs`` (what acp-server's client SDK does)
+                 refusal's ``retryAfterMs`` (what acp-server's client SDK does); ``--reconnect``: an
+                 evicted client reconnects at once, resumes its sessions and goes on
     refusals     fill one session's pending limit (run the server with a long ``--echo-delay-ms``), then
                  time refusals one at a time (round trip) and pipelined (server CPU per refusal)
 
@@ -50,6 +51,7 @@ REFUSAL_KINDS = frozenset({"prompt_queue_full", "capacity_exceeded", "admission_
 _CALL_IDS_FROM = 1 << 40
 _NOTIFICATION_PREFIX = b'{"jsonrpc":"2.0","method"'
 _UPDATE_PREFIX = b'{"jsonrpc":"2.0","method":"session/update"'
+_EVICTED = b'"_acp_server/evicted"'
 
 
 class _ErrorData(msgspec.Struct, rename="camel"):
@@ -183,12 +185,19 @@ class Run:
     retry_waits: int = 0
     retries_sent: int = 0
     retry_after_ms: set[int] = field(default_factory=set)
+    #: _acp_server/evicted notifications seen, connections the server ended (each followed by a
+    #: reconnect when the run reconnects), and requests in flight on them (never answered)
+    evicted: int = 0
+    disconnects: int = 0
+    lost: int = 0
     ok_latencies: list[float] = field(default_factory=list)
     refusal_latencies: list[float] = field(default_factory=list)
     elapsed_s: float = 0.0
     server_cpu_s: float | None = None
     client_cpu_s: float = 0.0
     results: list[bytes] = field(default_factory=list)
+    #: the connection the run ended on (a new one after each reconnect)
+    wire: Wire | None = None
 
     def summary(self, per: str = "ok") -> dict[str, Any]:
         done = self.ok if per == "ok" else self.refused
@@ -203,6 +212,9 @@ class Run:
             "retry_waits": self.retry_waits,
             "retries_sent": self.retries_sent,
             "retry_after_ms_seen": sorted(self.retry_after_ms),
+            "evicted": self.evicted,
+            "disconnects": self.disconnects,
+            "lost": self.lost,
             "elapsed_s": round(self.elapsed_s, 4),
             "ok_per_s": round(self.ok / self.elapsed_s, 1) if self.elapsed_s else None,
             "refused_per_s": round(self.refused / self.elapsed_s, 1) if self.elapsed_s else None,
@@ -237,13 +249,17 @@ def pipeline(
     keep_results: bool = False,
     first_id: int = 1,
     honour_retry_after: bool = False,
+    reconnect: Callable[[], Wire] | None = None,
 ) -> Run:
     """Keep ``depth`` requests in flight per template until ``duration`` seconds or ``count`` sends.
 
     Every answer (result or refusal) frees its slot, and a batch of replacements is written after each
     read. A refused slot is re-sent at once, or with ``honour_retry_after`` once the refusal's
     ``retryAfterMs`` has passed. Sending stops at the end (slots still waiting to retry are dropped);
-    the run ends when every request sent has its answer.
+    the run ends when every request sent has its answer. Given ``reconnect``, a connection the server
+    ends (an eviction) is replaced by ``reconnect()`` at once, as a client that wants its work done
+    would, and the requests it had in flight (lost, never answered) are sent again on the new one;
+    without it, the end of the connection ends the run with :class:`LoadError`.
     """
     run = Run()
     pending: dict[int, tuple[int, float]] = {}
@@ -273,7 +289,11 @@ def pipeline(
                     parts.append(templates[k] % next_id)
                     next_id += 1
                 run.sent += len(parts)
-                wire.send(b"".join(parts))
+                try:
+                    wire.send(b"".join(parts))
+                except OSError:
+                    if reconnect is None:
+                        raise
             ready = []
         if not pending:
             if waiting and time.perf_counter() < stop_at:
@@ -281,12 +301,25 @@ def pipeline(
                 continue
             break
         timeout = max(0.0, waiting[0][0] - time.perf_counter()) if waiting else None
-        lines = wire.read_lines(timeout)
+        try:
+            lines = wire.read_lines(timeout)
+        except (LoadError, OSError):
+            if reconnect is None:
+                raise
+            run.disconnects += 1
+            run.lost += len(pending)
+            ready = [k for k, _ in pending.values()]
+            pending.clear()
+            wire.close()
+            wire = reconnect()
+            continue
         now = time.perf_counter()
         for line in lines:
             if line.startswith(_NOTIFICATION_PREFIX):
                 if line.startswith(_UPDATE_PREFIX):
                     run.notifications += 1
+                elif _EVICTED in line:
+                    run.evicted += 1
                 else:
                     run.other_notifications += 1
                 continue
@@ -321,6 +354,7 @@ def pipeline(
                 ready.append(k)
                 run.errors[error_kind(msg.error)] += 1
     run.elapsed_s = time.perf_counter() - started
+    run.wire = wire
     run.client_cpu_s = time.process_time() - own0
     if server_pid:
         assert cpu0 is not None
@@ -371,17 +405,36 @@ def mode_echo(args: argparse.Namespace) -> dict[str, Any]:
     _check_echo(wire, sessions[0], args.text)
     templates = [prompt_template(s, args.text) for s in sessions]
     polite = args.retry_after
-    pipeline(wire, templates, depth, duration=args.warmup, honour_retry_after=polite)
+
+    def reconnect() -> Wire:
+        """A new connection that resumes the sessions (an evicted client coming back at once)."""
+        fresh = Wire(args.port)
+        fresh.handshake(turn_states=not args.no_turn_states)
+        for session_id in sessions:
+            fresh.call("session/resume", {"sessionId": session_id, "cwd": "/tmp", "mcpServers": []})
+        return fresh
+
+    again = reconnect if args.reconnect else None
+    warm = pipeline(wire, templates, depth, duration=args.warmup, honour_retry_after=polite, reconnect=again)
+    assert warm.wire is not None
     run = pipeline(
-        wire, templates, depth, duration=args.duration, server_pid=args.server_pid, honour_retry_after=polite
+        warm.wire, templates, depth, duration=args.duration, server_pid=args.server_pid,
+        honour_retry_after=polite, reconnect=again,
     )
+    assert run.wire is not None
+    run.wire.close()
+    wire = Wire(args.port)  # the run's own may be paused or evicted by now
+    wire.handshake()
     server_refusals = server_refusal_timing(wire)
+    evictions = wire.call("_acp_server/stats")["connections"].get("evictionsTotal")
     for session_id in sessions:  # leave the server as we found it (live sessions count to --max-sessions)
         wire.call("session/close", {"sessionId": session_id})
     wire.close()
     if run.errors:
         raise LoadError(f"prompts failed: {dict(run.errors)}")
     return {
+        "reconnect": args.reconnect,
+        "server_evictions_total": evictions,
         "sessions": args.sessions,
         "depth": depth,
         "concurrent": args.sessions * depth,
@@ -617,6 +670,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--retry-after",
         action="store_true",
         help="re-send a refused prompt only after its retryAfterMs (default: at once, ignoring it)",
+    )
+    p.add_argument(
+        "--reconnect",
+        action="store_true",
+        help="when the server ends the connection (an eviction), reconnect at once, resume the sessions "
+        "and go on (default: the run fails)",
     )
     p = sub.add_parser("refusals", parents=[common, timed], help="refusals of a full session")
     p.add_argument("--count", type=int, default=2000, help="refusals timed one at a time")

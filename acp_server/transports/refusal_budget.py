@@ -9,15 +9,18 @@ refusals instead of on its neighbours' prompts. Each connection therefore gets a
 ``rate_limited``). Other errors (bad params, unknown session, a deadline) are not hold-offs and cost
 nothing.
 
-A bucket may go into debt. In debt, the shell stops reading from the peer until the refill has paid the
-debt back, at most :data:`MAX_PAUSE_S` (1 s) at a time, so what the peer sent meanwhile, a
-``session/cancel`` included, is read at most a second late; its admitted prompts run on and their
-answers are written. A peer that still re-sends at once therefore gets one read a second, and every
-read deepens its debt: once the debt is a whole ``burst``, the shell sends ``_acp_server/evicted
-{reason: "ignored_retry_after"}`` and closes the connection; its admitted prompts end as on any
-disconnect. Pausing first is what keeps a rude client from costing its neighbours: an evicted client
-that reconnects at once starts a new connection with a full bucket, and evicting at the first empty
-bucket would let it spend a burst every few milliseconds; paused, it spends one read a second.
+A bucket may go into debt. In debt, the peer's next requests wait unstarted (as past
+``--max-inflight-requests``) until the refill has paid the debt back, at most :data:`MAX_PAUSE_S` at a
+time; its notifications, ``session/cancel`` and ``$/cancel_request`` included, are still read and run at
+once, and its admitted prompts run on and are answered. When the wait is over its waiting requests start
+in order until one is refused again, which starts the next wait. So a client that keeps re-sending is
+paced to about ``rate_per_s / ignored_cost`` refusals a second (50 at the defaults, well under 1% of a
+CPU), while whatever of its requests can be admitted still is, at each wait's end: the server spends its
+time on the admissible work, for this client and its neighbours. After a run of ``burst`` refusals in
+debt (ten seconds of pacing at the defaults; the run ends when the bucket is full again) the shell sends
+``_acp_server/evicted {reason: "ignored_retry_after"}`` and closes the connection; its admitted prompts
+end as on any disconnect. Pacing first, rather than evicting at the first empty bucket, is also what
+keeps a client that reconnects at once from spending a new burst every few milliseconds.
 
 What counts as ignoring: a refusal opens a *hold* on its scope until ``retryAfterMs`` has passed (the
 session for ``prompt_queue_full``, which is per session; the error kind for the others, which hold for
@@ -32,7 +35,7 @@ re-sends that request (acp-server's SDK, :mod:`acp_server.client.retry`) re-send
 refused it has ended, so its re-sends cost one token, and each of its calls is refused at most once per
 ``retryAfterMs`` (5 s for ``prompt_queue_full``). ``burst`` absorbs one wave of refusals of a pipelined
 client (the default is above ``--max-inflight-requests``' default of 256) and ``rate_per_s`` its
-sustained rate (256 calls refused every 5 s are 51 a second, under the default of 60).
+sustained rate (256 calls refused every 5 s are 51 a second, a quarter of the default of 200).
 
 The budget is pure (no trio, no I/O): the shell passes the time and acts on the answer, and it is
 created at a peer's first refusal, so a connection that is never refused pays nothing.
@@ -52,8 +55,7 @@ __all__ = ["DEFAULT_REFUSAL_BUDGET", "EVICTION_REASON", "MAX_PAUSE_S", "RefusalB
 EVICTION_REASON = "ignored_retry_after"
 #: holds remembered per peer before expired ones are dropped (a peer with many sessions held at once)
 _MAX_HOLDS = 256
-#: the longest one pause of a peer's reads: what it sends meanwhile (a ``session/cancel`` too) is read
-#: at most this late
+#: the longest a peer's next requests wait at once while its budget is in debt
 MAX_PAUSE_S = 1.0
 
 
@@ -70,7 +72,7 @@ class RefusalBudgetSettings:
             already on their way (pipelined) and cost one token.
     """
 
-    rate_per_s: float = 60.0
+    rate_per_s: float = 200.0
     burst: float = 500.0
     ignored_cost: float = 4.0
     grace_s: float = 0.05
@@ -108,10 +110,10 @@ class RefusalBudget:
     Attributes:
         tokens: what is left, as of ``stamp``.
         refusals: hold-off refusals charged; ignored: those that ignored a hold; in_debt: those that
-            left the bucket in debt (each paused the peer's reads).
+            left the bucket in debt (each made the peer's next requests wait).
     """
 
-    __slots__ = ("_holds", "ignored", "in_debt", "refusals", "settings", "stamp", "tokens")
+    __slots__ = ("_debt_run", "_holds", "ignored", "in_debt", "refusals", "settings", "stamp", "tokens")
 
     def __init__(self, settings: RefusalBudgetSettings, now: float) -> None:
         self.settings = settings
@@ -120,6 +122,7 @@ class RefusalBudget:
         self.refusals = 0
         self.ignored = 0
         self.in_debt = 0
+        self._debt_run = 0  # refusals in debt since the bucket was last full
         #: scope -> (when its hold opened, when it ends)
         self._holds: dict[Any, tuple[float, float]] = {}
 
@@ -127,12 +130,14 @@ class RefusalBudget:
         """Spend for one hold-off refusal written to this peer at ``now``.
 
         Returns:
-            How long to stop reading from the peer: 0 while the bucket holds tokens; in debt, the time
-            the refill takes to pay it back, at most :data:`MAX_PAUSE_S`; ``inf`` once the debt reaches a
-            whole burst: the peer is to be evicted.
+            How long the peer's next requests are to wait: 0 while the bucket holds tokens; in debt, the
+            time the refill takes to pay it back, at most :data:`MAX_PAUSE_S`; ``inf`` once the peer has
+            been refused ``burst`` times in debt since its bucket was last full: it is to be evicted.
         """
         s = self.settings
         self.tokens = min(float(s.burst), self.tokens + (now - self.stamp) * s.rate_per_s)
+        if self.tokens == s.burst:
+            self._debt_run = 0
         self.stamp = now
         self.refusals += 1
         cost = 1.0
@@ -153,7 +158,8 @@ class RefusalBudget:
         if tokens >= 0:
             return 0.0
         self.in_debt += 1
-        if tokens <= -s.burst:
+        self._debt_run += 1
+        if self._debt_run > s.burst:
             return math.inf
         return min(-tokens / s.rate_per_s, MAX_PAUSE_S)
 

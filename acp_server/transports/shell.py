@@ -32,8 +32,9 @@ when it is read; the answer path pays only for errors (a type check), results pa
 Refusals inside a batch are answered in the batch's array and not timed.
 
 Refusal budget: each overload refusal also spends from the peer's own budget
-(:mod:`.refusal_budget`); a peer that spends it by re-sending what it was told to hold off has its reads
-paused (at most a second at a time), and once deep in debt is sent ``_acp_server/evicted {reason:
+(:mod:`.refusal_budget`); a peer that spends it by re-sending what it was told to hold off has its
+next requests wait unstarted until the refill pays the debt (its notifications, ``session/cancel``,
+still run at once), and once long in debt it is sent ``_acp_server/evicted {reason:
 "ignored_retry_after"}`` and closed. Accepted requests pay nothing.
 """
 
@@ -172,7 +173,9 @@ class ConnectionShell:
         self._budget_settings = refusal_budget if refusal_budget is not None and refusal_budget.enabled else None
         #: this peer's refusal budget, from its first hold-off refusal on (``None`` before, or when off)
         self.refusal_budget: RefusalBudget | None = None
-        self._reads_resume_at = 0.0  # trio time: the budget is in debt, reading waits until then
+        #: requests started at most at once: max_inflight, 0 while the refusal budget is in debt
+        self._run_cap = max_inflight_requests
+        self._resume_at = 0.0  # trio time: the budget is in debt, no request starts before then
         self.stream = stream
         self.core = Connection(max_message_bytes=max_message_bytes)
         self.dispatcher = dispatcher
@@ -468,8 +471,8 @@ class ConnectionShell:
             self._spend(error)
 
     def _spend(self, error: OverloadError) -> None:
-        """Charge one hold-off refusal to this peer's budget (made at its first refusal): in debt, reads
-        pause; deep in debt, the peer is evicted."""
+        """Charge one hold-off refusal to this peer's budget (made at its first refusal): in debt, its
+        requests wait unstarted for a while; long in debt, the peer is evicted."""
         now = trio.current_time()
         budget = self.refusal_budget
         if budget is None:
@@ -479,12 +482,28 @@ class ConnectionShell:
         if not pause:
             return
         if pause < math.inf:
-            self._reads_resume_at = max(self._reads_resume_at, now + pause)
+            self._pause_requests(now + pause)
         elif not self.evicted:
             log.warning("%s: evicting a peer that ignored retryAfterMs: %s", self.name, budget.evicted_params())
             self.evicted = True
             self._enqueue(Connection.send_notification("_acp_server/evicted", budget.evicted_params()))
             self.close()
+
+    def _pause_requests(self, until: float) -> None:
+        """Start none of the peer's requests before ``until`` (its refusal budget is in debt): they wait
+        unstarted, as past ``max_inflight_requests``; its notifications (``session/cancel``) still run."""
+        self._resume_at = max(self._resume_at, until)
+        if self._run_cap:
+            self._run_cap = 0
+            assert self._handlers is not None
+            self._handlers.start_soon(self._resume_requests)
+
+    async def _resume_requests(self) -> None:
+        while trio.current_time() < self._resume_at:  # noqa: ASYNC110 - the deadline moves on with each refusal
+            await trio.sleep_until(self._resume_at)
+        self._run_cap = self.max_inflight
+        self._resume_at = 0.0
+        self._start_waiting()
 
     async def _reader(self) -> bool:
         """Read and dispatch until the input ends (``True``) or the connection must close (``False``)."""
@@ -496,9 +515,6 @@ class ConnectionShell:
                 await self._room.wait()
             if self._out_bytes > self.max_outbound_bytes:
                 await self._wait_for_room()
-            if self._reads_resume_at:  # the refusal budget is in debt
-                await trio.sleep_until(self._reads_resume_at)
-                self._reads_resume_at = 0.0
             data = await self.stream.receive_some(_READ_SIZE)
             if not data:
                 log.debug("%s: end of input", self.name)
@@ -522,7 +538,7 @@ class ConnectionShell:
                 reply(encode_error(event.id, InvalidRequestError(detail=f"id {event.id!r} is already in use by a request in flight")))
                 return
             self._slots[event.id] = _Slot(perf_counter_ns())
-            if self._waiting or self._inflight - self._finished_unanswered >= self.max_inflight:
+            if self._waiting or self._inflight - self._finished_unanswered >= self._run_cap:
                 if reply == self.reply:
                     self._waiting.append(event)
                     return
@@ -621,7 +637,7 @@ class ConnectionShell:
         self._start_waiting()
 
     def _start_waiting(self) -> None:
-        while self._waiting and self._inflight - self._finished_unanswered < self.max_inflight:
+        while self._waiting and self._inflight - self._finished_unanswered < self._run_cap:
             self._start(self._waiting.popleft(), self.reply)
         self._room.set()
 
