@@ -15,6 +15,8 @@ Modes:
                  evicted client reconnects at once, resumes its sessions and goes on
     refusals     fill one session's pending limit (run the server with a long ``--echo-delay-ms``), then
                  time refusals one at a time (round trip) and pipelined (server CPU per refusal)
+    hammer       a rude client: one session on ``--backend`` (a slow one) held full, ``--window``
+                 refused prompts re-sent at once, reconnecting at once when evicted
 
 ``echo`` and ``refusals`` also report the server's own refusal timing (``refusals`` of
 ``_acp_server/stats``: request read to error written, p50/p99), read at the end of the run; start a
@@ -198,6 +200,8 @@ class Run:
     results: list[bytes] = field(default_factory=list)
     #: the connection the run ended on (a new one after each reconnect)
     wire: Wire | None = None
+    #: (when, template) of the refused slots still waiting for their retryAfterMs at the end
+    waiting: list[tuple[float, int]] = field(default_factory=list)
 
     def summary(self, per: str = "ok") -> dict[str, Any]:
         done = self.ok if per == "ok" else self.refused
@@ -250,6 +254,8 @@ def pipeline(
     first_id: int = 1,
     honour_retry_after: bool = False,
     reconnect: Callable[[], Wire] | None = None,
+    still_waiting: Sequence[tuple[float, int]] = (),
+    linger: float | None = None,
 ) -> Run:
     """Keep ``depth`` requests in flight per template until ``duration`` seconds or ``count`` sends.
 
@@ -259,12 +265,18 @@ def pipeline(
     the run ends when every request sent has its answer. Given ``reconnect``, a connection the server
     ends (an eviction) is replaced by ``reconnect()`` at once, as a client that wants its work done
     would, and the requests it had in flight (lost, never answered) are sent again on the new one;
-    without it, the end of the connection ends the run with :class:`LoadError`.
+    without it, the end of the connection ends the run with :class:`LoadError`. ``still_waiting``
+    (an earlier run's :attr:`Run.waiting`) carries on that run's slots that wait for a retryAfterMs:
+    a polite client does not forget a hold-off between a warm-up and the measured run. ``linger``:
+    wait at most this long after the end for the answers still missing (requests the server holds).
     """
     run = Run()
     pending: dict[int, tuple[int, float]] = {}
-    waiting: list[tuple[float, int]] = []  # (when, template): refused slots waiting for retryAfterMs
+    waiting = list(still_waiting)  # (when, template): refused slots waiting for retryAfterMs
+    heapq.heapify(waiting)
     ready = [k for _ in range(depth) for k in range(len(templates))]
+    for _, k in waiting:
+        ready.remove(k)
     next_id = first_id
     started = time.perf_counter()
     stop_at = started + duration if duration is not None else float("inf")
@@ -301,6 +313,11 @@ def pipeline(
                 continue
             break
         timeout = max(0.0, waiting[0][0] - time.perf_counter()) if waiting else None
+        if linger is not None:
+            left = stop_at + linger - time.perf_counter()
+            if left <= 0:
+                break
+            timeout = left if timeout is None else min(timeout, left)
         try:
             lines = wire.read_lines(timeout)
         except (LoadError, OSError):
@@ -355,6 +372,7 @@ def pipeline(
                 run.errors[error_kind(msg.error)] += 1
     run.elapsed_s = time.perf_counter() - started
     run.wire = wire
+    run.waiting = waiting
     run.client_cpu_s = time.process_time() - own0
     if server_pid:
         assert cpu0 is not None
@@ -419,7 +437,7 @@ def mode_echo(args: argparse.Namespace) -> dict[str, Any]:
     assert warm.wire is not None
     run = pipeline(
         warm.wire, templates, depth, duration=args.duration, server_pid=args.server_pid,
-        honour_retry_after=polite, reconnect=again,
+        honour_retry_after=polite, reconnect=again, still_waiting=warm.waiting,
     )
     assert run.wire is not None
     run.wire.close()
@@ -510,6 +528,40 @@ def mode_refusals(args: argparse.Namespace) -> dict[str, Any]:
         "server_one_at_a_time": one_at_a_time,
         "pipelined": run.summary(per="refused"),
     }
+
+
+def mode_hammer(args: argparse.Namespace) -> dict[str, Any]:
+    """A client that only makes the server refuse: one session on ``--backend`` (a slow one) held full,
+    ``--window`` refused prompts re-sent at once, reconnecting at once (resuming the session) when
+    evicted. Its admitted prompts are held by the slow backend, so what it costs the server is refusals."""
+    def connect() -> tuple[Wire, int]:
+        wire = Wire(args.port)
+        limit = wire.handshake().get("agentCapabilities", {}).get("_meta", {}).get("limits", {}).get(
+            "maxPendingPromptsPerSession"
+        )
+        if not limit:
+            raise LoadError("the server has no pending-prompt limit, so nothing is ever refused")
+        return wire, int(limit)
+
+    wire, limit = connect()
+    session_id: str = wire.call(
+        "session/new", {"cwd": "/tmp", "mcpServers": [], "_meta": {"backend": args.backend}}
+    )["sessionId"]
+
+    def reconnect() -> Wire:
+        fresh, _ = connect()
+        fresh.call("session/resume", {"sessionId": session_id, "cwd": "/tmp", "mcpServers": []})
+        return fresh
+
+    template = prompt_template(session_id, args.text)
+    wire.send(b"".join(template % i for i in range(1, limit + 1)))  # held by the slow backend
+    run = pipeline(
+        wire, [template], args.window, duration=args.duration, server_pid=args.server_pid,
+        first_id=limit + 1, reconnect=reconnect, linger=0.5,
+    )
+    assert run.wire is not None
+    run.wire.close()
+    return {"pending_limit": limit, "window": args.window, "backend": args.backend, **run.summary(per="refused")}
 
 
 def mode_sessions(args: argparse.Namespace) -> dict[str, Any]:
@@ -631,6 +683,7 @@ MODES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "rpc": mode_rpc,
     "echo": mode_echo,
     "refusals": mode_refusals,
+    "hammer": mode_hammer,
     "sessions": mode_sessions,
     "connections": mode_connections,
 }
@@ -680,6 +733,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("refusals", parents=[common, timed], help="refusals of a full session")
     p.add_argument("--count", type=int, default=2000, help="refusals timed one at a time")
     p.add_argument("--window", type=int, default=256, help="refusals in flight in the pipelined part")
+    p = sub.add_parser("hammer", parents=[common, timed], help="a rude client that only gets refusals")
+    p.add_argument("--backend", required=True, help="a slow backend (prompts held), e.g. an echo with delay_ms")
+    p.add_argument("--window", type=int, default=240, help="refused prompts in flight, re-sent at once")
     p = sub.add_parser("sessions", parents=[common], help="RSS per idle session")
     p.add_argument("--count", type=int, default=10_000)
     p.add_argument("--warm", type=int, default=200, help="sessions created before the RSS baseline")
