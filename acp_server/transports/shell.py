@@ -493,9 +493,8 @@ class ConnectionShell:
         """Start none of the peer's requests before ``until`` (its refusal budget is in debt): they wait
         unstarted, as past ``max_inflight_requests``; its notifications (``session/cancel``) still run."""
         self._resume_at = max(self._resume_at, until)
-        if self._run_cap:
+        if self._run_cap and self._handlers is not None and not self._closed:
             self._run_cap = 0
-            assert self._handlers is not None
             self._handlers.start_soon(self._resume_requests)
 
     async def _resume_requests(self) -> None:
