@@ -441,7 +441,8 @@ def mode_echo(args: argparse.Namespace) -> dict[str, Any]:
     )
     assert run.wire is not None
     run.wire.close()
-    wire = Wire(args.port)  # the run's own may be paused or evicted by now
+    run.retry_after_ms |= warm.retry_after_ms
+    wire = Wire(args.port)  # the run's own may be paced or evicted by now
     wire.handshake()
     server_refusals = server_refusal_timing(wire)
     evictions = wire.call("_acp_server/stats")["connections"].get("evictionsTotal")
@@ -453,6 +454,9 @@ def mode_echo(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "reconnect": args.reconnect,
         "server_evictions_total": evictions,
+        # a polite client's refused slots of the warm-up still wait in the run (their retryAfterMs)
+        "warmup_refused": warm.refused,
+        "warmup_retry_waits": warm.retry_waits,
         "sessions": args.sessions,
         "depth": depth,
         "concurrent": args.sessions * depth,

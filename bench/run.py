@@ -500,9 +500,9 @@ def scenario_overload(report: Report, sizes: Sizes) -> None:
         report.add("overload", f"goodput 3x / 1x, {what}", "", r, goal=">= 0.90", met=r is not None and r >= 0.9)
         # The same per second of server CPU: steadier on a shared machine, where rates move with the load.
         report.add("overload", f"goodput per server CPU-second, 3x / 1x, {what}", "", round_ratio(label, "ok_per_server_cpu_s"))
-    waits = polite["retry_waits"]
+    waits = polite["retry_waits"] + polite.get("warmup_retry_waits", 0)
     report.notes.append(
-        f"Scenario 3, 3x after retryAfterMs: {waits} refusal(s) waited retryAfterMs "
+        f"Scenario 3, 3x after retryAfterMs: {waits} refusal(s) (warm-up included) waited retryAfterMs "
         f"({', '.join(map(str, polite['retry_after_ms_seen'])) or '-'} ms) before re-sending, "
         f"{polite['retries_sent']} re-sent within the {sizes.duration:g} s run."
     )

@@ -63,6 +63,6 @@ def test_bench_tiny_prints_the_table_and_writes_json(tmp_path: pathlib.Path) -> 
     assert refusals["server_one_at_a_time"]["count"] == refusals["round_trips"]
     assert 0 < refusals["server_one_at_a_time"]["p50Us"] <= refusals["server_one_at_a_time"]["maxUs"]
     polite, rude = overload["by_run"]["3x polite"][0], overload["by_run"]["3x at once"][0]
-    assert polite["retry_after"] and polite["retry_waits"] > 0 and polite["refused"] > 0
+    assert polite["retry_after"] and polite["warmup_retry_waits"] > 0 and polite["warmup_refused"] > 0
     assert not rude["retry_after"] and rude["server_refusals"]["count"] >= rude["refused"] > 0
     assert overload["by_run"]["1x"][0]["refused"] == 0
