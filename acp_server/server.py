@@ -275,7 +275,7 @@ class Server:
 
         ``trusted``: the stream is the owner's (stdio) whatever it looks like; Unix sockets are found
         out by themselves. With tokens configured, every other peer must prove one. ``socket``: the
-        first-message and idle timeouts apply (not to stdio, the editor's own pipe).
+        first-message and idle timeouts and the refusal budget apply (not to stdio, the editor's own pipe).
         """
         lim = self.limits
         info = None
@@ -299,7 +299,7 @@ class Server:
             holds=lambda: self._holds(shell),
             refusal_kinds=self.refusal_kinds,
             transport=transport_of(stream, name),
-            refusal_budget=self.refusal_budget,
+            refusal_budget=self.refusal_budget if socket else None,  # not the editor's own pipe
         )
         self.connections.add(shell)
         self._running += 1

@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from typing import Any
 
 import jsonschema
@@ -420,6 +421,29 @@ async def test_a_zero_rate_turns_the_budget_off(autojump_clock: trio.testing.Moc
             # more than any budget of a positive burst this small would let through
             assert await hammer(rude, session_id, most=scaled(600, 100)) == scaled(600, 100)
             assert not rude.eof.is_set()
+            assert [s.refusal_budget for s in server.connections] == [None]
+            backend.release_all()
+
+
+async def test_stdio_has_no_budget(autojump_clock: trio.testing.MockClock) -> None:
+    """The editor's own pipe (``socket=False``, what ``--stdio`` serves) is never paced nor evicted."""
+    backend = FakeBackend()
+    backend.hold("held")
+    with trio.fail_after(30):
+        async with budget_server(RefusalBudgetSettings(rate_per_s=1, burst=5), backend) as (server, nursery):
+            client_end, server_end = trio.testing.memory_stream_pair()
+            nursery.start_soon(partial(server.handle_stream, server_end, "stdio", trusted=True, socket=False))
+            editor = RawClient(client_end)
+            nursery.start_soon(editor.pump)
+            await editor.initialize()
+            session_id, _ = await editor.new_session()
+            held_id, _ = editor.start_request("session/prompt")
+            await editor.send(prompt_msg(held_id, session_id, "held"))
+            await backend.started("held")
+            started = trio.current_time()
+            assert await hammer(editor, session_id, most=40) == 40
+            assert trio.current_time() == started, "never paced"
+            assert not editor.eof.is_set()
             assert [s.refusal_budget for s in server.connections] == [None]
             backend.release_all()
 
