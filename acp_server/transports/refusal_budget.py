@@ -1,4 +1,5 @@
-"""The per-peer refusal budget: a peer that keeps sending what it was just told to hold off is shed.
+"""The per-peer refusal budget: a peer that keeps sending what it was just told to hold off is paced,
+then shed.
 
 A refusal cannot be made cheap enough in Python (building the error alone costs microseconds), so a
 client that re-sends a refused prompt at once, ignoring ``retryAfterMs``, spends the server's CPU on
@@ -32,8 +33,8 @@ the refusals that ignore it, so a client re-sending at once pays ``ignored_cost`
 
 Why a polite client is never shed: a client that waits ``retryAfterMs`` after each refusal before it
 re-sends that request (acp-server's SDK, :mod:`acp_server.client.retry`) re-sends after the hold that
-refused it has ended, so its re-sends cost one token, and each of its calls is refused at most once per
-``retryAfterMs`` (5 s for ``prompt_queue_full``). ``burst`` absorbs one wave of refusals of a pipelined
+refused it has ended (a hold another of its calls opened later may still make a re-send cost four), and
+each of its calls is refused at most once per ``retryAfterMs`` (5 s for ``prompt_queue_full``). ``burst`` absorbs one wave of refusals of a pipelined
 client (the default is above ``--max-inflight-requests``' default of 256) and ``rate_per_s`` its
 sustained rate (256 calls refused every 5 s are 51 a second, a quarter of the default of 200).
 
