@@ -31,6 +31,7 @@ from .auth.settings import add_serve_flags, settings_from
 from .client import cli as client_cli
 from .config import BackendConfig, ConfigError, FileConfig, check_backend, load_config, openai_shorthand
 from .server import CONNECTION_IDLE_TIMEOUT_S, ListenAddress, ServerConfig, serve
+from .transports.refusal_budget import DEFAULT_REFUSAL_BUDGET, RefusalBudgetSettings
 
 __all__ = ["build_parser", "main", "parse_listen", "policy_from"]
 
@@ -83,6 +84,19 @@ def _non_negative_seconds_arg(flag: str, zero: str) -> Callable[[str], float]:
             value = math.nan
         if math.isnan(value) or math.isinf(value) or value < 0:
             raise argparse.ArgumentTypeError(f"{flag} must be a non-negative number of seconds ({zero}); got {text!r}")
+        return value
+
+    return parse
+
+
+def _non_negative_number_arg(flag: str, zero: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if math.isnan(value) or math.isinf(value) or value < 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be a non-negative number ({zero}); got {text!r}")
         return value
 
     return parse
@@ -335,6 +349,24 @@ def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
         metavar="S",
         help="close a socket connection that holds nothing (no request in flight, no attached session) "
         "after S seconds without input (default 300; not stdio)",
+    )
+    s.add_argument(
+        "--refusal-budget-rps",
+        type=_non_negative_number_arg("--refusal-budget-rps", "0 turns the budget off"),
+        default=None,
+        metavar="R",
+        help="each connection's budget of hold-off refusals (prompt_queue_full, capacity_*, "
+        "admission_deferred, rate_limited): R a second, one per refusal, 4 for a re-send inside the "
+        "retryAfterMs it was given; a connection in debt has its next requests wait (up to 1 s at a time), "
+        "one refused a burst's worth of times in debt is sent _acp_server/evicted (ignored_retry_after) "
+        "and closed (default 200)",
+    )
+    s.add_argument(
+        "--refusal-budget-burst",
+        type=_non_negative_number_arg("--refusal-budget-burst", "a positive number while the rate is on"),
+        default=None,
+        metavar="N",
+        help="the refusal budget's size: what a connection may spend at once (default 500)",
     )
     s.add_argument(
         "--turn-states",
@@ -780,7 +812,18 @@ def server_config(args: argparse.Namespace, serve_parser: argparse.ArgumentParse
         connection_idle_timeout_s=_given(
             args.connection_idle_timeout_s, file_config.connection_idle_timeout_s, CONNECTION_IDLE_TIMEOUT_S
         ),
+        refusal_budget=_refusal_budget(args, serve_parser, file_config),
     )
+
+
+def _refusal_budget(args: argparse.Namespace, parser: argparse.ArgumentParser, file_config: FileConfig) -> RefusalBudgetSettings:
+    """``--refusal-budget-rps``/``-burst``, else the config file's ``refusal_budget_rps``/``_burst``, else the defaults."""
+    rate = _given(args.refusal_budget_rps, file_config.refusal_budget_rps, DEFAULT_REFUSAL_BUDGET.rate_per_s)
+    burst = _given(args.refusal_budget_burst, file_config.refusal_budget_burst, DEFAULT_REFUSAL_BUDGET.burst)
+    try:
+        return RefusalBudgetSettings(rate_per_s=rate, burst=burst)
+    except ValueError:
+        parser.error("--refusal-budget-burst must be positive while --refusal-budget-rps is (a rate of 0 turns the budget off)")
 
 
 def _history_events(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -6,6 +6,8 @@
     max_history_events = 10000        # recent events of a session kept in memory (older: from the store)
     drain_timeout_s = 30              # accepted requests may run this long after their input ends
     connection_idle_timeout_s = 300   # a socket holding nothing is closed after this long (0: off)
+    refusal_budget_rps = 200          # each connection's hold-off refusals a second (0: no budget)
+    refusal_budget_burst = 500        # ... and at once; past it: evicted (ignored_retry_after)
 
     [backends.claude]
     command = ["claude-code-acp"]     # program and arguments
@@ -245,6 +247,9 @@ class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: (absent: 30); when set, also on SIGTERM, seconds running prompts may finish in (0: cancel them)
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
+    #: ``--refusal-budget-rps`` (0: no budget) and ``--refusal-budget-burst``
+    refusal_budget_rps: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    refusal_budget_burst: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
 
 def _path_of(exc: msgspec.ValidationError, prefix: str) -> tuple[str, str]:

@@ -48,7 +48,8 @@ schemas agree. Blame is split as in h11: the peer's fault, overload, and our own
     │   ├── SubscriberLimitExceededError    -32017 subscriber_limit_exceeded (429, Retry-After)
     │   ├── TooManyConnectionsError         -32011 too_many_connections (503, Retry-After)
     │   ├── UnauthorizedError               -32600 unauthorized (401: missing, malformed, wrong or expired token)
-    │   └── InsufficientScopeError          -32600 insufficient_scope (403: the token lacks admin/metrics)
+    │   ├── InsufficientScopeError          -32600 insufficient_scope (403: the token lacks admin/metrics)
+    │   └── ConnectionEvictedError          -32600 connection_evicted (429: the connection was evicted)
     └── InternalError                       -32603 internal (bugs only: overload is never -32603)
 """
 
@@ -62,6 +63,7 @@ from .types import errors as data
 
 __all__ = [
     "BatchNotSupportedError",
+    "ConnectionEvictedError",
     "ForbiddenHostError",
     "ForbiddenOriginError",
     "HttpError",
@@ -81,6 +83,7 @@ __all__ = [
     "BackendError",
     "BackendUnavailableError",
     "RETRY_AFTER_MS",
+    "EVICTION_REASONS",
     "AcpError",
     "AdmissionDeferredError",
     "BranchWhilePromptActiveError",
@@ -112,6 +115,16 @@ __all__ = [
 
 #: The retry hint sent with ``prompt_queue_full``: long enough for a few echo-sized turns to drain.
 RETRY_AFTER_MS = 5000
+
+#: Why the server closes a connection: ``reason`` of ``_acp_server/evicted``, its last message
+#: (:class:`~acp_server.types.ext.EvictedParams`, ``schemas/evicted.json``).
+EVICTION_REASONS: dict[str, str] = {
+    "queue_overflow": "the connection did not read: its outbound queue outgrew --max-outbound-bytes (limit, queuedBytes)",
+    "too_many_connections": "the listeners hold --max-connections sockets already (limit)",
+    "token_revoked": "the connection's token was revoked or expired",
+    "ignored_retry_after": "the connection spent its refusal budget by re-sending what it was told to hold off "
+    "(--refusal-budget-rps, --refusal-budget-burst; refusals, ignoredRetryAfter, inDebt, budgetRps, budgetBurst)",
+}
 
 
 class AcpError(Exception):
@@ -491,6 +504,13 @@ class InsufficientScopeError(HttpError):
     status = 403
     template = "This route needs a token with one of the scopes {scopes}"
     data_type = data.InsufficientScopeData
+
+
+class ConnectionEvictedError(HttpError):
+    kind = "connection_evicted"
+    status = 429
+    template = 'Connection "{connection_id}" was evicted ({reason}); initialize a new one'
+    data_type = data.ConnectionEvictedData
 
 
 class InternalError(AcpError):

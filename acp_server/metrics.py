@@ -152,7 +152,7 @@ class _SnapshotCollector:
         yield _gauge("connections_open", "Client connections open now", conns, "open")
         yield _counter(
             "evictions",
-            "Connections evicted because their outbound queue outgrew --max-outbound-bytes",
+            "Connections evicted: an outbound queue past --max-outbound-bytes, or a refusal budget spent (ignored_retry_after)",
             conns,
             "evictionsTotal",
         )

@@ -7,6 +7,7 @@ Outputs, all JSON Schema Draft 2020-12:
 - ``jsonrpc-error.json``: the JSON-RPC error object, ``data`` being one of the payloads with the
   code its kind fixes;
 - ``capabilities.json``: the result of ``_acp_server/capabilities``;
+- ``evicted.json``: the params of ``_acp_server/evicted`` (each ``reason`` described);
 - ``http/``: the HTTP body of each error kind, and the REST API's ``openapi.json``
   (:mod:`acp_server.transports.http.openapi`).
 
@@ -23,8 +24,8 @@ from typing import Any
 
 import msgspec
 
-from .errors import REGISTRY
-from .types.ext import CapabilitiesResult
+from .errors import EVICTION_REASONS, REGISTRY
+from .types.ext import CapabilitiesResult, EvictedParams
 
 __all__ = ["generate", "main"]
 
@@ -111,6 +112,16 @@ def generate() -> dict[str, Any]:
         "$id": f"{BASE_ID}capabilities.json",
         "title": "the result of _acp_server/capabilities",
         **caps,
+    }
+    evicted = _inline(msgspec.json.schema(EvictedParams))
+    evicted.pop("title", None)
+    evicted["additionalProperties"] = False
+    evicted["description"] = "; ".join(f"{reason}: {meaning}" for reason, meaning in EVICTION_REASONS.items())
+    files["evicted.json"] = {
+        "$schema": DRAFT,
+        "$id": f"{BASE_ID}evicted.json",
+        "title": "the params of _acp_server/evicted, the last message of a connection the server closes",
+        **evicted,
     }
     from .transports.http.openapi import files as http_files  # schemas/http/: the REST API's bodies
 

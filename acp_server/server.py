@@ -39,6 +39,7 @@ from .signals import ShutdownSignals, shutdown_signals
 from .statsfeed import StatsFeed
 from .transports import ConnectionGate, ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
 from .transports.address import ListenAddress
+from .transports.refusal_budget import DEFAULT_REFUSAL_BUDGET, RefusalBudgetSettings
 from .transports.timing import LatencyHistogram
 from .types.ext import LimitsCapability
 
@@ -97,6 +98,8 @@ class ServerConfig:
     drain_timeout_s: float | None = None
     #: ``--connection-idle-timeout-s`` (0: off): a socket that holds nothing is closed after this long
     connection_idle_timeout_s: float = CONNECTION_IDLE_TIMEOUT_S
+    #: ``--refusal-budget-rps`` / ``--refusal-budget-burst``: each peer's budget of hold-off refusals
+    refusal_budget: RefusalBudgetSettings = DEFAULT_REFUSAL_BUDGET
 
 
 class Server:
@@ -110,6 +113,8 @@ class Server:
         auth: the token checks of ``--auth-tokens`` (default: none; every connection is the owner's).
         drain_timeout_s: after a connection's input ends, how long its accepted requests may still run.
         connection_idle_timeout_s: a socket holding nothing is closed after this long without input (0: never).
+        refusal_budget: each connection's budget of hold-off refusals; a peer that spends it is evicted
+            (``ignored_retry_after``; a zero rate turns it off).
     """
 
     version = __version__
@@ -128,8 +133,10 @@ class Server:
         shared: SharedAdmission | None = None,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         connection_idle_timeout_s: float = CONNECTION_IDLE_TIMEOUT_S,
+        refusal_budget: RefusalBudgetSettings = DEFAULT_REFUSAL_BUDGET,
     ) -> None:
         self.limits = limits or Limits()
+        self.refusal_budget = refusal_budget
         self.drain_timeout_s = drain_timeout_s
         self.connection_idle_timeout_s = connection_idle_timeout_s
         self.turn_states = turn_states
@@ -270,7 +277,7 @@ class Server:
 
         ``trusted``: the stream is the owner's (stdio) whatever it looks like; Unix sockets are found
         out by themselves. With tokens configured, every other peer must prove one. ``socket``: the
-        first-message and idle timeouts apply (not to stdio, the editor's own pipe).
+        first-message and idle timeouts and the refusal budget apply (not to stdio, the editor's own pipe).
         """
         lim = self.limits
         info = None
@@ -294,6 +301,7 @@ class Server:
             holds=lambda: self._holds(shell),
             refusal_kinds=self.refusal_kinds,
             transport=transport_of(stream, name),
+            refusal_budget=self.refusal_budget if socket else None,  # not the editor's own pipe
         )
         self.connections.add(shell)
         self._running += 1
@@ -379,6 +387,7 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
         shared=shared,
         drain_timeout_s=config.drain_timeout_s if config.drain_timeout_s is not None else DRAIN_TIMEOUT_S,
         connection_idle_timeout_s=config.connection_idle_timeout_s,
+        refusal_budget=config.refusal_budget,
     )
     with shutdown_signals() as signals:
         try:

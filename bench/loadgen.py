@@ -11,9 +11,12 @@ Modes:
     echo         one-word echo prompts over ``--sessions`` sessions, ``--depth`` in flight per session;
                  a depth over the pending limit makes the overload run: refused prompts are re-sent at
                  once (a client ignoring ``retryAfterMs``), or with ``--retry-after`` after the
-                 refusal's ``retryAfterMs`` (what acp-server's client SDK does)
+                 refusal's ``retryAfterMs`` (what acp-server's client SDK does); ``--reconnect``: an
+                 evicted client reconnects at once, resumes its sessions and goes on
     refusals     fill one session's pending limit (run the server with a long ``--echo-delay-ms``), then
                  time refusals one at a time (round trip) and pipelined (server CPU per refusal)
+    hammer       a rude client: one session on ``--backend`` (a slow one) held full, ``--window``
+                 refused prompts re-sent at once, reconnecting at once when evicted
 
 ``echo`` and ``refusals`` also report the server's own refusal timing (``refusals`` of
 ``_acp_server/stats``: request read to error written, p50/p99), read at the end of the run; start a
@@ -50,6 +53,7 @@ REFUSAL_KINDS = frozenset({"prompt_queue_full", "capacity_exceeded", "admission_
 _CALL_IDS_FROM = 1 << 40
 _NOTIFICATION_PREFIX = b'{"jsonrpc":"2.0","method"'
 _UPDATE_PREFIX = b'{"jsonrpc":"2.0","method":"session/update"'
+_EVICTED = b'"_acp_server/evicted"'
 
 
 class _ErrorData(msgspec.Struct, rename="camel"):
@@ -183,12 +187,21 @@ class Run:
     retry_waits: int = 0
     retries_sent: int = 0
     retry_after_ms: set[int] = field(default_factory=set)
+    #: _acp_server/evicted notifications seen, connections the server ended (each followed by a
+    #: reconnect when the run reconnects), and requests in flight on them (never answered)
+    evicted: int = 0
+    disconnects: int = 0
+    lost: int = 0
     ok_latencies: list[float] = field(default_factory=list)
     refusal_latencies: list[float] = field(default_factory=list)
     elapsed_s: float = 0.0
     server_cpu_s: float | None = None
     client_cpu_s: float = 0.0
     results: list[bytes] = field(default_factory=list)
+    #: the connection the run ended on (a new one after each reconnect)
+    wire: Wire | None = None
+    #: (when, template) of the refused slots still waiting for their retryAfterMs at the end
+    waiting: list[tuple[float, int]] = field(default_factory=list)
 
     def summary(self, per: str = "ok") -> dict[str, Any]:
         done = self.ok if per == "ok" else self.refused
@@ -203,6 +216,9 @@ class Run:
             "retry_waits": self.retry_waits,
             "retries_sent": self.retries_sent,
             "retry_after_ms_seen": sorted(self.retry_after_ms),
+            "evicted": self.evicted,
+            "disconnects": self.disconnects,
+            "lost": self.lost,
             "elapsed_s": round(self.elapsed_s, 4),
             "ok_per_s": round(self.ok / self.elapsed_s, 1) if self.elapsed_s else None,
             "refused_per_s": round(self.refused / self.elapsed_s, 1) if self.elapsed_s else None,
@@ -237,18 +253,30 @@ def pipeline(
     keep_results: bool = False,
     first_id: int = 1,
     honour_retry_after: bool = False,
+    reconnect: Callable[[], Wire] | None = None,
+    still_waiting: Sequence[tuple[float, int]] = (),
+    linger: float | None = None,
 ) -> Run:
     """Keep ``depth`` requests in flight per template until ``duration`` seconds or ``count`` sends.
 
     Every answer (result or refusal) frees its slot, and a batch of replacements is written after each
     read. A refused slot is re-sent at once, or with ``honour_retry_after`` once the refusal's
     ``retryAfterMs`` has passed. Sending stops at the end (slots still waiting to retry are dropped);
-    the run ends when every request sent has its answer.
+    the run ends when every request sent has its answer. Given ``reconnect``, a connection the server
+    ends (an eviction) is replaced by ``reconnect()`` at once, as a client that wants its work done
+    would, and the requests it had in flight (lost, never answered) are sent again on the new one;
+    without it, the end of the connection ends the run with :class:`LoadError`. ``still_waiting``
+    (an earlier run's :attr:`Run.waiting`) carries on that run's slots that wait for a retryAfterMs:
+    a polite client does not forget a hold-off between a warm-up and the measured run. ``linger``:
+    wait at most this long after the end for the answers still missing (requests the server holds).
     """
     run = Run()
     pending: dict[int, tuple[int, float]] = {}
-    waiting: list[tuple[float, int]] = []  # (when, template): refused slots waiting for retryAfterMs
+    waiting = list(still_waiting)  # (when, template): refused slots waiting for retryAfterMs
+    heapq.heapify(waiting)
     ready = [k for _ in range(depth) for k in range(len(templates))]
+    for _, k in waiting:
+        ready.remove(k)
     next_id = first_id
     started = time.perf_counter()
     stop_at = started + duration if duration is not None else float("inf")
@@ -273,7 +301,11 @@ def pipeline(
                     parts.append(templates[k] % next_id)
                     next_id += 1
                 run.sent += len(parts)
-                wire.send(b"".join(parts))
+                try:
+                    wire.send(b"".join(parts))
+                except OSError:
+                    if reconnect is None:
+                        raise
             ready = []
         if not pending:
             if waiting and time.perf_counter() < stop_at:
@@ -281,12 +313,30 @@ def pipeline(
                 continue
             break
         timeout = max(0.0, waiting[0][0] - time.perf_counter()) if waiting else None
-        lines = wire.read_lines(timeout)
+        if linger is not None:
+            left = stop_at + linger - time.perf_counter()
+            if left <= 0:
+                break
+            timeout = left if timeout is None else min(timeout, left)
+        try:
+            lines = wire.read_lines(timeout)
+        except (LoadError, OSError):
+            if reconnect is None:
+                raise
+            run.disconnects += 1
+            run.lost += len(pending)
+            ready = [k for k, _ in pending.values()]
+            pending.clear()
+            wire.close()
+            wire = reconnect()
+            continue
         now = time.perf_counter()
         for line in lines:
             if line.startswith(_NOTIFICATION_PREFIX):
                 if line.startswith(_UPDATE_PREFIX):
                     run.notifications += 1
+                elif _EVICTED in line:
+                    run.evicted += 1
                 else:
                     run.other_notifications += 1
                 continue
@@ -321,6 +371,8 @@ def pipeline(
                 ready.append(k)
                 run.errors[error_kind(msg.error)] += 1
     run.elapsed_s = time.perf_counter() - started
+    run.wire = wire
+    run.waiting = waiting
     run.client_cpu_s = time.process_time() - own0
     if server_pid:
         assert cpu0 is not None
@@ -371,17 +423,40 @@ def mode_echo(args: argparse.Namespace) -> dict[str, Any]:
     _check_echo(wire, sessions[0], args.text)
     templates = [prompt_template(s, args.text) for s in sessions]
     polite = args.retry_after
-    pipeline(wire, templates, depth, duration=args.warmup, honour_retry_after=polite)
+
+    def reconnect() -> Wire:
+        """A new connection that resumes the sessions (an evicted client coming back at once)."""
+        fresh = Wire(args.port)
+        fresh.handshake(turn_states=not args.no_turn_states)
+        for session_id in sessions:
+            fresh.call("session/resume", {"sessionId": session_id, "cwd": "/tmp", "mcpServers": []})
+        return fresh
+
+    again = reconnect if args.reconnect else None
+    warm = pipeline(wire, templates, depth, duration=args.warmup, honour_retry_after=polite, reconnect=again)
+    assert warm.wire is not None
     run = pipeline(
-        wire, templates, depth, duration=args.duration, server_pid=args.server_pid, honour_retry_after=polite
+        warm.wire, templates, depth, duration=args.duration, server_pid=args.server_pid,
+        honour_retry_after=polite, reconnect=again, still_waiting=warm.waiting,
     )
+    assert run.wire is not None
+    run.wire.close()
+    run.retry_after_ms |= warm.retry_after_ms
+    wire = Wire(args.port)  # the run's own may be paced or evicted by now
+    wire.handshake()
     server_refusals = server_refusal_timing(wire)
+    evictions = wire.call("_acp_server/stats")["connections"].get("evictionsTotal")
     for session_id in sessions:  # leave the server as we found it (live sessions count to --max-sessions)
         wire.call("session/close", {"sessionId": session_id})
     wire.close()
     if run.errors:
         raise LoadError(f"prompts failed: {dict(run.errors)}")
     return {
+        "reconnect": args.reconnect,
+        "server_evictions_total": evictions,
+        # a polite client's refused slots of the warm-up still wait in the run (their retryAfterMs)
+        "warmup_refused": warm.refused,
+        "warmup_retry_waits": warm.retry_waits,
         "sessions": args.sessions,
         "depth": depth,
         "concurrent": args.sessions * depth,
@@ -457,6 +532,40 @@ def mode_refusals(args: argparse.Namespace) -> dict[str, Any]:
         "server_one_at_a_time": one_at_a_time,
         "pipelined": run.summary(per="refused"),
     }
+
+
+def mode_hammer(args: argparse.Namespace) -> dict[str, Any]:
+    """A client that only makes the server refuse: one session on ``--backend`` (a slow one) held full,
+    ``--window`` refused prompts re-sent at once, reconnecting at once (resuming the session) when
+    evicted. Its admitted prompts are held by the slow backend, so what it costs the server is refusals."""
+    def connect() -> tuple[Wire, int]:
+        wire = Wire(args.port)
+        limit = wire.handshake().get("agentCapabilities", {}).get("_meta", {}).get("limits", {}).get(
+            "maxPendingPromptsPerSession"
+        )
+        if not limit:
+            raise LoadError("the server has no pending-prompt limit, so nothing is ever refused")
+        return wire, int(limit)
+
+    wire, limit = connect()
+    session_id: str = wire.call(
+        "session/new", {"cwd": "/tmp", "mcpServers": [], "_meta": {"backend": args.backend}}
+    )["sessionId"]
+
+    def reconnect() -> Wire:
+        fresh, _ = connect()
+        fresh.call("session/resume", {"sessionId": session_id, "cwd": "/tmp", "mcpServers": []})
+        return fresh
+
+    template = prompt_template(session_id, args.text)
+    wire.send(b"".join(template % i for i in range(1, limit + 1)))  # held by the slow backend
+    run = pipeline(
+        wire, [template], args.window, duration=args.duration, server_pid=args.server_pid,
+        first_id=limit + 1, reconnect=reconnect, linger=0.5,
+    )
+    assert run.wire is not None
+    run.wire.close()
+    return {"pending_limit": limit, "window": args.window, "backend": args.backend, **run.summary(per="refused")}
 
 
 def mode_sessions(args: argparse.Namespace) -> dict[str, Any]:
@@ -594,6 +703,7 @@ MODES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "rpc": mode_rpc,
     "echo": mode_echo,
     "refusals": mode_refusals,
+    "hammer": mode_hammer,
     "sessions": mode_sessions,
     "connections": mode_connections,
 }
@@ -634,9 +744,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="re-send a refused prompt only after its retryAfterMs (default: at once, ignoring it)",
     )
+    p.add_argument(
+        "--reconnect",
+        action="store_true",
+        help="when the server ends the connection (an eviction), reconnect at once, resume the sessions "
+        "and go on (default: the run fails)",
+    )
     p = sub.add_parser("refusals", parents=[common, timed], help="refusals of a full session")
     p.add_argument("--count", type=int, default=2000, help="refusals timed one at a time")
     p.add_argument("--window", type=int, default=256, help="refusals in flight in the pipelined part")
+    p = sub.add_parser("hammer", parents=[common, timed], help="a rude client that only gets refusals")
+    p.add_argument("--backend", required=True, help="a slow backend (prompts held), e.g. an echo with delay_ms")
+    p.add_argument("--window", type=int, default=240, help="refused prompts in flight, re-sent at once")
     p = sub.add_parser("sessions", parents=[common], help="RSS per idle session")
     p.add_argument("--count", type=int, default=10_000)
     p.add_argument("--warm", type=int, default=200, help="sessions created before the RSS baseline")

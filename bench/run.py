@@ -161,6 +161,23 @@ def loadgen(mode: str, server: TcpServer, args: list[str], runs: list[dict[str, 
     return out
 
 
+def start_loadgen(mode: str, server: TcpServer, args: list[str], runs: list[dict[str, str]]) -> subprocess.Popen[str]:
+    """:func:`loadgen`, started in the background (see :func:`finish_loadgen`)."""
+    argv = [sys.executable, str(BENCH / "loadgen.py"), mode, "--port", str(server.port), *args]
+    shown = [sys.executable, str(BENCH / "loadgen.py"), mode, "--port", "PORT", *args]
+    runs.append({"server": server.command, "client": shell_command(shown) + " &"})
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_loadgen(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    """The JSON output of a load generator started with :func:`start_loadgen`, once it is done."""
+    out, err = proc.communicate(timeout=600)
+    if proc.returncode != 0:
+        raise BenchError(f"{shell_command([str(a) for a in proc.args])} exited {proc.returncode}: {err.strip()}")  # type: ignore[union-attr]
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
 def check_busy(report: Report, what: str, run: dict[str, Any]) -> None:
     """Note a run that neither process could drive at full speed (a busy machine) or the client limited."""
     server, client = run.get("server_cpu_share") or 0.0, run.get("client_cpu_share") or 0.0
@@ -449,37 +466,48 @@ def scenario_pipelined(report: Report, sizes: Sizes) -> None:
 # --- scenario 3 ----------------------------------------------------------------------------------
 
 
-#: The overload runs, alternated: (label, factor of the pending limit in flight, honour retryAfterMs).
-OVERLOAD_RUNS: tuple[tuple[str, int, bool], ...] = (
-    ("1x", 1, False),
-    ("3x polite", 3, True),
-    ("3x at once", 3, False),
+#: The overload runs, alternated: (label, factor of the pending limit in flight, loadgen flags, server
+#: flags). "At once" re-sends a refused prompt at once and, evicted, reconnects at once and resumes
+#: its sessions; "budget off" is the same client against a server without the refusal budget.
+OVERLOAD_RUNS: tuple[tuple[str, int, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("1x", 1, (), ()),
+    ("3x polite", 3, ("--retry-after",), ()),
+    ("3x at once", 3, ("--reconnect",), ()),
+    ("3x at once, budget off", 3, (), ("--refusal-budget-rps", "0")),
 )
+#: The refusal-cost server refuses on purpose, pipelined: its budget is off.
+BUDGET_OFF = ["--refusal-budget-rps", "0"]
 
 
 def scenario_overload(report: Report, sizes: Sizes) -> None:
     timing = ["--duration", str(sizes.duration), "--warmup", str(sizes.warmup)]
     raw: dict[str, Any] = {"runs": []}
     runs = raw["runs"]
-    by_run: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in OVERLOAD_RUNS}
+    budget = "--refusal-budget-rps" in server_flags()
+    plan = [r for r in OVERLOAD_RUNS if budget or not r[3]]
+    if not budget:
+        report.skipped.append("overload: the refusal budget's runs (acp-server serve has no --refusal-budget-rps)")
+    by_run: dict[str, list[dict[str, Any]]] = {label: [] for label, *_ in plan}
     progress(
         f"3: {sizes.overload_sessions} sessions at 1x and 3x the pending limit (3x: refused prompts re-sent "
         f"after retryAfterMs, and at once), {sizes.reps} alternating round(s), a fresh server each run"
     )
     for _ in range(sizes.reps):
-        for label, factor, polite in OVERLOAD_RUNS:
+        for label, factor, client, flags in plan:
             # A fresh server per run: the refusal histogram of _acp_server/stats is this run's alone.
-            with TcpServer() as server:
-                args = ["--sessions", str(sizes.overload_sessions), "--per-limit", str(factor), *timing]
-                by_run[label].append(loadgen("echo", server, args + (["--retry-after"] if polite else []), runs))
-    with TcpServer(["--echo-delay-ms", "600000"]) as held:
+            with TcpServer(list(flags)) as server:
+                args = ["--sessions", str(sizes.overload_sessions), "--per-limit", str(factor), *timing, *client]
+                if not budget and "--reconnect" in client:
+                    args.remove("--reconnect")
+                by_run[label].append(loadgen("echo", server, args, runs))
+    with TcpServer(["--echo-delay-ms", "600000", *(BUDGET_OFF if budget else [])]) as held:
         progress(f"3: refusal cost on a full session: {held.command}")
         refusals = loadgen(
             "refusals", held, ["--count", str(sizes.refusal_round_trips), "--window", "256", *timing], runs
         )
     for run in (r for rs in by_run.values() for r in rs):
         run["ok_per_server_cpu_s"] = run["ok"] / run["server_cpu_s"] if run["server_cpu_s"] else None
-    one, polite, rude = (median_run(by_run[label], "ok_per_s") for label, _, _ in OVERLOAD_RUNS)
+    one, polite, rude = (median_run(by_run[label], "ok_per_s") for label in ("1x", "3x polite", "3x at once"))
     check_busy(report, "Scenario 3, 1x", one)
     raw.update({"by_run": by_run, "refusals": refusals})
     report.scenarios["overload"] = raw
@@ -496,18 +524,24 @@ def scenario_overload(report: Report, sizes: Sizes) -> None:
         return statistics.median(values) if values else None
 
     report.add("overload", f"goodput at 1x ({n} sessions x {limit} in flight)", "1/s", one["ok_per_s"])
-    for label, what, run in (
+    compared = [
         ("3x polite", "refused re-sent after retryAfterMs (the SDK)", polite),
-        ("3x at once", "refused re-sent at once", rude),
-    ):
+        ("3x at once", "refused re-sent at once" + (", evicted: reconnects at once (budget on)" if budget else ""), rude),
+    ]
+    if budget:
+        off = median_run(by_run["3x at once, budget off"], "ok_per_s")
+        compared.append(("3x at once, budget off", "refused re-sent at once, --refusal-budget-rps 0", off))
+        report.add("overload", "evictions at 3x re-sent at once (budget on)", "", rude.get("disconnects"))
+        report.add("overload", "refusals per admitted prompt at 3x re-sent at once, budget off", "", ratio(off["refused"], off["ok"]))
+    for label, what, run in compared:
         report.add("overload", f"goodput at 3x ({n} x {3 * (limit or 0)}), {what}", "1/s", run["ok_per_s"])
         r = round_ratio(label, "ok_per_s")
         report.add("overload", f"goodput 3x / 1x, {what}", "", r, goal=">= 0.90", met=r is not None and r >= 0.9)
         # The same per second of server CPU: steadier on a shared machine, where rates move with the load.
         report.add("overload", f"goodput per server CPU-second, 3x / 1x, {what}", "", round_ratio(label, "ok_per_server_cpu_s"))
-    waits = polite["retry_waits"]
+    waits = polite["retry_waits"] + polite.get("warmup_retry_waits", 0)
     report.notes.append(
-        f"Scenario 3, 3x after retryAfterMs: {waits} refusal(s) waited retryAfterMs "
+        f"Scenario 3, 3x after retryAfterMs: {waits} refusal(s) (warm-up included) waited retryAfterMs "
         f"({', '.join(map(str, polite['retry_after_ms_seen'])) or '-'} ms) before re-sending, "
         f"{polite['retries_sent']} re-sent within the {sizes.duration:g} s run."
     )
@@ -547,7 +581,9 @@ def scenario_overload(report: Report, sizes: Sizes) -> None:
     if per_refusal and rude["server_cpu_s"]:
         share = rude["refused"] * per_refusal / 1e6 / rude["server_cpu_s"]
         report.add("overload", "share of the server's CPU spent refusing at 3x re-sent at once (estimate)", "", share)
-    for label, run in (("1x", one), ("3x after retryAfterMs", polite), ("3x re-sent at once", rude)):
+    for label, run in (("1x", one), ("3x after retryAfterMs", polite), ("3x re-sent at once", rude), *(
+        [("3x re-sent at once, budget off", off)] if budget else []
+    )):
         report.add("overload", f"server busy (CPU-s per s) at {label}", "", run["server_cpu_share"])
         report.add("overload", f"load generator busy (CPU-s per s) at {label}", "", run["client_cpu_share"])
     report.add("overload", "refusals/s, pipelined on one full session", "1/s", refusals["pipelined"]["refused_per_s"])
@@ -557,8 +593,69 @@ def scenario_overload(report: Report, sizes: Sizes) -> None:
         "error), from a fresh server per run; client-side round trips add loopback and the load generator. "
         "One at a time: a session held full (--echo-delay-ms 600000) refuses one prompt per round trip. "
         "At 3x re-sent at once, refused prompts come straight back, as a client ignoring retryAfterMs would: "
-        "the worst case. Goodput is admitted prompts answered per second; busy is CPU-seconds per second of "
-        "each process (1.0 = one core)."
+        "the worst case; with the refusal budget on (the default) that client is paced once its budget is "
+        "in debt, and were it evicted it would reconnect at once and resume its sessions (its requests in "
+        "flight then are lost, counted in `lost`); its goodput counts what it got answered. Goodput is "
+        "admitted prompts answered per second; busy is CPU-seconds per second of each process (1.0 = one core)."
+    )
+    if budget:
+        neighbour_p99(report, sizes, runs)
+
+
+#: A second, slow backend for the rude client of :func:`neighbour_p99`: its admitted prompts are held,
+#: so all it makes the server do is refuse.
+SLOW_BACKEND_TOML = """default_backend = "echo"
+[backends.echo]
+kind = "echo"
+[backends.slow]
+kind = "echo"
+delay_ms = 600000
+"""
+
+
+def neighbour_p99(report: Report, sizes: Sizes, runs: list[dict[str, str]]) -> None:
+    """A polite client's p99 alone, and while a rude one (another connection) hammers, budget on and off."""
+    polite = ["--sessions", "1", "--depth", "1", "--retry-after", "--duration", str(sizes.duration), "--warmup", str(sizes.warmup)]
+    rude = ["--backend", "slow", "--window", "240", "--duration", str(2 * sizes.warmup + sizes.duration + 0.5)]
+    progress(f"3: a polite client's p99 alone and beside a rude one, {sizes.reps} round(s), a fresh server each")
+    results: dict[str, list[dict[str, Any]]] = {"alone": [], "beside rude": [], "beside rude, budget off": []}
+    with tempfile.TemporaryDirectory(prefix="acp-bench-") as tmp:
+        config = Path(tmp) / "slow.toml"
+        config.write_text(SLOW_BACKEND_TOML)
+        for _ in range(sizes.reps):
+            for label, flags, with_rude in (
+                ("alone", [], False), ("beside rude", [], True), ("beside rude, budget off", BUDGET_OFF, True)
+            ):
+                with TcpServer(["--config", str(config), *flags]) as server:
+                    hammer = start_loadgen("hammer", server, rude, runs) if with_rude else None
+                    if hammer is not None:
+                        time.sleep(sizes.warmup)  # the rude one is under way
+                    run = loadgen("echo", server, polite, runs)
+                    if hammer is not None:
+                        run["rude"] = finish_loadgen(hammer)
+                    results[label].append(run)
+    report.scenarios["overload"]["neighbour_p99"] = results
+    alone = statistics.median(r["ok_p99_ms"] for r in results["alone"])
+    report.add("overload", "polite client's p99 alone (1 session, 1 in flight)", "ms", alone)
+    for label in ("beside rude", "beside rude, budget off"):
+        what = "budget on" if label == "beside rude" else "budget off"
+        pairs = [b["ok_p99_ms"] / a["ok_p99_ms"] for a, b in zip(results["alone"], results[label], strict=True) if a["ok_p99_ms"]]
+        ratio = statistics.median(pairs) if pairs else None
+        report.add("overload", f"polite client's p99 beside a rude one ({what})", "ms", statistics.median(r["ok_p99_ms"] for r in results[label]))
+        report.add(
+            "overload", f"polite p99 beside a rude client / alone ({what})", "", ratio,
+            goal="<= 1.5" if what == "budget on" else None,
+            met=(ratio is not None and ratio <= 1.5) if what == "budget on" else None,
+        )
+        p50 = [b["ok_p50_ms"] / a["ok_p50_ms"] for a, b in zip(results["alone"], results[label], strict=True) if a["ok_p50_ms"]]
+        report.add("overload", f"polite p50 beside a rude client / alone ({what})", "", statistics.median(p50) if p50 else None)
+        report.add("overload", f"the rude client's refusals/s ({what})", "1/s", statistics.median(r["rude"]["refused_per_s"] for r in results[label]))
+    report.notes.append(
+        "Scenario 3, neighbours: a polite client (1 session, 1 prompt in flight, retryAfterMs honoured) alone, "
+        "then beside a rude one on another connection (`loadgen.py hammer`: one session on a slow backend held "
+        "full, 240 refused prompts re-sent at once, reconnecting at once when evicted: all it costs the server "
+        "is refusals), each on a fresh server; each ratio is the median over rounds of the round's own pair. "
+        "On a machine shared with other work the p99 of one sequential client moves by itself."
     )
 
 

@@ -67,6 +67,14 @@ def test_bench_tiny_prints_the_table_and_writes_json(tmp_path: pathlib.Path) -> 
     assert refusals["server_one_at_a_time"]["count"] == refusals["round_trips"]
     assert 0 < refusals["server_one_at_a_time"]["p50Us"] <= refusals["server_one_at_a_time"]["maxUs"]
     polite, rude = overload["by_run"]["3x polite"][0], overload["by_run"]["3x at once"][0]
-    assert polite["retry_after"] and polite["retry_waits"] > 0 and polite["refused"] > 0
+    assert polite["retry_after"] and polite["warmup_retry_waits"] > 0 and polite["warmup_refused"] > 0
     assert not rude["retry_after"] and rude["server_refusals"]["count"] >= rude["refused"] > 0
     assert overload["by_run"]["1x"][0]["refused"] == 0
+    # the refusal budget's runs: the rude client reconnects if evicted; a polite neighbour's p99 beside
+    # a client that only gets refusals, with the budget on and off
+    assert overload["by_run"]["3x at once"][0]["reconnect"] is True
+    neighbours = overload["neighbour_p99"]
+    assert neighbours["alone"][0]["ok"] > 0
+    for label in ("beside rude", "beside rude, budget off"):
+        assert neighbours[label][0]["ok"] > 0 and neighbours[label][0]["rude"]["refused"] > 0
+    assert any(f["name"] == "polite p99 beside a rude client / alone (budget on)" and f["goal"] == "<= 1.5" for f in figures)

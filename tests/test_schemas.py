@@ -69,6 +69,7 @@ EXPECTED_CODES = {
     "too_many_connections": -32011,
     "unauthorized": -32600,
     "insufficient_scope": -32600,
+    "connection_evicted": -32600,
 }
 
 KINDS = sorted(REGISTRY)
@@ -238,7 +239,7 @@ def test_every_schema_is_valid_draft_2020_12() -> None:
     """Every schema file is a valid Draft 2020-12 schema; codes.json is data, not a schema (``http/``,
     the HTTP bodies and the OpenAPI document, is tests/test_http_openapi.py's)."""
     files = sorted(p for p in SCHEMAS.rglob("*.json") if p.parent.name != "http")
-    assert len(files) == len(REGISTRY) + 3
+    assert len(files) == len(REGISTRY) + 4  # codes, jsonrpc-error, capabilities, evicted
     for path in files:
         doc = json.loads(path.read_text())
         if path.name == "codes.json":

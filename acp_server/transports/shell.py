@@ -30,12 +30,19 @@ refusal (an :class:`~acp_server.errors.OverloadError`: ``prompt_queue_full``, ``
 dispatch to the moment the writer's ``send_all`` carrying the error returned. The request is stamped
 when it is read; the answer path pays only for errors (a type check), results pay nothing more.
 Refusals inside a batch are answered in the batch's array and not timed.
+
+Refusal budget: each overload refusal also spends from the peer's own budget
+(:mod:`.refusal_budget`); a peer that spends it by re-sending what it was told to hold off has its
+next requests wait unstarted until the refill pays the debt (its notifications, ``session/cancel``,
+still run at once), and once long in debt it is sent ``_acp_server/evicted {reason:
+"ignored_retry_after"}`` and closed. Accepted requests pay nothing.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Callable, Coroutine
 from functools import partial
 from time import perf_counter_ns
@@ -62,6 +69,7 @@ from ..jsonrpc import (
 from ..logtext import clip
 from ..parking import ParkingSpot
 from ..types.acp import CancelRequestParams
+from .refusal_budget import RefusalBudget, RefusalBudgetSettings
 from .timing import LatencyHistogram
 
 __all__ = ["ConnectionShell"]
@@ -135,10 +143,14 @@ class ConnectionShell:
             session): such a connection is not idle.
         refusal_kinds: where to count each overload refusal written, by ``errorKind``.
         transport: what the connection came over (``tcp``, ``ws``, ...), for statistics.
+        refusal_budget: the per-peer budget of hold-off refusals (see :mod:`.refusal_budget`); a peer
+            that spends it is sent ``_acp_server/evicted`` (``ignored_retry_after``) and closed.
+            ``None`` (or a zero rate): no budget.
     """
 
     __slots__ = (
         "__dict__",
+        "_budget_settings",
         "_closed",
         "_drain_scope",
         "_drained",
@@ -160,7 +172,9 @@ class ConnectionShell:
         "_refusal_kinds",
         "_refusal_latency",
         "_refusals_queued",
+        "_resume_at",
         "_room",
+        "_run_cap",
         "_slots",
         "_slots_gone",
         "_waiting",
@@ -175,6 +189,7 @@ class ConnectionShell:
         "max_outbound_bytes",
         "name",
         "peer_id",
+        "refusal_budget",
         "stream",
         "transport",
     )
@@ -197,11 +212,18 @@ class ConnectionShell:
         holds: Callable[[], bool] | None = None,
         refusal_kinds: dict[str, int] | None = None,
         transport: str = "stream",
+        refusal_budget: RefusalBudgetSettings | None = None,
     ) -> None:
         self.peer_id = next(_ids)
         self.name = name
         self.transport = transport
         self._refusal_kinds = refusal_kinds
+        self._budget_settings = refusal_budget if refusal_budget is not None and refusal_budget.enabled else None
+        #: this peer's refusal budget, from its first hold-off refusal on (``None`` before, or when off)
+        self.refusal_budget: RefusalBudget | None = None
+        #: requests started at most at once: max_inflight, 0 while the refusal budget is in debt
+        self._run_cap = max_inflight_requests
+        self._resume_at = 0.0  # trio time: the budget is in debt, no request starts before then
         self.stream = stream
         self.core = Connection(max_message_bytes=max_message_bytes)
         self.dispatcher = dispatcher
@@ -499,18 +521,53 @@ class ConnectionShell:
             histogram.record(written - read_ns)
 
     def _reply_error(self, data: bytes, slot: _Slot, reply: Callable[[bytes], None]) -> None:
-        """Queue an error answer; an overload refusal is timed until its bytes are written."""
+        """Queue an error answer; an overload refusal is timed until its bytes are written, and spends
+        from the peer's refusal budget (evicted once it is spent)."""
         error = getattr(data, "error", None)
-        if self._refusal_kinds is not None and isinstance(error, OverloadError):
+        if not isinstance(error, OverloadError):
+            reply(data)
+            return
+        if self._refusal_kinds is not None:
             self._refusal_kinds[error.kind] = self._refusal_kinds.get(error.kind, 0) + 1
-        if (
-            self._refusal_latency is not None
-            and isinstance(getattr(data, "error", None), OverloadError)
-            and reply == self.reply
-            and not self.evicted
-        ):
+        if self._refusal_latency is not None and reply == self.reply and not self.evicted:
             self._refusals_queued.append(slot.read_ns)
         reply(data)
+        if self._budget_settings is not None:
+            self._spend(error)
+
+    def _spend(self, error: OverloadError) -> None:
+        """Charge one hold-off refusal to this peer's budget (made at its first refusal): in debt, its
+        requests wait unstarted for a while; long in debt, the peer is evicted."""
+        now = trio.current_time()
+        budget = self.refusal_budget
+        if budget is None:
+            assert self._budget_settings is not None
+            budget = self.refusal_budget = RefusalBudget(self._budget_settings, now)
+        pause = budget.charge(error, now)
+        if not pause:
+            return
+        if pause < math.inf:
+            self._pause_requests(now + pause)
+        elif not self.evicted:
+            log.warning("%s: evicting a peer that ignored retryAfterMs: %s", self.name, budget.evicted_params())
+            self.evicted = True
+            self._enqueue(Connection.send_notification("_acp_server/evicted", budget.evicted_params()))
+            self.close()
+
+    def _pause_requests(self, until: float) -> None:
+        """Start none of the peer's requests before ``until`` (its refusal budget is in debt): they wait
+        unstarted, as past ``max_inflight_requests``; its notifications (``session/cancel``) still run."""
+        self._resume_at = max(self._resume_at, until)
+        if self._run_cap and self._handlers is not None and not self._closed:
+            self._run_cap = 0
+            self._handlers.start_soon(self._resume_requests)
+
+    async def _resume_requests(self) -> None:
+        while trio.current_time() < self._resume_at:  # noqa: ASYNC110 - the deadline moves on with each refusal
+            await trio.sleep_until(self._resume_at)
+        self._run_cap = self.max_inflight
+        self._resume_at = 0.0
+        self._start_waiting()
 
     async def _reader(self) -> bool:
         """Read and dispatch until the input ends (``True``) or the connection must close (``False``)."""
@@ -545,7 +602,7 @@ class ConnectionShell:
                 reply(encode_error(event.id, InvalidRequestError(detail=f"id {event.id!r} is already in use by a request in flight")))
                 return
             self._slots[event.id] = _Slot(perf_counter_ns())
-            if self._waiting or self._inflight - self._finished_unanswered >= self.max_inflight:
+            if self._waiting or self._inflight - self._finished_unanswered >= self._run_cap:
                 if reply == self.reply:
                     self._waiting.append(event)
                     return
@@ -646,7 +703,7 @@ class ConnectionShell:
         self._start_waiting()
 
     def _start_waiting(self) -> None:
-        while self._waiting and self._inflight - self._finished_unanswered < self.max_inflight:
+        while self._waiting and self._inflight - self._finished_unanswered < self._run_cap:
             self._start(self._waiting.pop(0), self.reply)
         room = self._room
         if room is not None:

@@ -13,6 +13,7 @@ import msgspec
 
 __all__ = [
     "BatchNotSupportedData",
+    "ConnectionEvictedData",
     "ForbiddenHostData",
     "ForbiddenOriginData",
     "MethodNotAllowedData",
@@ -282,3 +283,7 @@ class UnauthorizedData(ErrorData, tag="unauthorized"):
 class InsufficientScopeData(ErrorData, tag="insufficient_scope"):
     #: the scopes any one of which the route needs (``admin``, ``metrics``)
     scopes: list[str]
+class ConnectionEvictedData(ErrorData, tag="connection_evicted"):
+    # reason: the _acp_server/evicted reason the connection was closed for (schemas/evicted.json)
+    connection_id: str
+    reason: str

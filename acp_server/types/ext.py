@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -13,6 +13,7 @@ __all__ = [
     "TURN_STATES",
     "BackendCapability",
     "CapabilitiesResult",
+    "EvictedParams",
     "LimitsCapability",
     "TurnStateBody",
     "ReplayTruncatedParams",
@@ -97,3 +98,22 @@ class ReplayTruncatedParams(Wire):
     first_event_id: int
     #: where the replay was asked to begin after (0: from the start)
     requested_after_event_id: int
+
+
+class EvictedParams(Wire):
+    """``_acp_server/evicted``: the last message of a connection the server closes (see
+    :data:`acp_server.errors.EVICTION_REASONS` for each ``reason``); the fields besides ``reason`` are
+    those of that reason."""
+
+    reason: Literal["queue_overflow", "too_many_connections", "token_revoked", "ignored_retry_after"]
+    #: queue_overflow: --max-outbound-bytes; too_many_connections: --max-connections
+    limit: int | None = None
+    #: queue_overflow: what was queued to the connection
+    queued_bytes: int | None = None
+    #: ignored_retry_after: hold-off refusals charged, those that ignored a retryAfterMs, those that
+    #: found the budget in debt (each paused the connection's reads), the budget's rate and burst
+    refusals: int | None = None
+    ignored_retry_after: int | None = None
+    in_debt: int | None = None
+    budget_rps: float | None = None
+    budget_burst: float | None = None

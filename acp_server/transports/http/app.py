@@ -9,7 +9,8 @@ Checks, in this order (the first that fails answers, with :func:`~.rules.error_b
 (401, 429, with ``--auth-tokens``: see :mod:`.auth`), route and method (404, 405), ``Host`` and
 ``Origin`` (403), content type (415; 406 for a GET without ``Accept: text/event-stream``), size (413),
 JSON (400 ``parse_error``), batch (501), the token's request rate (429), connection id (400, 404;
-another token's connection is unknown), session id (400, 404). ``initialize`` opens a connection (503 with ``Retry-After`` at
+another token's connection is unknown; 429 ``connection_evicted`` for one the server evicted), session
+id (400, 404). ``initialize`` opens a connection (503 with ``Retry-After`` at
 ``max_connections``) and answers 200 with ``Acp-Connection-Id``; every other POST answers 202 and its
 response comes on an event stream.
 
@@ -31,6 +32,7 @@ import trio
 
 from ...errors import (
     AcpError,
+    ConnectionEvictedError,
     HttpError,
     InternalError,
     MessageTooLargeError,
@@ -72,6 +74,8 @@ _HEALTH_BODY = b'{"status":"ok"}'
 #: The WebSocket subprotocol a browser names (it cannot send headers; a token rides beside it).
 ACP_SUBPROTOCOL = "acp.v1"
 _CONNECTION_KEY = CONNECTION_HEADER.lower().encode()
+#: evicted connection ids remembered for their 429 answers
+_EVICTED_KEPT = 1024
 _SESSION_KEY = SESSION_HEADER.lower().encode()
 
 
@@ -157,6 +161,8 @@ class AcpHttpApp:
         self.rules = rules
         self.limits = limits
         self.connections: dict[str, _Connection] = {}
+        #: evicted connection id -> why (its later POSTs are answered 429 ``connection_evicted``)
+        self._evicted: dict[str, str] = {}
         #: qwen serve's REST + SSE API (a :class:`~.rest.RestApi`; ``None``: only ``/acp`` and ``/health``)
         self.rest = rest
         self.guard = guard or HttpGuard(None)
@@ -213,6 +219,8 @@ class AcpHttpApp:
             extra.append((b"allow", ", ".join(exc.payload.allowed).encode()))  # type: ignore[attr-defined]
         if isinstance(exc, TooManyConnectionsError):
             extra.append((b"retry-after", str(self.limits.retry_after_s).encode()))
+        if isinstance(exc, ConnectionEvictedError):
+            extra.append((b"connection", b"close"))
         await self._answer(send, _status(exc), error_body(exc), extra)
 
     async def _refused(self, send: Send, refusal: HttpRefusal, cors: list[tuple[bytes, bytes]]) -> None:
@@ -273,9 +281,22 @@ class AcpHttpApp:
         if connection_id is None:
             raise MissingHeaderError(header=CONNECTION_HEADER)
         conn = self.connections.get(connection_id)
-        if conn is None or conn.caller.identity.token_id != current_caller.get().identity.token_id:
-            raise UnknownConnectionError(connection_id=connection_id[:128])  # another token's is unknown to it
+        reason = self._evicted.get(connection_id) if conn is None else conn.peer.evicted
+        if conn is not None and conn.caller.identity.token_id != current_caller.get().identity.token_id:
+            conn, reason = None, None  # another token's connection is unknown to this one
+        if reason is not None:
+            raise ConnectionEvictedError(connection_id=connection_id[:128], reason=reason)
+        if conn is None:
+            raise UnknownConnectionError(connection_id=connection_id[:128])
         return conn
+
+    def _forget(self, conn: _Connection) -> None:
+        """``conn`` is gone; an evicted one is remembered (the last :data:`_EVICTED_KEPT`) for its 429s."""
+        self.connections.pop(conn.id, None)
+        if conn.peer.evicted is not None:
+            self._evicted[conn.id] = conn.peer.evicted
+            if len(self._evicted) > _EVICTED_KEPT:
+                del self._evicted[next(iter(self._evicted))]
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> bytes | None:
         limit = self.limits.max_message_bytes
@@ -378,7 +399,7 @@ class AcpHttpApp:
         except Exception:
             log.exception("http %s: connection failed; closing it", conn.id[:8])
         finally:
-            self.connections.pop(conn.id, None)
+            self._forget(conn)
             with trio.CancelScope(shield=True):
                 await conn.peer.aclose()
 

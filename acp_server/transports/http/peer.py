@@ -18,7 +18,8 @@ WebSocket, everything goes to the one socket in order, with nothing decoded.
 Backpressure: :meth:`MessagePeer.send_all` returns once every queue it wrote to is back under
 ``limit`` bytes. A reader that falls behind therefore stops the shell's writer, whose own queue then
 overflows exactly as behind a slow socket: the shell evicts the connection (``_acp_server/evicted``)
-and nobody else waits.
+and nobody else waits. An evicted connection remembers why (:attr:`MessagePeer.evicted`), so that the
+HTTP layer answers its later POSTs 429 ``connection_evicted``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import msgspec
 import trio
 
 from ...auth.gate import PeerInfo
@@ -39,9 +41,27 @@ from .rules import (
     decode_outbound,
 )
 
-__all__ = ["MessagePeer", "OutQueue", "ResponseWaiter"]
+__all__ = ["EVICTED", "MessagePeer", "OutQueue", "ResponseWaiter"]
 
 log = logging.getLogger("acp_server.http")
+
+#: the shell's last message to a connection it closes: the HTTP layer answers later POSTs 429
+EVICTED = "_acp_server/evicted"
+
+
+class _EvictedReason(msgspec.Struct):
+    reason: str = "unknown"
+
+
+class _Evicted(msgspec.Struct):
+    params: _EvictedReason = msgspec.field(default_factory=_EvictedReason)
+
+
+def _evicted_reason(line: bytes) -> str:
+    try:
+        return msgspec.json.decode(line, type=_Evicted).params.reason
+    except msgspec.DecodeError:
+        return "unknown"
 
 
 class OutQueue:
@@ -133,6 +153,8 @@ class MessagePeer(trio.abc.Stream):
         self._room = trio.Event()
         self.streams_open = 0
         self._streams_changed = trio.Event()
+        #: the ``reason`` of the ``_acp_server/evicted`` the shell sent before closing (``None``: not evicted)
+        self.evicted: str | None = None
 
     # --- inbound: the HTTP layer feeds, the shell reads ----------------------------------------------
 
@@ -276,6 +298,9 @@ class MessagePeer(trio.abc.Stream):
                 return self.connection
             if session_id is not None and session_id in self.established:
                 return self.session_queue(session_id)
+            return self.connection
+        if env.method == EVICTED:
+            self.evicted = _evicted_reason(line)
             return self.connection
         session_id = env.params_session()
         if session_id is not None and session_id in self.established:
