@@ -646,16 +646,27 @@ async def _one_connection(
 async def _connections(args: argparse.Namespace) -> dict[str, Any]:
     soft = raise_nofile_limit(args.count + 64)
     before = rss_bytes(args.server_pid)
-    opened = await asyncio.gather(
-        *(asyncio.open_connection("127.0.0.1", args.port) for _ in range(args.count)), return_exceptions=True
-    )
-    streams = [s for s in opened if not isinstance(s, BaseException)]
-    open_failures = Counter(type(s).__name__ for s in opened if isinstance(s, BaseException))
-    go = asyncio.Event()
-    tasks = [asyncio.ensure_future(_one_connection(r, w, args.text, go)) for r, w in streams]
+    # Opened and served in waves of --wave connections (a wave's connections all at once, each
+    # initializing, opening a session and prompting; every connection stays open to the end): a herd of
+    # 10,000 opened at once outlasts the server's first-message timeout for the last ones served (it
+    # closes a socket that sent no complete line in time), which measures the herd, not the connections.
+    wave = args.wave or args.count
+    streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    open_failures: Counter[str] = Counter()
+    outcomes: list[Any] = []
     started = time.perf_counter()
-    go.set()
-    outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), args.timeout)
+    for first in range(0, args.count, wave):
+        opened = await asyncio.gather(
+            *(asyncio.open_connection("127.0.0.1", args.port) for _ in range(min(wave, args.count - first))),
+            return_exceptions=True,
+        )
+        batch = [s for s in opened if not isinstance(s, BaseException)]
+        open_failures.update(type(s).__name__ for s in opened if isinstance(s, BaseException))
+        streams += batch
+        go = asyncio.Event()
+        tasks = [asyncio.ensure_future(_one_connection(r, w, args.text, go)) for r, w in batch]
+        go.set()
+        outcomes += await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), args.timeout)
     wall = time.perf_counter() - started
     peak = rss_bytes(args.server_pid)
     # One more client while every other connection is still open: connect, initialize, open a
@@ -679,6 +690,7 @@ async def _connections(args: argparse.Namespace) -> dict[str, Any]:
     failures = Counter(f"{type(o).__name__}: {o}"[:120] for o in outcomes if isinstance(o, BaseException))
     return {
         "connections": args.count,
+        "wave": wave,
         "opened": len(streams),
         "served": len(latencies),
         "open_failures": dict(open_failures),
@@ -762,6 +774,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=256, help="session/new requests in flight")
     p = sub.add_parser("connections", parents=[common], help="many connections, one prompt each")
     p.add_argument("--count", type=int, default=1000)
+    p.add_argument("--wave", type=int, default=0, help="connections served at once, wave after wave (0: all)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up")
     return parser
 
