@@ -286,3 +286,26 @@ async def test_the_plan_admits_then_queues_then_refuses(redis_server: RedisServe
         assert sorted(leases[2].holds) == ["pool:echo", "seats", "seats:c1"]
         assert await _count(redis_server, "room") == 0
         assert await _count(redis_server, "seats") == 2
+
+
+async def test_a_limit_left_without_waiting_and_taken_again_is_held_in_redis(redis_server: RedisServer) -> None:  # noqa: F811
+    """leave_nowait (a permit handed back in a ``finally``) then an acquire of the same limit at once: the
+    acquire goes out after the leave, so the lease ends up a member of the set, not removed by a leave
+    that landed late."""
+    permit = Option((Need("pool:e:active", 1),))
+    async with replicas(redis_server, 2) as (a, b):
+        lease = a.new_lease()
+        await a.acquire(lease, SEAT, permit)
+        for _ in range(20):
+            a.leave_nowait(lease, ["pool:e:active"])
+            assert "pool:e:active" not in lease.holds
+            await a.acquire(lease, permit)
+            assert "pool:e:active" in lease.holds
+            assert await _count(redis_server, "pool:e:active") == 1
+        with pytest.raises(LimitRefused):  # the other replica sees it taken
+            await b.acquire(b.new_lease(), permit)
+        a.leave_nowait(lease, ["pool:e:active"])
+        await a.flush()
+        assert await _count(redis_server, "pool:e:active") == 0
+        assert await _count(redis_server, "seats") == 1
+        a.release(lease)

@@ -177,6 +177,15 @@ class RedisCoordinator(RedisWire):
             if self._failure == "local" and lease.state == "new":
                 return self._local_acquire(lease, options, leave)
             raise self._unavailable()
+        leaving = lease._leaving
+        if leaving is not None:
+            # A limit this lease left with leave_nowait is still in Redis until that release lands;
+            # taking it again before would be answered "held" and then undone by the release.
+            with trio.move_on_after(self._timeout_s):
+                await leaving.wait()
+            if not leaving.is_set():
+                raise self._unavailable()
+            lease._leaving = None
         return await self._shared_acquire(lease, options, leave, token=lease.token)
 
     def _local_acquire(self, lease: Lease, options: Sequence[Option], leave: Sequence[str]) -> int:
@@ -299,6 +308,21 @@ class RedisCoordinator(RedisWire):
                 await self._send_release(item)
             except _Down:
                 self._enqueue_release(item)
+        self._queue.wake()
+
+    def leave_nowait(self, lease: Lease, names: Sequence[str]) -> None:
+        """See :meth:`~acp_server.coordinator.base.Coordinator.leave_nowait`."""
+        names = tuple(n for n in names if n in lease.holds)
+        if not names or not lease.active:
+            return
+        if lease.where == "local":
+            self._local.leave_nowait(lease, names)
+            return
+        for name in names:
+            lease.holds.pop(name, None)
+        lease._changes += 1
+        sent = lease._leaving = trio.Event()
+        self._enqueue_release(_Release(lease.id, names, False, None, trio.current_time(), sent))
         self._queue.wake()
 
     def release(self, lease: Lease) -> None:

@@ -66,14 +66,18 @@ class _Pending:
 
 
 class _Release:
-    __slots__ = ("full", "lease_id", "names", "queued_at", "tomb")
+    __slots__ = ("full", "lease_id", "names", "queued_at", "sent", "tomb")
 
-    def __init__(self, lease_id: str, names: tuple[str, ...], full: bool, tomb: int | None, now: float) -> None:
+    def __init__(
+        self, lease_id: str, names: tuple[str, ...], full: bool, tomb: int | None, now: float,
+        sent: trio.Event | None = None,
+    ) -> None:
         self.lease_id = lease_id
         self.names = names
         self.full = full
         self.tomb = tomb  # the attempt whose tombstone to leave, None for none
         self.queued_at = now
+        self.sent = sent  # set once the release reached Redis (or was dropped as stale)
 
 
 class RedisWire:
@@ -222,8 +226,10 @@ class RedisWire:
                 fresh = [item for item in batch if item.queued_at > cut]
                 if fresh:
                     await self._send_release(*fresh)
-                for _ in batch:
+                for item in batch:
                     queue.popleft()
+                    if item.sent is not None:
+                        item.sent.set()
             self._releases_idle.set()
 
     async def _releaser(self) -> None:
