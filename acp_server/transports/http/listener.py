@@ -115,6 +115,14 @@ def _rest_api(handle_stream: Any, options: HttpOptions) -> Any:
     return RestApi(server, max_message_bytes=options.limits.max_message_bytes, workspace=options.workspace)
 
 
+def _readiness(handle_stream: Any) -> Any:
+    """What ``/health?ready=1`` asks: the shared admission's readiness when the server has a
+    coordinator (503 while it is down in ``closed`` mode, or while draining), else nothing."""
+    server = getattr(handle_stream, "__self__", None)
+    shared = getattr(getattr(server, "bridge", None), "shared", None)
+    return None if shared is None else shared.readiness
+
+
 async def serve_http(
     handle_stream: Callable[[trio.abc.Stream, str], Awaitable[None]],
     address: ListenAddress,
@@ -154,6 +162,7 @@ async def serve_http(
     try:
         async with listener, trio.open_nursery() as nursery:
             app = AcpHttpApp(handle_stream, nursery, rules, options.limits, _rest_api(handle_stream, options))
+            app.readiness = _readiness(handle_stream)
             await nursery.start(
                 partial(_serve_connections, gate=gate, name=f"http {address}"), app, _config(options.limits), listener
             )
