@@ -172,6 +172,30 @@ async def test_outage_local_admits_against_a_local_share(redis_server: RedisServ
         assert await _count(redis_server, "seats") == 3
 
 
+async def test_the_local_share_counts_the_shared_leases_still_running(redis_server: RedisServer) -> None:  # noqa: F811
+    """Two shared seats held when Redis goes away, a share of ceil(8 / 3) = 3: one more local seat,
+    not three more (the share bounds all this replica runs)."""
+    seats = Option((Need("seats", 8),))
+    async with replicas(redis_server, 1, timeout_ms=100, failure="local", expected_replicas=3) as (coord,):
+        held = [coord.new_lease(), coord.new_lease()]
+        for lease in held:
+            await coord.acquire(lease, seats)
+        redis_server.pause()
+        try:
+            local = []
+            with pytest.raises(LimitRefused) as refused:
+                for _ in range(4):
+                    lease = coord.new_lease()
+                    await coord.acquire(lease, seats)
+                    local.append(lease)
+            assert len(local) == 1 and local[0].where == "local"
+            assert (refused.value.count, refused.value.cap) == (3, 3)
+            coord.release(held[0])  # a shared seat ends during the outage: its room is this replica's again
+            await coord.acquire(coord.new_lease(), seats)
+        finally:
+            redis_server.resume()
+
+
 async def test_an_outage_longer_than_the_ttl_loses_leases_that_no_longer_fit(redis_server: RedisServer) -> None:  # noqa: F811
     opt = Option((Need("seats", 1),))
     async with replicas(redis_server, 1, lease_ttl_s=0.6, timeout_ms=100) as (coord,):

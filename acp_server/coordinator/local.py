@@ -60,6 +60,9 @@ class LocalCoordinator:
         self._fence = itertools.count(1)
         self._queue = WaitQueue()
         self._acquired = self._refused = self._released = 0
+        #: holders counted beside this coordinator's own, per limit: a replica's shared leases still
+        #: running while it admits against its local share (so the share bounds all it runs)
+        self.base: dict[str, int] = {}
 
     @property
     def replica_id(self) -> str:
@@ -74,7 +77,7 @@ class LocalCoordinator:
 
     def _count(self, name: str) -> int:
         members = self._sets.get(name)
-        return len(members) if members else 0
+        return (len(members) if members else 0) + self.base.get(name, 0)
 
     def _holds(self, name: str, lease_id: str) -> bool:
         members = self._sets.get(name)

@@ -172,11 +172,19 @@ class RedisCoordinator(RedisWire):
             raise ValueError("acquire needs at least one option")
         await trio.lowlevel.checkpoint_if_cancelled()
         if lease.where == "local" and lease.state == "held":
+            self._count_shared_in_share()
             return self._local.try_acquire(lease, *options, leave=leave)  # re-asserted with the rest later
         if not self._up:
             if self._failure == "local" and lease.state == "new":
                 return self._local_acquire(lease, options, leave)
             raise self._unavailable()
+        if not self._up_event.is_set():
+            # Redis answers again and this replica re-asserts its leases: they go first, so a new
+            # arrival cannot take the seat of a lease that is about to be re-taken.
+            with trio.move_on_after(self._timeout_s):
+                await self._up_event.wait()
+            if not self._up_event.is_set():
+                raise self._unavailable()
         leaving = lease._leaving
         if leaving is not None:
             # A limit this lease left with leave_nowait is still in Redis until that release lands;
@@ -190,9 +198,20 @@ class RedisCoordinator(RedisWire):
 
     def _local_acquire(self, lease: Lease, options: Sequence[Option], leave: Sequence[str]) -> int:
         self._local.replicas = self._expected or self._live
+        self._count_shared_in_share()
         number = self._local.try_acquire(lease, *options, leave=leave)
         self._acquired += 1
         return number
+
+    def _count_shared_in_share(self) -> None:
+        """The local share bounds everything this replica runs: its shared leases still running while
+        Redis is away count against it (else a replica would run its share on top of them)."""
+        base: dict[str, int] = {}
+        for held in self._leases.values():
+            if held.active:
+                for name in held.holds:
+                    base[name] = base.get(name, 0) + 1
+        self._local.base = base
 
     async def _shared_acquire(
         self, lease: Lease, options: Sequence[Option], leave: Sequence[str], *, token: int
@@ -376,6 +395,8 @@ class RedisCoordinator(RedisWire):
 
     async def _retake(self, lease: Lease) -> None:
         """Take an expired (or locally taken) lease again with the caps it holds, or mark it lost."""
+        if not lease.active:
+            return
         holds = dict(lease.holds)
         option = Option(tuple(Need(name, cap) for name, cap in holds.items()))
         was_local = lease.where == "local"
@@ -388,6 +409,8 @@ class RedisCoordinator(RedisWire):
             lease.holds.update(holds)
             self._lose(lease)
             return
+        except RuntimeError:
+            return  # its holder released it meanwhile: what the call took was given back
         self._reasserted += 1
 
     def _lose(self, lease: Lease) -> None:
@@ -440,6 +463,13 @@ class RedisCoordinator(RedisWire):
         self._down_event = trio.Event()
         self._up_event.set()
         log.warning("coordinator %s answers; %d leases re-asserted", self.url, self._reasserted)
+        try:
+            # The other replicas' subscriptions hear it and try their reconnect now rather than at
+            # the end of their backoff: the cluster's re-assert round is one round, not two seconds.
+            with trio.fail_after(self._timeout_s):
+                await self._client.publish(self.keys.freed, "up")
+        except _ERRORS:
+            pass
         self._queue.wake()
         self._release_wake.set()
         return True
@@ -451,7 +481,8 @@ class RedisCoordinator(RedisWire):
                 await self._down_event.wait()
                 backoff = _BACKOFF_MIN_S
             self._next_attempt = trio.current_time() + backoff
-            await trio.sleep(backoff)
+            with trio.move_on_after(backoff):
+                await self._poke.wait()
             if await self._connect():
                 continue
             self._up = False
@@ -464,6 +495,8 @@ class RedisCoordinator(RedisWire):
                 async with self._client.pubsub(channels=[self.keys.freed], ignore_subscribe_messages=True) as ps:
                     async for _ in ps:
                         self._queue.wake()
+                        if not self._up:
+                            self._poke.set()  # Redis answers (another replica published)
             except* (*_ERRORS, anyio.ClosedResourceError) as group:
                 # The subscription's own connection closes on a cancel too (then Cancelled follows).
                 log.debug("coordinator subscription ended (%r); resubscribing", group.exceptions[0])

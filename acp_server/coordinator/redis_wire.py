@@ -114,6 +114,8 @@ class RedisWire:
         self._up = False
         self._up_event = trio.Event()
         self._down_event = trio.Event()
+        #: set when another replica announces Redis answers again: the reconnect is tried at once
+        self._poke = trio.Event()
         self._next_attempt = 0.0
         self._releases: collections.deque[_Release] = collections.deque()
         self._acquire_pending: list[_Pending] = []
@@ -140,6 +142,7 @@ class RedisWire:
             self._up = False
             self._outages += 1
             self._up_event = trio.Event()
+            self._poke = trio.Event()
             self._down_event.set()
             self._next_attempt = trio.current_time()
             log.warning("coordinator %s is away (%s); failure mode %s", self.url, exc or type(exc).__name__, self._failure)
