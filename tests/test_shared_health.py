@@ -27,7 +27,7 @@ async def replica(redis: RedisServer, failure: FailureMode) -> AsyncIterator[tup
     policy = PolicyLimits(max_running_prompts=4)
     async with AsyncExitStack() as stack:
         coord = await stack.enter_async_context(
-            RedisCoordinator(redis.url, prefix="h", lease_ttl_s=1.0, timeout_ms=150, failure=failure).running()
+            RedisCoordinator(redis.url, prefix="h", lease_ttl_s=1.0, timeout_ms=300, failure=failure).running()
         )
         nursery = await stack.enter_async_context(trio.open_nursery())
         server = Server(None, policy=policy, shared=SharedAdmission(coord, shared_plan(policy, {})))
@@ -41,6 +41,7 @@ async def replica(redis: RedisServer, failure: FailureMode) -> AsyncIterator[tup
 async def test_ready_is_503_while_the_coordinator_is_down_in_closed_mode(redis_server: RedisServer, failure: FailureMode) -> None:  # noqa: F811
     with trio.fail_after(30):
         async with replica(redis_server, failure) as (coord, url), httpx.AsyncClient(base_url=url) as http:
+            await eventually(lambda: coord.up, 10)  # a first call slower than the timeout on a loaded machine
             ready = await http.get("/health", params={"ready": "1"})
             assert ready.status_code == 200 and ready.json() == {"status": "ok"}
             redis_server.pause()

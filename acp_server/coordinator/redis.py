@@ -32,7 +32,6 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final
 
-import anyio
 import coredis
 import trio
 from coredis.retry import NoRetryPolicy
@@ -53,7 +52,8 @@ from .base import (
     new_lease_id,
 )
 from .local import LocalCoordinator, default_replica_id
-from .redis_wire import _ERRORS, SCRIPT_NAMES, RedisWire, _Down, _Release, redis_now_ms, script_source
+from .redis_wire import _ERRORS, RedisWire, _Down, _Release, redis_now_ms
+from .resp import RespPipe, bulk
 from .scripts import Keys
 from .waiters import WaitQueue
 
@@ -66,6 +66,8 @@ BACKOFF_MAX_S: Final = 2.0
 _BACKOFF_MIN_S: Final = 0.05
 #: Leases renewed per ``renew.lua`` call.
 _RENEW_BATCH: Final = 200
+#: Encoded request shapes kept (one per tenant, class and backend seen): past it the cache starts over.
+_SHAPES_MAX: Final = 1024
 
 
 def _text(value: str | bytes) -> str:
@@ -108,6 +110,8 @@ class RedisCoordinator(RedisWire):
         self._acquired = self._refused = self._released = self._lost = 0
         self._reasserted = 0
         self._caps_sent: dict[str, int] = {}  # caps recorded in {p}:caps over this connection
+        #: (options, leave) -> their encoding (set names, set keys, JSON spec): one per kind of admission
+        self._shapes: dict[tuple[tuple[Option, ...], tuple[str, ...]], tuple[tuple[str, ...], bytes, bytes]] = {}
         self._renew_last = self._renew_max = 0.0
 
     @property
@@ -130,16 +134,39 @@ class RedisCoordinator(RedisWire):
 
     def _acquire_request(
         self, lease: Lease, options: Sequence[Option], leave: Sequence[str], attempt: int, token: int
-    ) -> tuple[list[str], list[str | int]]:
-        """One request of a batched ``acquire.lua`` call: its KEYS (tombstone, record, sets) and ARGV."""
-        keys = [self.keys.tomb(lease.id, attempt), self.keys.lease(lease.id)]
+    ) -> tuple[tuple[str, ...], int, bytes, bytes]:
+        """One request of a batched ``acquire.lua`` call, encoded: the names of its limit sets (set
+        ``i`` is ``names[i - 1]``), its number of KEYS, its KEYS (tombstone, record, sets) and ARGV."""
+        sent = self._caps_sent
+        record = {n.name: n.cap for o in options for n in o.needs if sent.get(n.name) != n.cap}
+        shape = (tuple(options), tuple(leave))
+        cached = None if record else self._shapes.get(shape)
+        if cached is None:
+            cached = self._request_shape(options, leave, record)
+            if record:
+                sent.update(record)
+            else:
+                if len(self._shapes) >= _SHAPES_MAX:
+                    self._shapes.clear()
+                self._shapes[shape] = cached
+        names, sets, spec = cached
+        keys = bulk(self.keys.tomb(lease.id, attempt)) + bulk(self.keys.lease(lease.id)) + sets
+        args = bulk(lease.id) + bulk(token) + bulk(len(names)) + spec
+        return names, 2 + len(names), keys, args
+
+    def _request_shape(
+        self, options: Sequence[Option], leave: Sequence[str], record: dict[str, int]
+    ) -> tuple[tuple[str, ...], bytes, bytes]:
+        """What a request's options and leave list encode to, the same for every lease: the set names,
+        their keys and the JSON spec (with ``record``'s caps to note in the caps hash)."""
+        names: list[str] = []
         index: dict[str, int] = {}
 
         def ki(name: str) -> int:
             i = index.get(name)
             if i is None:
-                keys.append(self.keys.limit(name))
-                i = index[name] = len(keys) - 2
+                names.append(name)
+                i = index[name] = len(names)
             return i
 
         spec_options = []
@@ -157,12 +184,10 @@ class RedisCoordinator(RedisWire):
         body: dict[str, Any] = {"o": spec_options}
         if leave:
             body["d"] = [ki(n) for n in leave]
-        sent = self._caps_sent
-        record = {n.name: n.cap for o in options for n in o.needs if sent.get(n.name) != n.cap}
         if record:
             body["a"] = [[ki(name), cap] for name, cap in record.items()]
-            sent.update(record)
-        return keys, [lease.id, token, len(keys) - 2, json.dumps(body, separators=(",", ":"))]
+        sets = b"".join(bulk(self.keys.limit(n)) for n in names)
+        return tuple(names), sets, bulk(json.dumps(body, separators=(",", ":")))
 
     async def acquire(self, lease: Lease, *options: Option, leave: Sequence[str] = ()) -> int:
         """See :meth:`~acp_server.coordinator.base.Coordinator.acquire`."""
@@ -218,14 +243,14 @@ class RedisCoordinator(RedisWire):
     ) -> int:
         lease._attempts += 1
         attempt = lease._attempts
-        keys, args = self._acquire_request(lease, options, leave, attempt, token)
+        names, nkeys, keys, args = self._acquire_request(lease, options, leave, attempt, token)
         was_new = lease.state == "new"
         lease._inflight += 1
         # Shielded and bounded by the timeout: a cancel is seen once the answer is known, so what the
         # call took is given back exactly (a call torn mid-way would leave its outcome unknown).
         with trio.CancelScope(shield=True):
             try:
-                result = await self._batched_acquire(keys, args)
+                result = await self._batched_acquire(nkeys, keys, args)
             except _Down:
                 # No answer: the call may still run on the server. Its attempt gets a tombstone, and
                 # whatever it may have taken is given back.
@@ -244,7 +269,7 @@ class RedisCoordinator(RedisWire):
             await trio.lowlevel.checkpoint_if_cancelled()
             if code == -1:
                 raise LimitRefused("tombstone", 0, 0)  # a release of this lease came first
-            name = self.keys.limit_name(keys[int(result[1]) + 1])
+            name = names[int(result[1]) - 1]
             raise LimitRefused(name, int(result[2]), int(result[3]), soft=bool(int(result[4])))
         option = options[code - 1]
         if not lease.active:
@@ -489,17 +514,23 @@ class RedisCoordinator(RedisWire):
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _subscriber(self) -> None:
-        assert self._client is not None
+        assert self._pipe is not None
+
+        def on_message(_: list[Any]) -> None:
+            self._queue.wake()
+            if not self._up:
+                self._poke.set()  # Redis answers (another replica published)
+
         while True:
             try:
-                async with self._client.pubsub(channels=[self.keys.freed], ignore_subscribe_messages=True) as ps:
-                    async for _ in ps:
-                        self._queue.wake()
-                        if not self._up:
-                            self._poke.set()  # Redis answers (another replica published)
-            except* (*_ERRORS, anyio.ClosedResourceError) as group:
-                # The subscription's own connection closes on a cancel too (then Cancelled follows).
-                log.debug("coordinator subscription ended (%r); resubscribing", group.exceptions[0])
+                conn = await self._pipe.subscribe(self.keys.freed, on_message)
+                try:
+                    await conn.ended.wait()
+                finally:
+                    conn.fail(ConnectionError("unsubscribed"))
+                log.debug("coordinator subscription ended (%r); resubscribing", conn.broken)
+            except _ERRORS as exc:
+                log.debug("coordinator subscription failed (%r); retrying", exc)
             await trio.sleep(_BACKOFF_MIN_S)
 
     async def _dispatcher(self) -> None:
@@ -580,15 +611,15 @@ class RedisCoordinator(RedisWire):
         )
         async with client:
             self._client = client
-            self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
             try:
-                self._up = True  # so a first failure counts as an outage
-                try:
-                    await self._renew([])
-                    self._up_event.set()
-                except _Down:
-                    self._up = False
                 async with trio.open_nursery() as nursery:
+                    self._pipe = RespPipe(self.url, nursery, connect_timeout_s=self._timeout_s)
+                    self._up = True  # so a first failure counts as an outage
+                    try:
+                        await self._renew([])
+                        self._up_event.set()
+                    except _Down:
+                        self._up = False
                     for task in (
                         self._acquire_batcher, self._monitor, self._renewer, self._releaser,
                         self._subscriber, self._dispatcher,
@@ -606,6 +637,7 @@ class RedisCoordinator(RedisWire):
                         nursery.cancel_scope.cancel()
             finally:
                 self._client = None
+                self._pipe = None
 
 
 async def cluster_statistics(client: coredis.Redis[bytes], keys: Keys, ttl_ms: int) -> ClusterStatistics:

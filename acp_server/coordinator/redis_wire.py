@@ -11,6 +11,7 @@ outages and the waiters on it.
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import math
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ import coredis.exceptions
 import trio
 
 from .base import CoordinatorUnavailable, FailureMode
+from .resp import RespError, RespPipe, bulk
 from .scripts import SCRIPT_NAMES, Keys, script_source
 
 __all__ = ["SCRIPT_NAMES", "RedisWire", "redis_now_ms", "script_source"]
@@ -30,7 +32,7 @@ log = logging.getLogger("acp_server.coordinator")
 #: Acquisitions or releases per ``acquire.lua`` or ``release.lua`` call.
 _BATCH: Final = 64
 
-_ERRORS: Final = (coredis.exceptions.RedisError, OSError, trio.TooSlowError)
+_ERRORS: Final = (coredis.exceptions.RedisError, RespError, OSError, trio.TooSlowError)
 
 
 _NOW_LUA: Final = "local t = redis.call('TIME') return t[1] * 1000 + math.floor(t[2] / 1000)"
@@ -49,11 +51,12 @@ class _Down(Exception):
 
 
 class _Pending:
-    """One acquisition waiting for its batch's reply."""
+    """One acquisition waiting for its batch's reply: its KEYS and ARGV, encoded."""
 
-    __slots__ = ("args", "done", "error", "keys", "result")
+    __slots__ = ("args", "done", "error", "keys", "nkeys", "result")
 
-    def __init__(self, keys: list[str], args: list[str | int]) -> None:
+    def __init__(self, nkeys: int, keys: bytes, args: bytes) -> None:
+        self.nkeys = nkeys
         self.keys = keys
         self.args = args
         self.done = trio.Event()
@@ -110,7 +113,12 @@ class RedisWire:
         self._timeout_s = timeout_ms / 1000
         self._failure: FailureMode = failure
         self._client: coredis.Redis[bytes] | None = None
-        self._scripts: dict[str, Any] = {}
+        #: the script calls' own connection (pipelined); made by ``running()``
+        self._pipe: RespPipe | None = None
+        #: script name -> (SHA-1, source)
+        self._scripts: dict[str, tuple[str, str]] = {
+            name: (hashlib.sha1(script_source(name).encode()).hexdigest(), script_source(name)) for name in SCRIPT_NAMES
+        }
         self._up = False
         self._up_event = trio.Event()
         self._down_event = trio.Event()
@@ -128,10 +136,11 @@ class RedisWire:
 
     async def _call(self, script: str, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """One script call, bounded by the timeout; a failure marks the coordinator down."""
-        assert self._client is not None
+        assert self._pipe is not None
+        sha, source = self._scripts[script]
         try:
             with trio.fail_after(self._timeout_s):
-                return await self._scripts[script](keys=keys, args=args)
+                return await self._pipe.evalsha(sha, source, keys, args)
         except _ERRORS as exc:
             self._failures += 1
             self._mark_down(exc)
@@ -153,13 +162,26 @@ class RedisWire:
 
     # --- acquire ----------------------------------------------------------------------------------
 
-    async def _batched_acquire(self, keys: list[str], args: list[str | int]) -> Any:
-        """Send one request with the others of this turn of the loop; its reply.
+    async def _call_encoded(self, script: str, count: int, body: bytes) -> Any:
+        """:meth:`_call` with ``numkeys``, the keys and the arguments encoded (``count`` of them)."""
+        assert self._pipe is not None
+        sha, source = self._scripts[script]
+        try:
+            with trio.fail_after(self._timeout_s):
+                return await self._pipe.evalsha_encoded(sha, source, count, body)
+        except _ERRORS as exc:
+            self._failures += 1
+            self._mark_down(exc)
+            raise _Down(str(exc) or type(exc).__name__) from exc
+
+    async def _batched_acquire(self, nkeys: int, keys: bytes, args: bytes) -> Any:
+        """Send one request (``nkeys`` keys, four arguments, encoded) with the others of this turn of
+        the loop; its reply.
 
         Raises:
             _Down: the batch's call failed or timed out.
         """
-        item = _Pending(keys, args)
+        item = _Pending(nkeys, keys, args)
         self._acquire_pending.append(item)
         self._acquire_wake.set()
         await item.done.wait()
@@ -178,13 +200,15 @@ class RedisWire:
                 while pending:
                     batch = pending[:_BATCH]
                     del pending[:_BATCH]
-                    keys = [self.keys.fence, self.keys.caps]
-                    args: list[str | int] = [self._ttl_ms, self._replica_id, self.keys.freed, len(batch)]
-                    for item in batch:
-                        keys.extend(item.keys)
-                        args.extend(item.args)
+                    nkeys = 2 + sum(item.nkeys for item in batch)
+                    body = b"".join((
+                        bulk(nkeys), bulk(self.keys.fence), bulk(self.keys.caps),
+                        *(item.keys for item in batch),
+                        bulk(self._ttl_ms), bulk(self._replica_id), bulk(self.keys.freed), bulk(len(batch)),
+                        *(item.args for item in batch),
+                    ))
                     try:
-                        replies = await self._call("acquire", keys, args)
+                        replies = await self._call_encoded("acquire", 1 + nkeys + 4 + 4 * len(batch), body)
                     except _Down as exc:
                         for item in batch:
                             item.fail(exc)
