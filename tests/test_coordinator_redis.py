@@ -333,3 +333,28 @@ async def test_a_limit_left_without_waiting_and_taken_again_is_held_in_redis(red
         assert await _count(redis_server, "pool:e:active") == 0
         assert await _count(redis_server, "seats") == 1
         a.release(lease)
+
+
+async def test_a_pass_serves_one_replicas_waiters_in_rank_then_arrival_order(redis_server: RedisServer) -> None:  # noqa: F811
+    """Eight waiters on one replica, one seat freed at a time: a pass tries them in one script call,
+    and the seat goes to the first by rank, then by arrival."""
+    seat = Option((Need("seats", 1),))
+    async with replicas(redis_server, 2, recheck_s=3600) as (a, b):
+        holder = a.new_lease()
+        await a.acquire(holder, seat)
+        order: list[int] = []
+        ranks = [3, 1, 2, 1, 0, 3, 2, 0]
+
+        async def wait(i: int) -> None:
+            lease = b.new_lease()
+            await b.wait_acquire(lease, seat, rank=ranks[i])
+            order.append(i)
+            await trio.sleep(0.01)
+            b.release(lease)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(ranks)):
+                nursery.start_soon(wait, i)
+                await trio.sleep(0.01)  # arrival order = index
+            a.release(holder)
+        assert order == sorted(range(len(ranks)), key=lambda i: (ranks[i], i))

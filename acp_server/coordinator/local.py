@@ -190,7 +190,7 @@ class LocalCoordinator:
                 pass
         await self._queue.wait(lease, option, rank, leave)
 
-    async def _attempt(self, lease: Lease, option: Option, leave: Sequence[str]) -> None:
+    async def _attempt(self, lease: Lease, option: Option, leave: Sequence[str], order: tuple[int, int]) -> None:
         self.try_acquire(lease, option, leave=leave)
 
     async def leave(self, lease: Lease, names: Sequence[str]) -> None:

@@ -55,7 +55,7 @@ from .local import LocalCoordinator, default_replica_id
 from .redis_wire import _ERRORS, RedisWire, _Down, _Release, redis_now_ms
 from .resp import RespPipe, bulk
 from .scripts import Keys
-from .waiters import WaitQueue
+from .waiters import PASS_CHUNK, WaitQueue
 
 __all__ = ["RedisCoordinator", "cluster_statistics", "read_cluster", "redis_now_ms"]
 
@@ -66,6 +66,8 @@ BACKOFF_MAX_S: Final = 2.0
 _BACKOFF_MIN_S: Final = 0.05
 #: Leases renewed per ``renew.lua`` call.
 _RENEW_BATCH: Final = 200
+#: The batch order of an acquisition that is not a waiter's: after every waiter of the same call.
+_ARRIVAL: Final = (1 << 30, 0)
 #: Encoded request shapes kept (one per tenant, class and backend seen): past it the cache starts over.
 _SHAPES_MAX: Final = 1024
 
@@ -189,8 +191,11 @@ class RedisCoordinator(RedisWire):
         sets = b"".join(bulk(self.keys.limit(n)) for n in names)
         return tuple(names), sets, bulk(json.dumps(body, separators=(",", ":")))
 
-    async def acquire(self, lease: Lease, *options: Option, leave: Sequence[str] = ()) -> int:
-        """See :meth:`~acp_server.coordinator.base.Coordinator.acquire`."""
+    async def acquire(
+        self, lease: Lease, *options: Option, leave: Sequence[str] = (), _order: tuple[int, int] = _ARRIVAL
+    ) -> int:
+        """See :meth:`~acp_server.coordinator.base.Coordinator.acquire` (``_order``: a waiter's place,
+        so a pass's attempts reach the script in queue order)."""
         if not lease.active:
             raise RuntimeError(f"{lease!r} is over; take a new lease")
         if not options:
@@ -219,7 +224,7 @@ class RedisCoordinator(RedisWire):
             if not leaving.is_set():
                 raise self._unavailable()
             lease._leaving = None
-        return await self._shared_acquire(lease, options, leave, token=lease.token)
+        return await self._shared_acquire(lease, options, leave, token=lease.token, order=_order)
 
     def _local_acquire(self, lease: Lease, options: Sequence[Option], leave: Sequence[str]) -> int:
         self._local.replicas = self._expected or self._live
@@ -239,7 +244,8 @@ class RedisCoordinator(RedisWire):
         self._local.base = base
 
     async def _shared_acquire(
-        self, lease: Lease, options: Sequence[Option], leave: Sequence[str], *, token: int
+        self, lease: Lease, options: Sequence[Option], leave: Sequence[str], *, token: int,
+        order: tuple[int, int] = _ARRIVAL,
     ) -> int:
         lease._attempts += 1
         attempt = lease._attempts
@@ -250,7 +256,7 @@ class RedisCoordinator(RedisWire):
         # call took is given back exactly (a call torn mid-way would leave its outcome unknown).
         with trio.CancelScope(shield=True):
             try:
-                result = await self._batched_acquire(nkeys, keys, args)
+                result = await self._batched_acquire(nkeys, keys, args, order)
             except _Down:
                 # No answer: the call may still run on the server. Its attempt gets a tombstone, and
                 # whatever it may have taken is given back.
@@ -325,8 +331,8 @@ class RedisCoordinator(RedisWire):
                 pass  # an accepted prompt waits: the dispatcher tries again once Redis answers
         await self._queue.wait(lease, option, rank, leave)
 
-    async def _attempt(self, lease: Lease, option: Option, leave: Sequence[str]) -> None:
-        await self.acquire(lease, option, leave=leave)
+    async def _attempt(self, lease: Lease, option: Option, leave: Sequence[str], order: tuple[int, int]) -> None:
+        await self.acquire(lease, option, leave=leave, _order=order)
 
     # --- leave and release ------------------------------------------------------------------------
 
@@ -537,7 +543,7 @@ class RedisCoordinator(RedisWire):
         while True:
             await self._queue.woken(self._recheck_s)
             if len(self._queue) and self._up:
-                await self._queue.run_pass(self._attempt)
+                await self._queue.run_pass(self._attempt, chunk_size=PASS_CHUNK)
 
     # --- idempotency, statistics ------------------------------------------------------------------
 

@@ -53,9 +53,10 @@ class _Down(Exception):
 class _Pending:
     """One acquisition waiting for its batch's reply: its KEYS and ARGV, encoded."""
 
-    __slots__ = ("args", "done", "error", "keys", "nkeys", "result")
+    __slots__ = ("args", "done", "error", "keys", "nkeys", "order", "result")
 
-    def __init__(self, nkeys: int, keys: bytes, args: bytes) -> None:
+    def __init__(self, nkeys: int, keys: bytes, args: bytes, order: tuple[int, int]) -> None:
+        self.order = order
         self.nkeys = nkeys
         self.keys = keys
         self.args = args
@@ -174,14 +175,14 @@ class RedisWire:
             self._mark_down(exc)
             raise _Down(str(exc) or type(exc).__name__) from exc
 
-    async def _batched_acquire(self, nkeys: int, keys: bytes, args: bytes) -> Any:
+    async def _batched_acquire(self, nkeys: int, keys: bytes, args: bytes, order: tuple[int, int]) -> Any:
         """Send one request (``nkeys`` keys, four arguments, encoded) with the others of this turn of
         the loop; its reply.
 
         Raises:
             _Down: the batch's call failed or timed out.
         """
-        item = _Pending(nkeys, keys, args)
+        item = _Pending(nkeys, keys, args, order)
         self._acquire_pending.append(item)
         self._acquire_wake.set()
         await item.done.wait()
@@ -200,6 +201,8 @@ class RedisWire:
                 while pending:
                     batch = pending[:_BATCH]
                     del pending[:_BATCH]
+                    # waiters in their queue's order (the tasks of a pass ran in any order), then the rest
+                    batch.sort(key=lambda item: item.order)
                     nkeys = 2 + sum(item.nkeys for item in batch)
                     body = b"".join((
                         bulk(nkeys), bulk(self.keys.fence), bulk(self.keys.caps),
