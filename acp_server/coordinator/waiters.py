@@ -106,9 +106,11 @@ class WaitQueue:
     async def run_pass(self, attempt: Attempt, *, chunk_size: int = 1) -> int:
         """Try the waiters in order; returns how many were granted.
 
-        Waiters are tried ``chunk_size`` at a time, concurrently (a shared coordinator, given
+        Waiters are tried in chunks tried concurrently: one waiter first, then twice as many after a
+        chunk that was granted whole, up to ``chunk_size`` (a shared coordinator, given
         :data:`PASS_CHUNK`, sends one chunk in one script call in the waiters' order, so a freed seat
-        goes to the first of them; in-process attempts go one by one); a
+        goes to the first of them, and one freed seat costs each replica one attempt; in-process
+        attempts go one by one); a
         waiter needing a limit refused earlier in the pass is skipped, a class-share refusal being
         remembered per class. :class:`CoordinatorUnavailable` ends the pass (waiters keep waiting).
         """
@@ -116,6 +118,7 @@ class WaitQueue:
         refused: set[str] = set()
         unavailable = False
         chunk: list[Waiter] = []
+        size = 1
 
         async def one(waiter: Waiter) -> None:
             nonlocal granted, unavailable
@@ -153,8 +156,10 @@ class WaitQueue:
             if refused.intersection(waiter.option.names()):
                 continue
             chunk.append(waiter)
-            if len(chunk) >= chunk_size:
+            if len(chunk) >= size:
+                before = granted
                 await run(chunk)
+                size = min(chunk_size, size * 2) if granted - before == len(chunk) else 1
                 chunk = []
                 if unavailable:
                     return granted
