@@ -183,12 +183,12 @@ async def measure(replicas: int, seats: int, ttl_s: float, runs: int) -> list[di
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
-    rows = ["| mode | replicas | seats | TTL | outage | prompts | lost | most over | time over | over-limit window (from resume) | every replica re-asserted |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| mode | replicas | seats | TTL | outage | outages seen | prompts | lost | most over | time over | over-limit window (from resume) | every replica re-asserted |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         window = "-" if r["first_over_ms"] is None else f"{r['first_over_ms']} .. {r['last_over_ms']} ms"
         rows.append(
-            f"| {r['failure']} | {r['replicas']} | {r['seats']} | {r['ttl_ms']} ms | {r['outage_ms']} ms | "
+            f"| {r['failure']} | {r['replicas']} | {r['seats']} | {r['ttl_ms']} ms | {r['outage_ms']} ms | {r['outages']} | "
             f"{r['prompts']} | {r['lost']} | {r['max_over']} | {r['over_ms']} ms | {window} | {r['reassert_done_ms']} ms |"
         )
     return "\n".join(rows) + "\n"
