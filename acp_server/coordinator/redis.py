@@ -26,7 +26,6 @@ rest are lost (:attr:`Lease.lost`, ``lease_lost`` for the prompt).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -44,16 +43,15 @@ from .base import (
     CoordinatorUnavailable,
     FailureMode,
     Lease,
-    LimitCount,
     LimitRefused,
     Need,
     Option,
-    ReplicaInfo,
     new_lease_id,
 )
 from .local import LocalCoordinator, default_replica_id
+from .readout import cluster_statistics, read_cluster
 from .redis_wire import _ERRORS, RedisWire, _Down, _Release, redis_now_ms
-from .resp import RespPipe, bulk
+from .resp import RespPipe
 from .scripts import Keys
 from .waiters import PASS_CHUNK, WaitQueue
 
@@ -68,12 +66,6 @@ _BACKOFF_MIN_S: Final = 0.05
 _RENEW_BATCH: Final = 200
 #: The batch order of an acquisition that is not a waiter's: after every waiter of the same call.
 _ARRIVAL: Final = (1 << 30, 0)
-#: Encoded request shapes kept (one per tenant, class and backend seen): past it the cache starts over.
-_SHAPES_MAX: Final = 1024
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class RedisCoordinator(RedisWire):
@@ -111,9 +103,6 @@ class RedisCoordinator(RedisWire):
         self._live = 1
         self._acquired = self._refused = self._released = self._lost = 0
         self._reasserted = 0
-        self._caps_sent: dict[str, int] = {}  # caps recorded in {p}:caps over this connection
-        #: (options, leave) -> their encoding (set names, set keys, JSON spec): one per kind of admission
-        self._shapes: dict[tuple[tuple[Option, ...], tuple[str, ...]], tuple[tuple[str, ...], bytes, bytes]] = {}
         self._renew_last = self._renew_max = 0.0
 
     @property
@@ -133,63 +122,6 @@ class RedisCoordinator(RedisWire):
         await self._up_event.wait()
 
     # --- calls ------------------------------------------------------------------------------------
-
-    def _acquire_request(
-        self, lease: Lease, options: Sequence[Option], leave: Sequence[str], attempt: int, token: int
-    ) -> tuple[tuple[str, ...], int, bytes, bytes]:
-        """One request of a batched ``acquire.lua`` call, encoded: the names of its limit sets (set
-        ``i`` is ``names[i - 1]``), its number of KEYS, its KEYS (tombstone, record, sets) and ARGV."""
-        sent = self._caps_sent
-        record = {n.name: n.cap for o in options for n in o.needs if sent.get(n.name) != n.cap}
-        shape = (tuple(options), tuple(leave))
-        cached = None if record else self._shapes.get(shape)
-        if cached is None:
-            cached = self._request_shape(options, leave, record)
-            if record:
-                sent.update(record)
-            else:
-                if len(self._shapes) >= _SHAPES_MAX:
-                    self._shapes.clear()
-                self._shapes[shape] = cached
-        names, sets, spec = cached
-        keys = bulk(self.keys.tomb(lease.id, attempt)) + bulk(self.keys.lease(lease.id)) + sets
-        args = bulk(lease.id) + bulk(token) + bulk(len(names)) + spec
-        return names, 2 + len(names), keys, args
-
-    def _request_shape(
-        self, options: Sequence[Option], leave: Sequence[str], record: dict[str, int]
-    ) -> tuple[tuple[str, ...], bytes, bytes]:
-        """What a request's options and leave list encode to, the same for every lease: the set names,
-        their keys and the JSON spec (with ``record``'s caps to note in the caps hash)."""
-        names: list[str] = []
-        index: dict[str, int] = {}
-
-        def ki(name: str) -> int:
-            i = index.get(name)
-            if i is None:
-                names.append(name)
-                i = index[name] = len(names)
-            return i
-
-        spec_options = []
-        for option in options:
-            spec: dict[str, Any] = {"n": [[ki(n.name), n.cap, 1 if n.soft else 0] for n in option.needs]}
-            rule = option.classes
-            if rule is not None:
-                spec["c"] = {
-                    "r": rule.rank,
-                    "s": list(rule.shares),
-                    "k": [ki(n) for n in rule.seat_names],
-                    "w": [ki(n) for n in rule.room_names],
-                }
-            spec_options.append(spec)
-        body: dict[str, Any] = {"o": spec_options}
-        if leave:
-            body["d"] = [ki(n) for n in leave]
-        if record:
-            body["a"] = [[ki(name), cap] for name, cap in record.items()]
-        sets = b"".join(bulk(self.keys.limit(n)) for n in names)
-        return tuple(names), sets, bulk(json.dumps(body, separators=(",", ":")))
 
     async def acquire(
         self, lease: Lease, *options: Option, leave: Sequence[str] = (), _order: tuple[int, int] = _ARRIVAL
@@ -644,35 +576,3 @@ class RedisCoordinator(RedisWire):
             finally:
                 self._client = None
                 self._pipe = None
-
-
-async def cluster_statistics(client: coredis.Redis[bytes], keys: Keys, ttl_ms: int) -> ClusterStatistics:
-    """Every limit's live holders and every replica's last renewal, read from Redis (not atomic: a
-    snapshot for people). A replica counts as live when it renewed within ``ttl_ms``."""
-    now = await redis_now_ms(client)
-    caps = await client.hgetall(keys.caps)
-    limits = []
-    for key, cap in sorted(caps.items()):
-        count = await client.zcount(key, f"({now}", "+inf")
-        limits.append(LimitCount(name=keys.limit_name(_text(key)), cap=int(cap), count=count))
-    replicas = []
-    for member, score in await client.zrange(keys.replicas, 0, -1, withscores=True):
-        ago = max(0, round(now - float(score)))
-        replicas.append(ReplicaInfo(replica_id=_text(member), last_renew_ms_ago=ago, live=ago <= ttl_ms))
-    return ClusterStatistics(prefix=keys.prefix, replicas=replicas, limits=limits)
-
-
-async def read_cluster(url: str, prefix: str, *, lease_ttl_s: float = 30.0, timeout_s: float = 2.0) -> ClusterStatistics:
-    """:func:`cluster_statistics` over a connection of its own (``acp-server cluster``): registers no
-    replica and takes nothing.
-
-    Raises:
-        trio.TooSlowError: Redis did not answer within ``timeout_s``.
-        coredis.exceptions.RedisError, OSError: the connection failed.
-    """
-    client: coredis.Redis[bytes] = coredis.Redis.from_url(
-        url, connect_timeout=timeout_s, retry_policy=NoRetryPolicy(), verify_version=False
-    )
-    with trio.fail_after(timeout_s):
-        async with client:
-            return await cluster_statistics(client, Keys(prefix), round(lease_ttl_s * 1000))

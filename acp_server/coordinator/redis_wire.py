@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ import coredis
 import coredis.exceptions
 import trio
 
-from .base import CoordinatorUnavailable, FailureMode
+from .base import CoordinatorUnavailable, FailureMode, Lease, Option
 from .resp import RespError, RespPipe, bulk
 from .scripts import SCRIPT_NAMES, Keys, script_source
 
@@ -31,6 +32,8 @@ log = logging.getLogger("acp_server.coordinator")
 
 #: Acquisitions or releases per ``acquire.lua`` or ``release.lua`` call.
 _BATCH: Final = 64
+#: Encoded request shapes kept (one per tenant, class and backend seen): past it the cache starts over.
+_SHAPES_MAX: Final = 1024
 
 _ERRORS: Final = (coredis.exceptions.RedisError, RespError, OSError, trio.TooSlowError)
 
@@ -134,6 +137,9 @@ class RedisWire:
         self._releases_idle.set()
         self._release_lock = trio.Lock()
         self._failures = self._outages = 0
+        self._caps_sent: dict[str, int] = {}  # caps recorded in {p}:caps over this connection
+        #: (options, leave) -> their encoding (set names, set keys, JSON spec): one per kind of admission
+        self._shapes: dict[tuple[tuple[Option, ...], tuple[str, ...]], tuple[tuple[str, ...], bytes, bytes]] = {}
 
     async def _call(self, script: str, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """One script call, bounded by the timeout; a failure marks the coordinator down."""
@@ -174,6 +180,63 @@ class RedisWire:
             self._failures += 1
             self._mark_down(exc)
             raise _Down(str(exc) or type(exc).__name__) from exc
+
+    def _acquire_request(
+        self, lease: Lease, options: Sequence[Option], leave: Sequence[str], attempt: int, token: int
+    ) -> tuple[tuple[str, ...], int, bytes, bytes]:
+        """One request of a batched ``acquire.lua`` call, encoded: the names of its limit sets (set
+        ``i`` is ``names[i - 1]``), its number of KEYS, its KEYS (tombstone, record, sets) and ARGV."""
+        sent = self._caps_sent
+        record = {n.name: n.cap for o in options for n in o.needs if sent.get(n.name) != n.cap}
+        shape = (tuple(options), tuple(leave))
+        cached = None if record else self._shapes.get(shape)
+        if cached is None:
+            cached = self._request_shape(options, leave, record)
+            if record:
+                sent.update(record)
+            else:
+                if len(self._shapes) >= _SHAPES_MAX:
+                    self._shapes.clear()
+                self._shapes[shape] = cached
+        names, sets, spec = cached
+        keys = bulk(self.keys.tomb(lease.id, attempt)) + bulk(self.keys.lease(lease.id)) + sets
+        args = bulk(lease.id) + bulk(token) + bulk(len(names)) + spec
+        return names, 2 + len(names), keys, args
+
+    def _request_shape(
+        self, options: Sequence[Option], leave: Sequence[str], record: dict[str, int]
+    ) -> tuple[tuple[str, ...], bytes, bytes]:
+        """What a request's options and leave list encode to, the same for every lease: the set names,
+        their keys and the JSON spec (with ``record``'s caps to note in the caps hash)."""
+        names: list[str] = []
+        index: dict[str, int] = {}
+
+        def ki(name: str) -> int:
+            i = index.get(name)
+            if i is None:
+                names.append(name)
+                i = index[name] = len(names)
+            return i
+
+        spec_options = []
+        for option in options:
+            spec: dict[str, Any] = {"n": [[ki(n.name), n.cap, 1 if n.soft else 0] for n in option.needs]}
+            rule = option.classes
+            if rule is not None:
+                spec["c"] = {
+                    "r": rule.rank,
+                    "s": list(rule.shares),
+                    "k": [ki(n) for n in rule.seat_names],
+                    "w": [ki(n) for n in rule.room_names],
+                }
+            spec_options.append(spec)
+        body: dict[str, Any] = {"o": spec_options}
+        if leave:
+            body["d"] = [ki(n) for n in leave]
+        if record:
+            body["a"] = [[ki(name), cap] for name, cap in record.items()]
+        sets = b"".join(bulk(self.keys.limit(n)) for n in names)
+        return tuple(names), sets, bulk(json.dumps(body, separators=(",", ":")))
 
     async def _batched_acquire(self, nkeys: int, keys: bytes, args: bytes, order: tuple[int, int]) -> Any:
         """Send one request (``nkeys`` keys, four arguments, encoded) with the others of this turn of
