@@ -1,4 +1,4 @@
-"""The Redis coordinator: limits shared by every replica on one Redis, through ``coredis`` and Lua.
+"""The Redis coordinator: limits shared by every replica on one Redis, through Lua scripts.
 
 Every check-and-take is one call of ``lua/acquire.lua`` over keys of one hash tag (see
 :mod:`~acp_server.coordinator.scripts`), so replicas never both see a free seat and both take it.
@@ -19,9 +19,11 @@ a pass over its waiters (:mod:`~acp_server.coordinator.waiters`), with a re-chec
 pings with a backoff doubling up to 2 s. Meanwhile running prompts go on; an acquire raises
 :class:`~acp_server.coordinator.base.CoordinatorUnavailable` (``failure="closed"``) or is taken against a
 local share ``ceil(cap / N)`` (``failure="local"``; N = ``expected_replicas``, else the live replicas last
-seen). When Redis answers again every held lease is re-asserted before anything new is admitted: one
+seen), which counts the shared leases this replica still runs. When Redis answers again every held lease
+is re-asserted before anything new is admitted here (arrivals wait for it, bounded by the timeout): one
 still whole is renewed, one that expired (or was taken locally) is re-taken if its limits allow, and the
-rest are lost (:attr:`Lease.lost`, ``lease_lost`` for the prompt).
+rest are lost (:attr:`Lease.lost`, ``lease_lost`` for the prompt). The replica then publishes ``up`` on
+``{p}:freed``, so the others still down try their reconnect at once: the cluster's re-assert is one round.
 """
 
 from __future__ import annotations

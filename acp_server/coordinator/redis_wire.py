@@ -1,10 +1,11 @@
 """The wire of the Redis coordinator: script calls bounded by a timeout, batches, the release queue.
 
-:class:`RedisWire` owns what touches Redis: the ``coredis`` client and the scripts (registered once,
-reloaded by ``coredis`` on ``NOSCRIPT``), the up/down state a failed call moves to, the batching of
-acquisitions (those of one turn of the event loop go out in one ``acquire.lua`` call; while a call is
-on its way the next batch gathers) and the queue of releases, sent in order, many per call, and kept
-while Redis is away. :class:`~acp_server.coordinator.redis.RedisCoordinator` builds the leases, the
+:class:`RedisWire` owns what touches Redis: the scripts, called by SHA-1 over the pipelined
+connection of :mod:`~acp_server.coordinator.resp` (sent again with ``EVAL`` on ``NOSCRIPT``), the
+``coredis`` client for the rest, the up/down state a failed call moves to, the encoding of acquisitions
+(once per kind of admission) and their batching (those of one turn of the event loop go out in one
+``acquire.lua`` call, waiters in their queue's order; while a call is on its way the next batch gathers)
+and the queue of releases, sent in order, many per call, and kept while Redis is away. :class:`~acp_server.coordinator.redis.RedisCoordinator` builds the leases, the
 outages and the waiters on it.
 """
 
