@@ -23,6 +23,7 @@ Usage: ``python bench/coordinator.py [--admissions N] [--tasks T] [--json]``; it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ from typing import Any
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from acp_server.coordinator import LimitPlan, LocalCoordinator  # noqa: E402
 from acp_server.coordinator.redis import RedisCoordinator  # noqa: E402
@@ -165,7 +167,40 @@ async def idle_gap(url: str, seats: int, grants: int) -> dict[str, Any]:
     }
 
 
-async def measure(admissions: int, tasks: int) -> dict[str, Any]:
+def replicas_throughput(url: str | None, replicas: int, seats: int, duration_s: float, sessions: int) -> dict[str, Any]:
+    """Echo prompts/s of ``replicas`` ``acp-server serve`` processes sharing ``seats`` seats on ``url``
+    (``None``: one replica, no coordinator), each driven by its own ``loadgen.py echo`` at once."""
+    from servers import TcpServer  # bench/servers.py
+
+    flags = ["--max-running-prompts", str(seats)]
+    if url is not None:
+        flags += ["--coordinator", url, "--coordinator-prefix", f"tp{replicas}"]
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(TcpServer(flags)) for _ in range(replicas)]
+        loads = [
+            subprocess.Popen(
+                [sys.executable, str(Path(__file__).parent / "loadgen.py"), "echo", "--port", str(srv.port),
+                 "--server-pid", str(srv.pid), "--sessions", str(sessions), "--depth", "1",
+                 "--duration", str(duration_s), "--warmup", "0.5"],
+                stdout=subprocess.PIPE, text=True,
+            )
+            for srv in servers
+        ]
+        outs = [json.loads(load.communicate(timeout=120)[0]) for load in loads]
+    cpu = [o.get("server_cpu_us_per_ok") for o in outs]
+    return {
+        "replicas": replicas,
+        "coordinator": url is not None,
+        "seats": seats,
+        "prompts_per_s": round(sum(o["ok_per_s"] or 0 for o in outs), 1),
+        "refused": sum(o["refused"] for o in outs),
+        "errors": sum(sum(o["errors"].values()) for o in outs),
+        "p50_ms": max(o["ok_p50_ms"] or 0 for o in outs),
+        "server_cpu_us_per_prompt": [c for c in cpu if c is not None],
+    }
+
+
+async def measure(admissions: int, tasks: int, replicas: tuple[int, ...] = ()) -> dict[str, Any]:
     results: dict[str, Any] = {"local": {}, "redis": {}}
     local = LocalCoordinator("bench")
     async with local.running():
@@ -186,6 +221,11 @@ async def measure(admissions: int, tasks: int) -> dict[str, Any]:
                 run["script_calls_per_admission"] = round((calls1 - calls0) / admissions, 2)
                 results["redis"][f"tasks_{t}"] = run
         results["idle_gap"] = await idle_gap(redis.url, 8, min(admissions, 2000))
+        if replicas:
+            duration = 1.0 if admissions < 1000 else 3.0
+            runs = [trio.to_thread.run_sync(replicas_throughput, None, 1, 16, duration, 16)]
+            runs += [trio.to_thread.run_sync(replicas_throughput, redis.url, n, 16, duration, 16) for n in replicas]
+            results["replicas"] = [await run for run in runs]
     finally:
         redis.stop()
     results["load"] = list(os.getloadavg())
@@ -209,6 +249,13 @@ def markdown(results: dict[str, Any]) -> str:
             f"idle-seat gap, 2 replicas, {gap['seats']} seats, steady backlog, {gap['grants']} grants: "
             f"p50 {gap['gap_p50_ms']} ms, p99 {gap['gap_p99_ms']} ms"
         )
+    if results.get("replicas"):
+        rows += ["", "| replicas | shared seats | echo prompts/s (all replicas) | slowest replica's p50 | server CPU / prompt |",
+                 "|---|---|---|---|---|"]
+        for run in results["replicas"]:
+            what = f"{run['replicas']}, Redis" if run["coordinator"] else "1, no coordinator"
+            cpu = ", ".join(f"{c:.0f}" for c in run["server_cpu_us_per_prompt"])
+            rows.append(f"| {what} | {run['seats']} | {run['prompts_per_s']} | {run['p50_ms']} ms | {cpu} us |")
     return "\n".join(rows) + "\n"
 
 
@@ -216,9 +263,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--admissions", type=int, default=5000)
     parser.add_argument("--tasks", type=int, default=32)
+    parser.add_argument(
+        "--replicas", default="1,2,4",
+        help="echo prompts/s with these numbers of serve processes sharing 16 seats (empty: skip)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     args = parser.parse_args()
-    results = trio.run(measure, args.admissions, args.tasks)
+    replicas = tuple(int(n) for n in args.replicas.split(",") if n)
+    results = trio.run(measure, args.admissions, args.tasks, replicas)
     print(json.dumps(results, indent=2) if args.json else markdown(results))
 
 

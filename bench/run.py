@@ -766,7 +766,10 @@ def scenario_openai(report: Report, sizes: Sizes) -> None:
 
 def scenario_coordinator(report: Report, sizes: Sizes) -> None:
     admissions = 200 if report.tiny else 5000
-    argv = [sys.executable, str(BENCH / "coordinator.py"), "--admissions", str(admissions), "--json"]
+    argv = [
+        sys.executable, str(BENCH / "coordinator.py"), "--admissions", str(admissions),
+        "--replicas", "1" if report.tiny else "1,2,4", "--json",
+    ]
     progress(f"6: {admissions} admissions, local vs Redis")
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
@@ -783,6 +786,9 @@ def scenario_coordinator(report: Report, sizes: Sizes) -> None:
                 report.add(
                     "coordinator", f"Redis CPU per admission ({what})", "us", run["redis_cpu_us_per_admission"]
                 )
+    for run in raw.get("replicas", []):
+        what = f"{run['replicas']} replica(s), Redis" if run["coordinator"] else "1 replica, no coordinator"
+        report.add("coordinator", f"echo prompts/s sharing {run['seats']} seats ({what})", "/s", run["prompts_per_s"])
     gap = raw["idle_gap"]["gap_p99_ms"]
     report.add(
         "coordinator", "idle-seat gap under a steady backlog, 2 replicas (p99)", "ms", gap,

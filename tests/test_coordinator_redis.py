@@ -172,6 +172,30 @@ async def test_outage_local_admits_against_a_local_share(redis_server: RedisServ
         assert await _count(redis_server, "seats") == 3
 
 
+async def test_the_local_share_counts_the_shared_leases_still_running(redis_server: RedisServer) -> None:  # noqa: F811
+    """Two shared seats held when Redis goes away, a share of ceil(8 / 3) = 3: one more local seat,
+    not three more (the share bounds all this replica runs)."""
+    seats = Option((Need("seats", 8),))
+    async with replicas(redis_server, 1, timeout_ms=100, failure="local", expected_replicas=3) as (coord,):
+        held = [coord.new_lease(), coord.new_lease()]
+        for lease in held:
+            await coord.acquire(lease, seats)
+        redis_server.pause()
+        try:
+            local = []
+            with pytest.raises(LimitRefused) as refused:
+                for _ in range(4):
+                    lease = coord.new_lease()
+                    await coord.acquire(lease, seats)
+                    local.append(lease)
+            assert len(local) == 1 and local[0].where == "local"
+            assert (refused.value.count, refused.value.cap) == (3, 3)
+            coord.release(held[0])  # a shared seat ends during the outage: its room is this replica's again
+            await coord.acquire(coord.new_lease(), seats)
+        finally:
+            redis_server.resume()
+
+
 async def test_an_outage_longer_than_the_ttl_loses_leases_that_no_longer_fit(redis_server: RedisServer) -> None:  # noqa: F811
     opt = Option((Need("seats", 1),))
     async with replicas(redis_server, 1, lease_ttl_s=0.6, timeout_ms=100) as (coord,):
@@ -286,3 +310,51 @@ async def test_the_plan_admits_then_queues_then_refuses(redis_server: RedisServe
         assert sorted(leases[2].holds) == ["pool:echo", "seats", "seats:c1"]
         assert await _count(redis_server, "room") == 0
         assert await _count(redis_server, "seats") == 2
+
+
+async def test_a_limit_left_without_waiting_and_taken_again_is_held_in_redis(redis_server: RedisServer) -> None:  # noqa: F811
+    """leave_nowait (a permit handed back in a ``finally``) then an acquire of the same limit at once: the
+    acquire goes out after the leave, so the lease ends up a member of the set, not removed by a leave
+    that landed late."""
+    permit = Option((Need("pool:e:active", 1),))
+    async with replicas(redis_server, 2) as (a, b):
+        lease = a.new_lease()
+        await a.acquire(lease, SEAT, permit)
+        for _ in range(20):
+            a.leave_nowait(lease, ["pool:e:active"])
+            assert "pool:e:active" not in lease.holds
+            await a.acquire(lease, permit)
+            assert "pool:e:active" in lease.holds
+            assert await _count(redis_server, "pool:e:active") == 1
+        with pytest.raises(LimitRefused):  # the other replica sees it taken
+            await b.acquire(b.new_lease(), permit)
+        a.leave_nowait(lease, ["pool:e:active"])
+        await a.flush()
+        assert await _count(redis_server, "pool:e:active") == 0
+        assert await _count(redis_server, "seats") == 1
+        a.release(lease)
+
+
+async def test_a_pass_serves_one_replicas_waiters_in_rank_then_arrival_order(redis_server: RedisServer) -> None:  # noqa: F811
+    """Eight waiters on one replica, one seat freed at a time: a pass tries them in one script call,
+    and the seat goes to the first by rank, then by arrival."""
+    seat = Option((Need("seats", 1),))
+    async with replicas(redis_server, 2, recheck_s=3600) as (a, b):
+        holder = a.new_lease()
+        await a.acquire(holder, seat)
+        order: list[int] = []
+        ranks = [3, 1, 2, 1, 0, 3, 2, 0]
+
+        async def wait(i: int) -> None:
+            lease = b.new_lease()
+            await b.wait_acquire(lease, seat, rank=ranks[i])
+            order.append(i)
+            await trio.sleep(0.01)
+            b.release(lease)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(ranks)):
+                nursery.start_soon(wait, i)
+                await trio.sleep(0.01)  # arrival order = index
+            a.release(holder)
+        assert order == sorted(range(len(ranks)), key=lambda i: (ranks[i], i))

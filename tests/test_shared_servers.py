@@ -147,6 +147,22 @@ async def test_the_same_idempotency_key_on_two_replicas_runs_once(redis_server: 
         assert conflict["error"]["data"]["errorKind"] == "idempotency_key_conflict"
         assert (await first.receive())["result"]["stopReason"] == "end_turn"
         assert Counting.calls == 1
+        # Ended: the claim is marked done in Redis, naming r0 (which has the outcome) ...
+        claim_key = "{x}:idem:" + f"{len(sid)}:{sid}:k1"
+        with trio.fail_after(5):
+            while b"|done|" not in redis_server.command("GET", claim_key):  # noqa: ASYNC110 - settled in the background
+                await trio.sleep(0.02)
+        assert b"|r0|done|" in redis_server.command("GET", claim_key)
+        # ... so b answers the same prompt with duplicate_in_flight naming r0, and runs nothing
+        after = await cb.call_raw("session/prompt", params)
+        assert after["error"]["data"]["errorKind"] == "duplicate_in_flight"
+        assert after["error"]["data"]["replicaId"] == "r0"
+        conflict = await cb.call_raw("session/prompt", changed)
+        assert conflict["error"]["data"]["errorKind"] == "idempotency_key_conflict"
+        # a itself answers the same key from its own table, with the same outcome
+        again = await ca.call_raw("session/prompt", params)
+        assert again["result"]["stopReason"] == "end_turn"
+        assert Counting.calls == 1
         nursery.cancel_scope.cancel()
 
 

@@ -102,11 +102,21 @@ class SharedHold:
         if option is not None:
             await self._admission.coordinator.wait_acquire(self.lease, option, rank=self.rank)
 
-    async def release_permit(self) -> None:
-        """Give the permit back (the lease stays)."""
+    @property
+    def holds_permit(self) -> bool:
+        """True while the lease holds one backend call's permit (a
+        :class:`~acp_server.backends.base.PermitControl`, as the pool's own lease is)."""
         names = self._admission.plan.permit_names(self.backend)
-        if names:
-            await self._admission.coordinator.leave(self.lease, names)
+        holds = self.lease.holds
+        return bool(names) and all(name in holds for name in names)
+
+    def release_permit(self) -> None:
+        """Give the permit back and keep the lease (a model backend between its retries: it holds no
+        seat at the model server while it sleeps a backoff). Never waits: the coordinator sends the
+        leave in the background, before this lease's next :meth:`acquire_permit`."""
+        names = self._admission.plan.permit_names(self.backend)
+        if names and self.state != "released":
+            self._admission.coordinator.leave_nowait(self.lease, names)
 
     def release(self) -> None:
         """Give everything back, exactly once (later calls do nothing); never waits."""
@@ -133,6 +143,22 @@ class SharedAdmission:
     @property
     def enabled(self) -> bool:
         return self.plan.enabled
+
+    def readiness(self) -> CapacityUnavailableError | None:
+        """Why this replica should get no new prompts now, or ``None`` (``/health?ready=1``): it is
+        draining, or the coordinator is down in ``closed`` mode (every prompt needing a shared limit
+        would be refused). Logs nothing: a load balancer asks often."""
+        if self._draining():
+            reason = "draining"
+        else:
+            stats = self.coordinator.statistics()
+            if stats.up or stats.failure_mode != "closed" or not self.plan.enabled:
+                return None
+            reason = "coordinator_unavailable"
+        return CapacityUnavailableError(
+            reason=reason, retry_after_ms=SHARED_RETRY_AFTER_MS, request_id=f"adm_{secrets.token_hex(8)}",
+            safe_to_retry=True,
+        )
 
     async def admit(self, *, tenant: str, priority: str, backend: str, session_id: str, first: bool) -> SharedHold:
         """Admit one prompt in one coordinator call, all or nothing.

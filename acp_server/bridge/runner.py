@@ -268,9 +268,7 @@ class SessionRunner:
             partial(self._emit_for, ticket),
             _TurnChannel(fanout, channel, ticket) if channel is not None else None,
             _with_fence(ticket.meta, ticket.lease),
-            # a shared hold's permit stays held for the whole call (the cluster's pool has no
-            # per-retry hand-back yet)
-            permit=None if isinstance(ticket.lease, SharedHold) else ticket.lease,
+            permit=ticket.lease,  # a pool lease or a shared hold: a backend may hand it back between calls
             deadline=ticket.deadline if ticket.deadline_ms else None,
             transcript=partial(self._table.transcript, session, session.next_event_id - 1),
         )

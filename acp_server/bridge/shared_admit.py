@@ -114,6 +114,10 @@ def admit_shared(
         )
         if idempotency_key is not None:
             bridge._remember(session_id, idempotency_key, fingerprint, ticket)
+            runner = bridge.runner.nursery
+            assert runner is not None
+            runner.start_soon(_settle_when_done, bridge, ticket, idempotency_key, admit.claim_id)
+
         def lost(lease: Lease) -> None:
             error = LeaseLostError(lease_id=lease.id, fencing_token=lease.token, prompt_id=ticket.prompt_id)
             bridge.settlement.settle(ticket, None, error)
@@ -138,6 +142,15 @@ async def _claim(bridge: SessionBridge, session_id: str, key: str, fingerprint: 
         session_id=session_id, idempotency_key=key, replica_id=claim.replica_id,
         retry_after_ms=max(1, min(claim.ttl_ms, RETRY_AFTER_MS)),
     )
+
+
+async def _settle_when_done(bridge: SessionBridge, ticket: PromptTicket, key: str, claim_id: str) -> None:
+    """Once the prompt has its outcome, mark its claim done in the coordinator: another replica then
+    answers the same key with ``idempotency_key_conflict`` (another prompt) or ``duplicate_in_flight``
+    naming this replica, which has the outcome (the same prompt)."""
+    await ticket.done.wait()
+    assert bridge.shared is not None
+    await bridge.shared.coordinator.settle_claim(ticket.session.session_id, key, claim_id, drop=False)
 
 
 class SharedAdmit(Deferred):

@@ -163,7 +163,10 @@ class Lease:
         lost: set when the lease is lost; its holder should stop (``lease_lost``).
     """
 
-    __slots__ = ("_attempts", "_changes", "_inflight", "acquired_at", "holds", "id", "lost", "on_lost", "state", "token", "where")
+    __slots__ = (
+        "_attempts", "_changes", "_inflight", "_leaving", "acquired_at", "holds", "id", "lost", "on_lost", "state",
+        "token", "where",
+    )
 
     def __init__(self, lease_id: str) -> None:
         self.id = lease_id
@@ -177,6 +180,7 @@ class Lease:
         self._inflight = 0  # acquire calls of this lease on their way: a release then leaves a tombstone
         self._attempts = 0  # acquire calls made, numbering their tombstones
         self._changes = 0  # changes of its limits: a renewal built before one cannot judge it lost
+        self._leaving: trio.Event | None = None  # set once its last leave_nowait reached the store
 
     def __repr__(self) -> str:
         return f"<Lease {self.id} {self.state} token={self.token} {sorted(self.holds)}>"
@@ -320,6 +324,11 @@ class Coordinator(Protocol):
     async def leave(self, lease: Lease, names: Sequence[str]) -> None:
         """Leave some limits and keep the lease (a backend permit returned). Never raises; queued when
         the coordinator does not answer."""
+        ...
+
+    def leave_nowait(self, lease: Lease, names: Sequence[str]) -> None:
+        """:meth:`leave` without waiting (a backend permit returned from a ``finally``): the store is
+        updated in the background, before any later acquisition of the same lease is sent."""
         ...
 
     def release(self, lease: Lease) -> None:

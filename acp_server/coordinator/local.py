@@ -60,6 +60,9 @@ class LocalCoordinator:
         self._fence = itertools.count(1)
         self._queue = WaitQueue()
         self._acquired = self._refused = self._released = 0
+        #: holders counted beside this coordinator's own, per limit: a replica's shared leases still
+        #: running while it admits against its local share (so the share bounds all it runs)
+        self.base: dict[str, int] = {}
 
     @property
     def replica_id(self) -> str:
@@ -74,7 +77,7 @@ class LocalCoordinator:
 
     def _count(self, name: str) -> int:
         members = self._sets.get(name)
-        return len(members) if members else 0
+        return (len(members) if members else 0) + self.base.get(name, 0)
 
     def _holds(self, name: str, lease_id: str) -> bool:
         members = self._sets.get(name)
@@ -187,7 +190,7 @@ class LocalCoordinator:
                 pass
         await self._queue.wait(lease, option, rank, leave)
 
-    async def _attempt(self, lease: Lease, option: Option, leave: Sequence[str]) -> None:
+    async def _attempt(self, lease: Lease, option: Option, leave: Sequence[str], order: tuple[int, int]) -> None:
         self.try_acquire(lease, option, leave=leave)
 
     async def leave(self, lease: Lease, names: Sequence[str]) -> None:

@@ -1,4 +1,4 @@
-"""The Redis coordinator: limits shared by every replica on one Redis, through ``coredis`` and Lua.
+"""The Redis coordinator: limits shared by every replica on one Redis, through Lua scripts.
 
 Every check-and-take is one call of ``lua/acquire.lua`` over keys of one hash tag (see
 :mod:`~acp_server.coordinator.scripts`), so replicas never both see a free seat and both take it.
@@ -19,20 +19,20 @@ a pass over its waiters (:mod:`~acp_server.coordinator.waiters`), with a re-chec
 pings with a backoff doubling up to 2 s. Meanwhile running prompts go on; an acquire raises
 :class:`~acp_server.coordinator.base.CoordinatorUnavailable` (``failure="closed"``) or is taken against a
 local share ``ceil(cap / N)`` (``failure="local"``; N = ``expected_replicas``, else the live replicas last
-seen). When Redis answers again every held lease is re-asserted before anything new is admitted: one
+seen), which counts the shared leases this replica still runs. When Redis answers again every held lease
+is re-asserted before anything new is admitted here (arrivals wait for it, bounded by the timeout): one
 still whole is renewed, one that expired (or was taken locally) is re-taken if its limits allow, and the
-rest are lost (:attr:`Lease.lost`, ``lease_lost`` for the prompt).
+rest are lost (:attr:`Lease.lost`, ``lease_lost`` for the prompt). The replica then publishes ``up`` on
+``{p}:freed``, so the others still down try their reconnect at once: the cluster's re-assert is one round.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final
 
-import anyio
 import coredis
 import trio
 from coredis.retry import NoRetryPolicy
@@ -45,17 +45,17 @@ from .base import (
     CoordinatorUnavailable,
     FailureMode,
     Lease,
-    LimitCount,
     LimitRefused,
     Need,
     Option,
-    ReplicaInfo,
     new_lease_id,
 )
 from .local import LocalCoordinator, default_replica_id
-from .redis_wire import _ERRORS, SCRIPT_NAMES, RedisWire, _Down, _Release, redis_now_ms, script_source
+from .readout import cluster_statistics, read_cluster
+from .redis_wire import _ERRORS, RedisWire, _Down, _Release, redis_now_ms
+from .resp import RespPipe
 from .scripts import Keys
-from .waiters import WaitQueue
+from .waiters import PASS_CHUNK, WaitQueue
 
 __all__ = ["RedisCoordinator", "cluster_statistics", "read_cluster", "redis_now_ms"]
 
@@ -66,10 +66,8 @@ BACKOFF_MAX_S: Final = 2.0
 _BACKOFF_MIN_S: Final = 0.05
 #: Leases renewed per ``renew.lua`` call.
 _RENEW_BATCH: Final = 200
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+#: The batch order of an acquisition that is not a waiter's: after every waiter of the same call.
+_ARRIVAL: Final = (1 << 30, 0)
 
 
 class RedisCoordinator(RedisWire):
@@ -107,7 +105,6 @@ class RedisCoordinator(RedisWire):
         self._live = 1
         self._acquired = self._refused = self._released = self._lost = 0
         self._reasserted = 0
-        self._caps_sent: dict[str, int] = {}  # caps recorded in {p}:caps over this connection
         self._renew_last = self._renew_max = 0.0
 
     @property
@@ -128,76 +125,72 @@ class RedisCoordinator(RedisWire):
 
     # --- calls ------------------------------------------------------------------------------------
 
-    def _acquire_request(
-        self, lease: Lease, options: Sequence[Option], leave: Sequence[str], attempt: int, token: int
-    ) -> tuple[list[str], list[str | int]]:
-        """One request of a batched ``acquire.lua`` call: its KEYS (tombstone, record, sets) and ARGV."""
-        keys = [self.keys.tomb(lease.id, attempt), self.keys.lease(lease.id)]
-        index: dict[str, int] = {}
-
-        def ki(name: str) -> int:
-            i = index.get(name)
-            if i is None:
-                keys.append(self.keys.limit(name))
-                i = index[name] = len(keys) - 2
-            return i
-
-        spec_options = []
-        for option in options:
-            spec: dict[str, Any] = {"n": [[ki(n.name), n.cap, 1 if n.soft else 0] for n in option.needs]}
-            rule = option.classes
-            if rule is not None:
-                spec["c"] = {
-                    "r": rule.rank,
-                    "s": list(rule.shares),
-                    "k": [ki(n) for n in rule.seat_names],
-                    "w": [ki(n) for n in rule.room_names],
-                }
-            spec_options.append(spec)
-        body: dict[str, Any] = {"o": spec_options}
-        if leave:
-            body["d"] = [ki(n) for n in leave]
-        sent = self._caps_sent
-        record = {n.name: n.cap for o in options for n in o.needs if sent.get(n.name) != n.cap}
-        if record:
-            body["a"] = [[ki(name), cap] for name, cap in record.items()]
-            sent.update(record)
-        return keys, [lease.id, token, len(keys) - 2, json.dumps(body, separators=(",", ":"))]
-
-    async def acquire(self, lease: Lease, *options: Option, leave: Sequence[str] = ()) -> int:
-        """See :meth:`~acp_server.coordinator.base.Coordinator.acquire`."""
+    async def acquire(
+        self, lease: Lease, *options: Option, leave: Sequence[str] = (), _order: tuple[int, int] = _ARRIVAL
+    ) -> int:
+        """See :meth:`~acp_server.coordinator.base.Coordinator.acquire` (``_order``: a waiter's place,
+        so a pass's attempts reach the script in queue order)."""
         if not lease.active:
             raise RuntimeError(f"{lease!r} is over; take a new lease")
         if not options:
             raise ValueError("acquire needs at least one option")
         await trio.lowlevel.checkpoint_if_cancelled()
         if lease.where == "local" and lease.state == "held":
+            self._count_shared_in_share()
             return self._local.try_acquire(lease, *options, leave=leave)  # re-asserted with the rest later
         if not self._up:
             if self._failure == "local" and lease.state == "new":
                 return self._local_acquire(lease, options, leave)
             raise self._unavailable()
-        return await self._shared_acquire(lease, options, leave, token=lease.token)
+        if not self._up_event.is_set():
+            # Redis answers again and this replica re-asserts its leases: they go first, so a new
+            # arrival cannot take the seat of a lease that is about to be re-taken.
+            with trio.move_on_after(self._timeout_s):
+                await self._up_event.wait()
+            if not self._up_event.is_set():
+                raise self._unavailable()
+        leaving = lease._leaving
+        if leaving is not None:
+            # A limit this lease left with leave_nowait is still in Redis until that release lands;
+            # taking it again before would be answered "held" and then undone by the release.
+            with trio.move_on_after(self._timeout_s):
+                await leaving.wait()
+            if not leaving.is_set():
+                raise self._unavailable()
+            lease._leaving = None
+        return await self._shared_acquire(lease, options, leave, token=lease.token, order=_order)
 
     def _local_acquire(self, lease: Lease, options: Sequence[Option], leave: Sequence[str]) -> int:
         self._local.replicas = self._expected or self._live
+        self._count_shared_in_share()
         number = self._local.try_acquire(lease, *options, leave=leave)
         self._acquired += 1
         return number
 
+    def _count_shared_in_share(self) -> None:
+        """The local share bounds everything this replica runs: its shared leases still running while
+        Redis is away count against it (else a replica would run its share on top of them)."""
+        base: dict[str, int] = {}
+        for held in self._leases.values():
+            if held.active:
+                for name in held.holds:
+                    base[name] = base.get(name, 0) + 1
+        self._local.base = base
+
     async def _shared_acquire(
-        self, lease: Lease, options: Sequence[Option], leave: Sequence[str], *, token: int
+        self, lease: Lease, options: Sequence[Option], leave: Sequence[str], *, token: int,
+        order: tuple[int, int] = _ARRIVAL,
     ) -> int:
         lease._attempts += 1
         attempt = lease._attempts
-        keys, args = self._acquire_request(lease, options, leave, attempt, token)
+        names, nkeys, keys, args = self._acquire_request(lease, options, leave, attempt, token)
         was_new = lease.state == "new"
         lease._inflight += 1
         # Shielded and bounded by the timeout: a cancel is seen once the answer is known, so what the
         # call took is given back exactly (a call torn mid-way would leave its outcome unknown).
         with trio.CancelScope(shield=True):
             try:
-                result = await self._batched_acquire(keys, args)
+                result = await self._batched_acquire(nkeys, keys, args, order)
             except _Down:
                 # No answer: the call may still run on the server. Its attempt gets a tombstone, and
                 # whatever it may have taken is given back.
@@ -216,7 +209,7 @@ class RedisCoordinator(RedisWire):
             await trio.lowlevel.checkpoint_if_cancelled()
             if code == -1:
                 raise LimitRefused("tombstone", 0, 0)  # a release of this lease came first
-            name = self.keys.limit_name(keys[int(result[1]) + 1])
+            name = names[int(result[1]) - 1]
             raise LimitRefused(name, int(result[2]), int(result[3]), soft=bool(int(result[4])))
         option = options[code - 1]
         if not lease.active:
@@ -272,8 +265,8 @@ class RedisCoordinator(RedisWire):
                 pass  # an accepted prompt waits: the dispatcher tries again once Redis answers
         await self._queue.wait(lease, option, rank, leave)
 
-    async def _attempt(self, lease: Lease, option: Option, leave: Sequence[str]) -> None:
-        await self.acquire(lease, option, leave=leave)
+    async def _attempt(self, lease: Lease, option: Option, leave: Sequence[str], order: tuple[int, int]) -> None:
+        await self.acquire(lease, option, leave=leave, _order=order)
 
     # --- leave and release ------------------------------------------------------------------------
 
@@ -299,6 +292,21 @@ class RedisCoordinator(RedisWire):
                 await self._send_release(item)
             except _Down:
                 self._enqueue_release(item)
+        self._queue.wake()
+
+    def leave_nowait(self, lease: Lease, names: Sequence[str]) -> None:
+        """See :meth:`~acp_server.coordinator.base.Coordinator.leave_nowait`."""
+        names = tuple(n for n in names if n in lease.holds)
+        if not names or not lease.active:
+            return
+        if lease.where == "local":
+            self._local.leave_nowait(lease, names)
+            return
+        for name in names:
+            lease.holds.pop(name, None)
+        lease._changes += 1
+        sent = lease._leaving = trio.Event()
+        self._enqueue_release(_Release(lease.id, names, False, None, trio.current_time(), sent))
         self._queue.wake()
 
     def release(self, lease: Lease) -> None:
@@ -352,6 +360,8 @@ class RedisCoordinator(RedisWire):
 
     async def _retake(self, lease: Lease) -> None:
         """Take an expired (or locally taken) lease again with the caps it holds, or mark it lost."""
+        if not lease.active:
+            return
         holds = dict(lease.holds)
         option = Option(tuple(Need(name, cap) for name, cap in holds.items()))
         was_local = lease.where == "local"
@@ -364,6 +374,8 @@ class RedisCoordinator(RedisWire):
             lease.holds.update(holds)
             self._lose(lease)
             return
+        except RuntimeError:
+            return  # its holder released it meanwhile: what the call took was given back
         self._reasserted += 1
 
     def _lose(self, lease: Lease) -> None:
@@ -416,6 +428,13 @@ class RedisCoordinator(RedisWire):
         self._down_event = trio.Event()
         self._up_event.set()
         log.warning("coordinator %s answers; %d leases re-asserted", self.url, self._reasserted)
+        try:
+            # The other replicas' subscriptions hear it and try their reconnect now rather than at
+            # the end of their backoff: the cluster's re-assert round is one round, not two seconds.
+            with trio.fail_after(self._timeout_s):
+                await self._client.publish(self.keys.freed, "up")
+        except _ERRORS:
+            pass
         self._queue.wake()
         self._release_wake.set()
         return True
@@ -427,29 +446,38 @@ class RedisCoordinator(RedisWire):
                 await self._down_event.wait()
                 backoff = _BACKOFF_MIN_S
             self._next_attempt = trio.current_time() + backoff
-            await trio.sleep(backoff)
+            with trio.move_on_after(backoff):
+                await self._poke.wait()
             if await self._connect():
                 continue
             self._up = False
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _subscriber(self) -> None:
-        assert self._client is not None
+        assert self._pipe is not None
+
+        def on_message(_: list[Any]) -> None:
+            self._queue.wake()
+            if not self._up:
+                self._poke.set()  # Redis answers (another replica published)
+
         while True:
             try:
-                async with self._client.pubsub(channels=[self.keys.freed], ignore_subscribe_messages=True) as ps:
-                    async for _ in ps:
-                        self._queue.wake()
-            except* (*_ERRORS, anyio.ClosedResourceError) as group:
-                # The subscription's own connection closes on a cancel too (then Cancelled follows).
-                log.debug("coordinator subscription ended (%r); resubscribing", group.exceptions[0])
+                conn = await self._pipe.subscribe(self.keys.freed, on_message)
+                try:
+                    await conn.ended.wait()
+                finally:
+                    conn.fail(ConnectionError("unsubscribed"))
+                log.debug("coordinator subscription ended (%r); resubscribing", conn.broken)
+            except _ERRORS as exc:
+                log.debug("coordinator subscription failed (%r); retrying", exc)
             await trio.sleep(_BACKOFF_MIN_S)
 
     async def _dispatcher(self) -> None:
         while True:
             await self._queue.woken(self._recheck_s)
             if len(self._queue) and self._up:
-                await self._queue.run_pass(self._attempt)
+                await self._queue.run_pass(self._attempt, chunk_size=PASS_CHUNK)
 
     # --- idempotency, statistics ------------------------------------------------------------------
 
@@ -523,15 +551,15 @@ class RedisCoordinator(RedisWire):
         )
         async with client:
             self._client = client
-            self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
             try:
-                self._up = True  # so a first failure counts as an outage
-                try:
-                    await self._renew([])
-                    self._up_event.set()
-                except _Down:
-                    self._up = False
                 async with trio.open_nursery() as nursery:
+                    self._pipe = RespPipe(self.url, nursery, connect_timeout_s=self._timeout_s)
+                    self._up = True  # so a first failure counts as an outage
+                    try:
+                        await self._renew([])
+                        self._up_event.set()
+                    except _Down:
+                        self._up = False
                     for task in (
                         self._acquire_batcher, self._monitor, self._renewer, self._releaser,
                         self._subscriber, self._dispatcher,
@@ -549,35 +577,4 @@ class RedisCoordinator(RedisWire):
                         nursery.cancel_scope.cancel()
             finally:
                 self._client = None
-
-
-async def cluster_statistics(client: coredis.Redis[bytes], keys: Keys, ttl_ms: int) -> ClusterStatistics:
-    """Every limit's live holders and every replica's last renewal, read from Redis (not atomic: a
-    snapshot for people). A replica counts as live when it renewed within ``ttl_ms``."""
-    now = await redis_now_ms(client)
-    caps = await client.hgetall(keys.caps)
-    limits = []
-    for key, cap in sorted(caps.items()):
-        count = await client.zcount(key, f"({now}", "+inf")
-        limits.append(LimitCount(name=keys.limit_name(_text(key)), cap=int(cap), count=count))
-    replicas = []
-    for member, score in await client.zrange(keys.replicas, 0, -1, withscores=True):
-        ago = max(0, round(now - float(score)))
-        replicas.append(ReplicaInfo(replica_id=_text(member), last_renew_ms_ago=ago, live=ago <= ttl_ms))
-    return ClusterStatistics(prefix=keys.prefix, replicas=replicas, limits=limits)
-
-
-async def read_cluster(url: str, prefix: str, *, lease_ttl_s: float = 30.0, timeout_s: float = 2.0) -> ClusterStatistics:
-    """:func:`cluster_statistics` over a connection of its own (``acp-server cluster``): registers no
-    replica and takes nothing.
-
-    Raises:
-        trio.TooSlowError: Redis did not answer within ``timeout_s``.
-        coredis.exceptions.RedisError, OSError: the connection failed.
-    """
-    client: coredis.Redis[bytes] = coredis.Redis.from_url(
-        url, connect_timeout=timeout_s, retry_policy=NoRetryPolicy(), verify_version=False
-    )
-    with trio.fail_after(timeout_s):
-        async with client:
-            return await cluster_statistics(client, Keys(prefix), round(lease_ttl_s * 1000))
+                self._pipe = None

@@ -1,16 +1,19 @@
 """The wire of the Redis coordinator: script calls bounded by a timeout, batches, the release queue.
 
-:class:`RedisWire` owns what touches Redis: the ``coredis`` client and the scripts (registered once,
-reloaded by ``coredis`` on ``NOSCRIPT``), the up/down state a failed call moves to, the batching of
-acquisitions (those of one turn of the event loop go out in one ``acquire.lua`` call; while a call is
-on its way the next batch gathers) and the queue of releases, sent in order, many per call, and kept
-while Redis is away. :class:`~acp_server.coordinator.redis.RedisCoordinator` builds the leases, the
+:class:`RedisWire` owns what touches Redis: the scripts, called by SHA-1 over the pipelined
+connection of :mod:`~acp_server.coordinator.resp` (sent again with ``EVAL`` on ``NOSCRIPT``), the
+``coredis`` client for the rest, the up/down state a failed call moves to, the encoding of acquisitions
+(once per kind of admission) and their batching (those of one turn of the event loop go out in one
+``acquire.lua`` call, waiters in their queue's order; while a call is on its way the next batch gathers)
+and the queue of releases, sent in order, many per call, and kept while Redis is away. :class:`~acp_server.coordinator.redis.RedisCoordinator` builds the leases, the
 outages and the waiters on it.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -20,7 +23,8 @@ import coredis
 import coredis.exceptions
 import trio
 
-from .base import CoordinatorUnavailable, FailureMode
+from .base import CoordinatorUnavailable, FailureMode, Lease, Option
+from .resp import RespError, RespPipe, bulk
 from .scripts import SCRIPT_NAMES, Keys, script_source
 
 __all__ = ["SCRIPT_NAMES", "RedisWire", "redis_now_ms", "script_source"]
@@ -29,8 +33,10 @@ log = logging.getLogger("acp_server.coordinator")
 
 #: Acquisitions or releases per ``acquire.lua`` or ``release.lua`` call.
 _BATCH: Final = 64
+#: Encoded request shapes kept (one per tenant, class and backend seen): past it the cache starts over.
+_SHAPES_MAX: Final = 1024
 
-_ERRORS: Final = (coredis.exceptions.RedisError, OSError, trio.TooSlowError)
+_ERRORS: Final = (coredis.exceptions.RedisError, RespError, OSError, trio.TooSlowError)
 
 
 _NOW_LUA: Final = "local t = redis.call('TIME') return t[1] * 1000 + math.floor(t[2] / 1000)"
@@ -49,11 +55,13 @@ class _Down(Exception):
 
 
 class _Pending:
-    """One acquisition waiting for its batch's reply."""
+    """One acquisition waiting for its batch's reply: its KEYS and ARGV, encoded."""
 
-    __slots__ = ("args", "done", "error", "keys", "result")
+    __slots__ = ("args", "done", "error", "keys", "nkeys", "order", "result")
 
-    def __init__(self, keys: list[str], args: list[str | int]) -> None:
+    def __init__(self, nkeys: int, keys: bytes, args: bytes, order: tuple[int, int]) -> None:
+        self.order = order
+        self.nkeys = nkeys
         self.keys = keys
         self.args = args
         self.done = trio.Event()
@@ -66,14 +74,18 @@ class _Pending:
 
 
 class _Release:
-    __slots__ = ("full", "lease_id", "names", "queued_at", "tomb")
+    __slots__ = ("full", "lease_id", "names", "queued_at", "sent", "tomb")
 
-    def __init__(self, lease_id: str, names: tuple[str, ...], full: bool, tomb: int | None, now: float) -> None:
+    def __init__(
+        self, lease_id: str, names: tuple[str, ...], full: bool, tomb: int | None, now: float,
+        sent: trio.Event | None = None,
+    ) -> None:
         self.lease_id = lease_id
         self.names = names
         self.full = full
         self.tomb = tomb  # the attempt whose tombstone to leave, None for none
         self.queued_at = now
+        self.sent = sent  # set once the release reached Redis (or was dropped as stale)
 
 
 class RedisWire:
@@ -106,10 +118,17 @@ class RedisWire:
         self._timeout_s = timeout_ms / 1000
         self._failure: FailureMode = failure
         self._client: coredis.Redis[bytes] | None = None
-        self._scripts: dict[str, Any] = {}
+        #: the script calls' own connection (pipelined); made by ``running()``
+        self._pipe: RespPipe | None = None
+        #: script name -> (SHA-1, source)
+        self._scripts: dict[str, tuple[str, str]] = {
+            name: (hashlib.sha1(script_source(name).encode()).hexdigest(), script_source(name)) for name in SCRIPT_NAMES
+        }
         self._up = False
         self._up_event = trio.Event()
         self._down_event = trio.Event()
+        #: set when another replica announces Redis answers again: the reconnect is tried at once
+        self._poke = trio.Event()
         self._next_attempt = 0.0
         self._releases: collections.deque[_Release] = collections.deque()
         self._acquire_pending: list[_Pending] = []
@@ -119,13 +138,17 @@ class RedisWire:
         self._releases_idle.set()
         self._release_lock = trio.Lock()
         self._failures = self._outages = 0
+        self._caps_sent: dict[str, int] = {}  # caps recorded in {p}:caps over this connection
+        #: (options, leave) -> their encoding (set names, set keys, JSON spec): one per kind of admission
+        self._shapes: dict[tuple[tuple[Option, ...], tuple[str, ...]], tuple[tuple[str, ...], bytes, bytes]] = {}
 
     async def _call(self, script: str, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """One script call, bounded by the timeout; a failure marks the coordinator down."""
-        assert self._client is not None
+        assert self._pipe is not None
+        sha, source = self._scripts[script]
         try:
             with trio.fail_after(self._timeout_s):
-                return await self._scripts[script](keys=keys, args=args)
+                return await self._pipe.evalsha(sha, source, keys, args)
         except _ERRORS as exc:
             self._failures += 1
             self._mark_down(exc)
@@ -136,6 +159,7 @@ class RedisWire:
             self._up = False
             self._outages += 1
             self._up_event = trio.Event()
+            self._poke = trio.Event()
             self._down_event.set()
             self._next_attempt = trio.current_time()
             log.warning("coordinator %s is away (%s); failure mode %s", self.url, exc or type(exc).__name__, self._failure)
@@ -146,13 +170,83 @@ class RedisWire:
 
     # --- acquire ----------------------------------------------------------------------------------
 
-    async def _batched_acquire(self, keys: list[str], args: list[str | int]) -> Any:
-        """Send one request with the others of this turn of the loop; its reply.
+    async def _call_encoded(self, script: str, count: int, body: bytes) -> Any:
+        """:meth:`_call` with ``numkeys``, the keys and the arguments encoded (``count`` of them)."""
+        assert self._pipe is not None
+        sha, source = self._scripts[script]
+        try:
+            with trio.fail_after(self._timeout_s):
+                return await self._pipe.evalsha_encoded(sha, source, count, body)
+        except _ERRORS as exc:
+            self._failures += 1
+            self._mark_down(exc)
+            raise _Down(str(exc) or type(exc).__name__) from exc
+
+    def _acquire_request(
+        self, lease: Lease, options: Sequence[Option], leave: Sequence[str], attempt: int, token: int
+    ) -> tuple[tuple[str, ...], int, bytes, bytes]:
+        """One request of a batched ``acquire.lua`` call, encoded: the names of its limit sets (set
+        ``i`` is ``names[i - 1]``), its number of KEYS, its KEYS (tombstone, record, sets) and ARGV."""
+        sent = self._caps_sent
+        record = {n.name: n.cap for o in options for n in o.needs if sent.get(n.name) != n.cap}
+        shape = (tuple(options), tuple(leave))
+        cached = None if record else self._shapes.get(shape)
+        if cached is None:
+            cached = self._request_shape(options, leave, record)
+            if record:
+                sent.update(record)
+            else:
+                if len(self._shapes) >= _SHAPES_MAX:
+                    self._shapes.clear()
+                self._shapes[shape] = cached
+        names, sets, spec = cached
+        keys = bulk(self.keys.tomb(lease.id, attempt)) + bulk(self.keys.lease(lease.id)) + sets
+        args = bulk(lease.id) + bulk(token) + bulk(len(names)) + spec
+        return names, 2 + len(names), keys, args
+
+    def _request_shape(
+        self, options: Sequence[Option], leave: Sequence[str], record: dict[str, int]
+    ) -> tuple[tuple[str, ...], bytes, bytes]:
+        """What a request's options and leave list encode to, the same for every lease: the set names,
+        their keys and the JSON spec (with ``record``'s caps to note in the caps hash)."""
+        names: list[str] = []
+        index: dict[str, int] = {}
+
+        def ki(name: str) -> int:
+            i = index.get(name)
+            if i is None:
+                names.append(name)
+                i = index[name] = len(names)
+            return i
+
+        spec_options = []
+        for option in options:
+            spec: dict[str, Any] = {"n": [[ki(n.name), n.cap, 1 if n.soft else 0] for n in option.needs]}
+            rule = option.classes
+            if rule is not None:
+                spec["c"] = {
+                    "r": rule.rank,
+                    "s": list(rule.shares),
+                    "k": [ki(n) for n in rule.seat_names],
+                    "w": [ki(n) for n in rule.room_names],
+                }
+            spec_options.append(spec)
+        body: dict[str, Any] = {"o": spec_options}
+        if leave:
+            body["d"] = [ki(n) for n in leave]
+        if record:
+            body["a"] = [[ki(name), cap] for name, cap in record.items()]
+        sets = b"".join(bulk(self.keys.limit(n)) for n in names)
+        return tuple(names), sets, bulk(json.dumps(body, separators=(",", ":")))
+
+    async def _batched_acquire(self, nkeys: int, keys: bytes, args: bytes, order: tuple[int, int]) -> Any:
+        """Send one request (``nkeys`` keys, four arguments, encoded) with the others of this turn of
+        the loop; its reply.
 
         Raises:
             _Down: the batch's call failed or timed out.
         """
-        item = _Pending(keys, args)
+        item = _Pending(nkeys, keys, args, order)
         self._acquire_pending.append(item)
         self._acquire_wake.set()
         await item.done.wait()
@@ -171,13 +265,17 @@ class RedisWire:
                 while pending:
                     batch = pending[:_BATCH]
                     del pending[:_BATCH]
-                    keys = [self.keys.fence, self.keys.caps]
-                    args: list[str | int] = [self._ttl_ms, self._replica_id, self.keys.freed, len(batch)]
-                    for item in batch:
-                        keys.extend(item.keys)
-                        args.extend(item.args)
+                    # waiters in their queue's order (the tasks of a pass ran in any order), then the rest
+                    batch.sort(key=lambda item: item.order)
+                    nkeys = 2 + sum(item.nkeys for item in batch)
+                    body = b"".join((
+                        bulk(nkeys), bulk(self.keys.fence), bulk(self.keys.caps),
+                        *(item.keys for item in batch),
+                        bulk(self._ttl_ms), bulk(self._replica_id), bulk(self.keys.freed), bulk(len(batch)),
+                        *(item.args for item in batch),
+                    ))
                     try:
-                        replies = await self._call("acquire", keys, args)
+                        replies = await self._call_encoded("acquire", 1 + nkeys + 4 + 4 * len(batch), body)
                     except _Down as exc:
                         for item in batch:
                             item.fail(exc)
@@ -222,8 +320,10 @@ class RedisWire:
                 fresh = [item for item in batch if item.queued_at > cut]
                 if fresh:
                     await self._send_release(*fresh)
-                for _ in batch:
+                for item in batch:
                     queue.popleft()
+                    if item.sent is not None:
+                        item.sent.set()
             self._releases_idle.set()
 
     async def _releaser(self) -> None:

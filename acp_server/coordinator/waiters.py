@@ -21,13 +21,17 @@ import trio
 
 from .base import CoordinatorUnavailable, Lease, LimitRefused, Option
 
-__all__ = ["Waiter", "WaitQueue"]
+__all__ = ["PASS_CHUNK", "Waiter", "WaitQueue"]
 
 _WAITING: Final = 0
 _GRANTED: Final = 1
 _GONE: Final = 2
 
-Attempt = Callable[[Lease, Option, Sequence[str]], Awaitable[None]]
+#: one attempt for a waiter: its lease, its option, the limits it leaves, its place in the queue
+Attempt = Callable[[Lease, Option, Sequence[str], tuple[int, int]], Awaitable[None]]
+
+#: Waiters tried at once in a pass (one script call on a shared coordinator).
+PASS_CHUNK: Final = 16
 
 
 class Waiter:
@@ -99,14 +103,48 @@ class WaitQueue:
             self._remove(waiter)
             waiter.event.set()
 
-    async def run_pass(self, attempt: Attempt) -> int:
+    async def run_pass(self, attempt: Attempt, *, chunk_size: int = 1) -> int:
         """Try the waiters in order; returns how many were granted.
 
-        A waiter needing a limit refused earlier in the pass is skipped; a class-share refusal is
+        Waiters are tried in chunks tried concurrently: one waiter first, then twice as many after a
+        chunk that was granted whole, up to ``chunk_size`` (a shared coordinator, given
+        :data:`PASS_CHUNK`, sends one chunk in one script call in the waiters' order, so a freed seat
+        goes to the first of them, and one freed seat costs each replica one attempt; in-process
+        attempts go one by one); a
+        waiter needing a limit refused earlier in the pass is skipped, a class-share refusal being
         remembered per class. :class:`CoordinatorUnavailable` ends the pass (waiters keep waiting).
         """
         granted = 0
         refused: set[str] = set()
+        unavailable = False
+        chunk: list[Waiter] = []
+        size = 1
+
+        async def one(waiter: Waiter) -> None:
+            nonlocal granted, unavailable
+            try:
+                await attempt(waiter.lease, waiter.option, waiter.leave, waiter.key)
+            except LimitRefused as exc:
+                refused.add(exc.name)
+                return
+            except CoordinatorUnavailable:
+                unavailable = True
+                return
+            if waiter.state == _WAITING:
+                waiter.state = _GRANTED
+                self._remove(waiter)
+                waiter.event.set()
+                granted += 1
+            # else: the waiter was cancelled during the attempt; its caller releases the lease.
+
+        async def run(chunk: list[Waiter]) -> None:
+            if len(chunk) == 1:
+                await one(chunk[0])
+                return
+            async with trio.open_nursery() as nursery:
+                for waiter in chunk:
+                    nursery.start_soon(one, waiter)
+
         for waiter in list(self._waiters):
             if waiter.state != _WAITING:
                 continue
@@ -117,17 +155,14 @@ class WaitQueue:
                 continue
             if refused.intersection(waiter.option.names()):
                 continue
-            try:
-                await attempt(waiter.lease, waiter.option, waiter.leave)
-            except LimitRefused as exc:
-                refused.add(exc.name)
-                continue
-            except CoordinatorUnavailable:
-                return granted
-            if waiter.state == _WAITING:
-                waiter.state = _GRANTED
-                self._remove(waiter)
-                waiter.event.set()
-                granted += 1
-            # else: the waiter was cancelled during the attempt; its caller releases the lease.
+            chunk.append(waiter)
+            if len(chunk) >= size:
+                before = granted
+                await run(chunk)
+                size = min(chunk_size, size * 2) if granted - before == len(chunk) else 1
+                chunk = []
+                if unavailable:
+                    return granted
+        if chunk:
+            await run(chunk)
         return granted

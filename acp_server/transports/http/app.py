@@ -166,6 +166,9 @@ class AcpHttpApp:
         #: qwen serve's REST + SSE API (a :class:`~.rest.RestApi`; ``None``: only ``/acp`` and ``/health``)
         self.rest = rest
         self.guard = guard or HttpGuard(None)
+        #: why the server should get no new prompts now (``/health?ready=1`` answers 503 with it), or
+        #: ``None`` when it is ready; unset: always ready
+        self.readiness: Callable[[], AcpError | None] | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -261,6 +264,10 @@ class AcpHttpApp:
             return
         try:
             if scope["path"] == HEALTH_PATH:
+                not_ready = self._not_ready(scope.get("query_string", b""))
+                if not_ready is not None:
+                    await self._answer(send, 503, error_body(not_ready) if method == "GET" else b"", cors)
+                    return
                 body = _HEALTH_BODY
                 if self.rest is not None and b"deep=1" in scope.get("query_string", b""):
                     body = msgspec.json.encode(self.rest.health(deep=True))
@@ -275,6 +282,12 @@ class AcpHttpApp:
                 await self._delete(headers, send, cors)
         except AcpError as exc:
             await self._refuse(send, exc, cors)
+
+    def _not_ready(self, query: bytes) -> AcpError | None:
+        """With ``ready=1`` in the query: the reason the server is not ready, if it is not."""
+        if self.readiness is None or b"ready=1" not in query:
+            return None
+        return self.readiness()
 
     def _connection(self, headers: list[tuple[bytes, bytes]]) -> _Connection:
         connection_id = header(headers, _CONNECTION_KEY)

@@ -151,6 +151,14 @@ def _guard(handle_stream: Any, address: ListenAddress) -> HttpGuard:
     return HttpGuard(auth, trusted=address.kind == "unix")
 
 
+def _readiness(handle_stream: Any) -> Any:
+    """What ``/health?ready=1`` asks: the shared admission's readiness when the server has a
+    coordinator (503 while it is down in ``closed`` mode, or while draining), else nothing."""
+    server = getattr(handle_stream, "__self__", None)
+    shared = getattr(getattr(server, "bridge", None), "shared", None)
+    return None if shared is None else shared.readiness
+
+
 async def serve_http(
     handle_stream: Callable[[trio.abc.Stream, str], Awaitable[None]],
     address: ListenAddress,
@@ -203,6 +211,7 @@ async def serve_http(
             app = AcpHttpApp(
                 handle_stream, nursery, rules, options.limits, _rest_api(handle_stream, options), _guard(handle_stream, address)
             )
+            app.readiness = _readiness(handle_stream)
             served: Any = ForwardedFor(app, proxies) if proxies.networks else app
             await nursery.start(
                 partial(serve_app, tls=http_tls, gate=gate, name=f"http {address}"), served, _config(options.limits), listener

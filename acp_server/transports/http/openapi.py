@@ -32,8 +32,12 @@ BASE_ID = "https://acp-server.dev/schemas/http/"
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 _REF = "#/components/schemas/{name}"
 
-#: Kinds any request can be refused with, whatever its route.
-LISTENER_KINDS = ("forbidden_host", "forbidden_origin", "too_many_connections", "internal", "method_not_allowed")
+#: Kinds any request can be refused with, whatever its route (``unauthorized`` and ``rate_limited``
+#: with ``--auth-tokens``).
+LISTENER_KINDS = (
+    "forbidden_host", "forbidden_origin", "too_many_connections", "internal", "method_not_allowed", "unauthorized",
+    "rate_limited",
+)
 _BODY = ("unsupported_media_type", "message_too_large", "parse_error", "invalid_params")
 _SESSION = ("session_not_found", "invalid_params")
 _ADMISSION = (
@@ -71,8 +75,11 @@ class Route:
 
 
 ROUTES = (
-    Route("GET", "/health", "health", "Liveness; ?deep=1 adds sessions, active prompts and connections",
-          None, 200, t.HealthBody, client_id=False, query=(("deep", {"type": "string"}),)),
+    Route("GET", "/health", "health",
+          "Liveness; ?deep=1 adds sessions, active prompts and connections; ?ready=1 is 503 while this replica "
+          "would refuse new prompts (its coordinator down in closed mode, or draining)",
+          None, 200, t.HealthBody, ("capacity_unavailable", "insufficient_scope"), client_id=False,
+          query=(("deep", {"type": "string"}), ("ready", {"type": "string"}))),
     Route("GET", "/capabilities", "capabilities", "Version, feature tags, limits and the primary workspace",
           None, 200, t.CapabilitiesBody, client_id=False),
     Route("GET", "/openapi.json", "openapi", "This document", None, 200, dict, client_id=False),
