@@ -31,8 +31,9 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Final
+from typing import Final
 
+import anyio
 import coredis
 import trio
 from coredis.retry import NoRetryPolicy
@@ -53,7 +54,6 @@ from .base import (
 from .local import LocalCoordinator, default_replica_id
 from .readout import cluster_statistics, read_cluster
 from .redis_wire import _ERRORS, RedisWire, _Down, _Release, redis_now_ms
-from .resp import RespPipe
 from .scripts import Keys
 from .waiters import PASS_CHUNK, WaitQueue
 
@@ -183,14 +183,14 @@ class RedisCoordinator(RedisWire):
     ) -> int:
         lease._attempts += 1
         attempt = lease._attempts
-        names, nkeys, keys, args = self._acquire_request(lease, options, leave, attempt, token)
+        names, keys, args = self._acquire_request(lease, options, leave, attempt, token)
         was_new = lease.state == "new"
         lease._inflight += 1
         # Shielded and bounded by the timeout: a cancel is seen once the answer is known, so what the
         # call took is given back exactly (a call torn mid-way would leave its outcome unknown).
         with trio.CancelScope(shield=True):
             try:
-                result = await self._batched_acquire(nkeys, keys, args, order)
+                result = await self._batched_acquire(keys, args, order)
             except _Down:
                 # No answer: the call may still run on the server. Its attempt gets a tombstone, and
                 # whatever it may have taken is given back.
@@ -454,23 +454,21 @@ class RedisCoordinator(RedisWire):
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _subscriber(self) -> None:
-        assert self._pipe is not None
-
-        def on_message(_: list[Any]) -> None:
-            self._queue.wake()
-            if not self._up:
-                self._poke.set()  # Redis answers (another replica published)
-
+        """Wake the waiters on each message on ``{p}:freed`` (coredis' own pub/sub, on a connection of
+        its own); an ``up`` from another replica while this one is down tries the reconnect at once."""
+        assert self._client is not None
         while True:
             try:
-                conn = await self._pipe.subscribe(self.keys.freed, on_message)
-                try:
-                    await conn.ended.wait()
-                finally:
-                    conn.fail(ConnectionError("unsubscribed"))
-                log.debug("coordinator subscription ended (%r); resubscribing", conn.broken)
-            except _ERRORS as exc:
-                log.debug("coordinator subscription failed (%r); retrying", exc)
+                async with self._client.pubsub(
+                    channels=[self.keys.freed], ignore_subscribe_messages=True, retry_policy=None
+                ) as ps:
+                    async for _ in ps:
+                        self._queue.wake()
+                        if not self._up:
+                            self._poke.set()  # Redis answers (another replica published)
+            except* (*_ERRORS, anyio.ClosedResourceError, anyio.BrokenResourceError) as group:
+                # The subscription's own connection closes on a cancel too (then Cancelled follows).
+                log.debug("coordinator subscription ended (%r); resubscribing", group.exceptions[0])
             await trio.sleep(_BACKOFF_MIN_S)
 
     async def _dispatcher(self) -> None:
@@ -547,13 +545,14 @@ class RedisCoordinator(RedisWire):
         """Connect (or start down, reconnecting), run the background tasks; on exit release every lease
         still held and wait (bounded by the timeout) for the releases to reach Redis."""
         client: coredis.Redis[bytes] = coredis.Redis.from_url(
-            self.url, connect_timeout=self._timeout_s, retry_policy=NoRetryPolicy(), verify_version=False
+            self.url, connect_timeout=self._timeout_s, retry_policy=NoRetryPolicy(), verify_version=False,
+            decode_responses=False,
         )
         async with client:
             self._client = client
+            self._register_scripts(client)
             try:
                 async with trio.open_nursery() as nursery:
-                    self._pipe = RespPipe(self.url, nursery, connect_timeout_s=self._timeout_s)
                     self._up = True  # so a first failure counts as an outage
                     try:
                         await self._renew([])
@@ -577,4 +576,3 @@ class RedisCoordinator(RedisWire):
                         nursery.cancel_scope.cancel()
             finally:
                 self._client = None
-                self._pipe = None

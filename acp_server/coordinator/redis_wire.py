@@ -1,8 +1,8 @@
 """The wire of the Redis coordinator: script calls bounded by a timeout, batches, the release queue.
 
-:class:`RedisWire` owns what touches Redis: the scripts, called by SHA-1 over the pipelined
-connection of :mod:`~acp_server.coordinator.resp` (sent again with ``EVAL`` on ``NOSCRIPT``), the
-``coredis`` client for the rest, the up/down state a failed call moves to, the encoding of acquisitions
+:class:`RedisWire` owns what touches Redis: the ``coredis`` client (raw bytes, no decoding), the scripts,
+called by SHA-1 (loaded again on ``NOSCRIPT``) with keys and arguments encoded to bytes ahead of time, the
+up/down state a failed call moves to, the encoding of acquisitions
 (once per kind of admission) and their batching (those of one turn of the event loop go out in one
 ``acquire.lua`` call, waiters in their queue's order; while a call is on its way the next batch gathers)
 and the queue of releases, sent in order, many per call, and kept while Redis is away. :class:`~acp_server.coordinator.redis.RedisCoordinator` builds the leases, the
@@ -12,7 +12,6 @@ outages and the waiters on it.
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import logging
 import math
@@ -24,7 +23,6 @@ import coredis.exceptions
 import trio
 
 from .base import CoordinatorUnavailable, FailureMode, Lease, Option
-from .resp import RespError, RespPipe, bulk
 from .scripts import SCRIPT_NAMES, Keys, script_source
 
 __all__ = ["SCRIPT_NAMES", "RedisWire", "redis_now_ms", "script_source"]
@@ -36,7 +34,7 @@ _BATCH: Final = 64
 #: Encoded request shapes kept (one per tenant, class and backend seen): past it the cache starts over.
 _SHAPES_MAX: Final = 1024
 
-_ERRORS: Final = (coredis.exceptions.RedisError, RespError, OSError, trio.TooSlowError)
+_ERRORS: Final = (coredis.exceptions.RedisError, OSError, trio.TooSlowError)
 
 
 _NOW_LUA: Final = "local t = redis.call('TIME') return t[1] * 1000 + math.floor(t[2] / 1000)"
@@ -57,11 +55,10 @@ class _Down(Exception):
 class _Pending:
     """One acquisition waiting for its batch's reply: its KEYS and ARGV, encoded."""
 
-    __slots__ = ("args", "done", "error", "keys", "nkeys", "order", "result")
+    __slots__ = ("args", "done", "error", "keys", "order", "result")
 
-    def __init__(self, nkeys: int, keys: bytes, args: bytes, order: tuple[int, int]) -> None:
+    def __init__(self, keys: list[bytes], args: list[bytes], order: tuple[int, int]) -> None:
         self.order = order
-        self.nkeys = nkeys
         self.keys = keys
         self.args = args
         self.done = trio.Event()
@@ -118,12 +115,8 @@ class RedisWire:
         self._timeout_s = timeout_ms / 1000
         self._failure: FailureMode = failure
         self._client: coredis.Redis[bytes] | None = None
-        #: the script calls' own connection (pipelined); made by ``running()``
-        self._pipe: RespPipe | None = None
-        #: script name -> (SHA-1, source)
-        self._scripts: dict[str, tuple[str, str]] = {
-            name: (hashlib.sha1(script_source(name).encode()).hexdigest(), script_source(name)) for name in SCRIPT_NAMES
-        }
+        #: script name -> (SHA-1, source), registered on the client by ``running()``
+        self._scripts: dict[str, tuple[str, str]] = {}
         self._up = False
         self._up_event = trio.Event()
         self._down_event = trio.Event()
@@ -140,15 +133,36 @@ class RedisWire:
         self._failures = self._outages = 0
         self._caps_sent: dict[str, int] = {}  # caps recorded in {p}:caps over this connection
         #: (options, leave) -> their encoding (set names, set keys, JSON spec): one per kind of admission
-        self._shapes: dict[tuple[tuple[Option, ...], tuple[str, ...]], tuple[tuple[str, ...], bytes, bytes]] = {}
+        self._shapes: dict[tuple[tuple[Option, ...], tuple[str, ...]], tuple[tuple[str, ...], list[bytes], bytes]] = {}
+        #: the batch's fixed KEYS and ARGV heads, encoded once
+        self._acquire_keys = [keys.fence.encode(), keys.caps.encode()]
+        self._acquire_args = [str(self._ttl_ms).encode(), replica_id.encode(), keys.freed.encode()]
 
-    async def _call(self, script: str, keys: Sequence[str], args: Sequence[str | int]) -> Any:
-        """One script call, bounded by the timeout; a failure marks the coordinator down."""
-        assert self._pipe is not None
+    def _register_scripts(self, client: coredis.Redis[bytes]) -> None:
+        """Register every script on ``client`` (its SHA-1 is computed once; nothing is sent yet)."""
+        self._scripts = {}
+        for name in SCRIPT_NAMES:
+            script = client.register_script(script_source(name))
+            self._scripts[name] = (str(script.sha), script_source(name))
+
+    async def _evalsha(self, script: str, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> Any:
+        """``EVALSHA`` of ``script``; on ``NOSCRIPT`` (a restarted or flushed Redis) the script is loaded
+        and the call sent once more. Calling ``evalsha`` directly spares the retry policy and transform
+        that a :class:`coredis.commands.script.Script` call builds each time."""
+        client = self._client
+        assert client is not None
         sha, source = self._scripts[script]
         try:
+            return await client.evalsha(sha, keys, args)
+        except coredis.exceptions.NoScriptError:
+            await client.script_load(source)
+            return await client.evalsha(sha, keys, args)
+
+    async def _call(self, script: str, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> Any:
+        """One script call, bounded by the timeout; a failure marks the coordinator down."""
+        try:
             with trio.fail_after(self._timeout_s):
-                return await self._pipe.evalsha(sha, source, keys, args)
+                return await self._evalsha(script, keys, args)
         except _ERRORS as exc:
             self._failures += 1
             self._mark_down(exc)
@@ -170,23 +184,11 @@ class RedisWire:
 
     # --- acquire ----------------------------------------------------------------------------------
 
-    async def _call_encoded(self, script: str, count: int, body: bytes) -> Any:
-        """:meth:`_call` with ``numkeys``, the keys and the arguments encoded (``count`` of them)."""
-        assert self._pipe is not None
-        sha, source = self._scripts[script]
-        try:
-            with trio.fail_after(self._timeout_s):
-                return await self._pipe.evalsha_encoded(sha, source, count, body)
-        except _ERRORS as exc:
-            self._failures += 1
-            self._mark_down(exc)
-            raise _Down(str(exc) or type(exc).__name__) from exc
-
     def _acquire_request(
         self, lease: Lease, options: Sequence[Option], leave: Sequence[str], attempt: int, token: int
-    ) -> tuple[tuple[str, ...], int, bytes, bytes]:
+    ) -> tuple[tuple[str, ...], list[bytes], list[bytes]]:
         """One request of a batched ``acquire.lua`` call, encoded: the names of its limit sets (set
-        ``i`` is ``names[i - 1]``), its number of KEYS, its KEYS (tombstone, record, sets) and ARGV."""
+        ``i`` is ``names[i - 1]``), its KEYS (tombstone, record, sets) and ARGV."""
         sent = self._caps_sent
         record = {n.name: n.cap for o in options for n in o.needs if sent.get(n.name) != n.cap}
         shape = (tuple(options), tuple(leave))
@@ -200,13 +202,14 @@ class RedisWire:
                     self._shapes.clear()
                 self._shapes[shape] = cached
         names, sets, spec = cached
-        keys = bulk(self.keys.tomb(lease.id, attempt)) + bulk(self.keys.lease(lease.id)) + sets
-        args = bulk(lease.id) + bulk(token) + bulk(len(names)) + spec
-        return names, 2 + len(names), keys, args
+        lease_id = lease.id
+        keys = [self.keys.tomb(lease_id, attempt).encode(), self.keys.lease(lease_id).encode(), *sets]
+        args = [lease_id.encode(), b"%d" % token, b"%d" % len(names), spec]
+        return names, keys, args
 
     def _request_shape(
         self, options: Sequence[Option], leave: Sequence[str], record: dict[str, int]
-    ) -> tuple[tuple[str, ...], bytes, bytes]:
+    ) -> tuple[tuple[str, ...], list[bytes], bytes]:
         """What a request's options and leave list encode to, the same for every lease: the set names,
         their keys and the JSON spec (with ``record``'s caps to note in the caps hash)."""
         names: list[str] = []
@@ -236,17 +239,17 @@ class RedisWire:
             body["d"] = [ki(n) for n in leave]
         if record:
             body["a"] = [[ki(name), cap] for name, cap in record.items()]
-        sets = b"".join(bulk(self.keys.limit(n)) for n in names)
-        return tuple(names), sets, bulk(json.dumps(body, separators=(",", ":")))
+        sets = [self.keys.limit(n).encode() for n in names]
+        return tuple(names), sets, json.dumps(body, separators=(",", ":")).encode()
 
-    async def _batched_acquire(self, nkeys: int, keys: bytes, args: bytes, order: tuple[int, int]) -> Any:
-        """Send one request (``nkeys`` keys, four arguments, encoded) with the others of this turn of
-        the loop; its reply.
+    async def _batched_acquire(self, keys: list[bytes], args: list[bytes], order: tuple[int, int]) -> Any:
+        """Send one request (its keys and four arguments, encoded) with the others of this turn of the
+        loop; its reply.
 
         Raises:
             _Down: the batch's call failed or timed out.
         """
-        item = _Pending(nkeys, keys, args, order)
+        item = _Pending(keys, args, order)
         self._acquire_pending.append(item)
         self._acquire_wake.set()
         await item.done.wait()
@@ -267,15 +270,13 @@ class RedisWire:
                     del pending[:_BATCH]
                     # waiters in their queue's order (the tasks of a pass ran in any order), then the rest
                     batch.sort(key=lambda item: item.order)
-                    nkeys = 2 + sum(item.nkeys for item in batch)
-                    body = b"".join((
-                        bulk(nkeys), bulk(self.keys.fence), bulk(self.keys.caps),
-                        *(item.keys for item in batch),
-                        bulk(self._ttl_ms), bulk(self._replica_id), bulk(self.keys.freed), bulk(len(batch)),
-                        *(item.args for item in batch),
-                    ))
+                    keys = self._acquire_keys.copy()
+                    args = [*self._acquire_args, b"%d" % len(batch)]
+                    for item in batch:
+                        keys += item.keys
+                        args += item.args
                     try:
-                        replies = await self._call_encoded("acquire", 1 + nkeys + 4 + 4 * len(batch), body)
+                        replies = await self._call("acquire", keys, args)
                     except _Down as exc:
                         for item in batch:
                             item.fail(exc)
