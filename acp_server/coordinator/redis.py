@@ -289,7 +289,7 @@ class RedisCoordinator(RedisWire):
             return
         with trio.CancelScope(shield=True):
             try:
-                await self._send_release(item)
+                await self._call("release", *self._release_call([item]))
             except _Down:
                 self._enqueue_release(item)
         self._queue.wake()
@@ -334,24 +334,30 @@ class RedisCoordinator(RedisWire):
         """Renew ``leases`` (and heartbeat); returns the ones that were not whole any more."""
         lost: list[Lease] = []
         start = trio.current_time()
-        for i in range(0, max(1, len(leases)), _RENEW_BATCH):
-            batch = leases[i : i + _RENEW_BATCH]
+        batches = [leases[i : i + _RENEW_BATCH] for i in range(0, max(1, len(leases)), _RENEW_BATCH)]
+        calls = []
+        changes: list[list[int]] = []
+        for batch in batches:
             keys = [self.keys.replicas]
             args: list[str | int] = [self._replica_id, self._ttl_ms, len(batch)]
-            changes = []
+            seen = []
             for lease in batch:
                 names = list(lease.holds)
                 keys.append(self.keys.lease(lease.id))
                 keys.extend(self.keys.limit(n) for n in names)
                 args.extend((lease.id, len(names)))
-                changes.append(lease._changes)
-            result = await self._call("renew", keys, args)
+                seen.append(lease._changes)
+            calls.append((keys, args))
+            changes.append(seen)
+        # Every batch in one round trip: a renewal of many leases costs one wait, not one per batch.
+        results = await self._call_many("renew", calls)
+        for batch, seen, result in zip(batches, changes, results, strict=True):
             self._live = max(1, int(result[1]))
             for n in result[2:]:
                 lease = batch[int(n) - 1]
                 # A lease whose limits changed while the call was on its way was judged on an old list
                 # (a waiter that left the waiting room): the next renewal judges it.
-                if lease._changes == changes[int(n) - 1] and not lease._inflight:
+                if lease._changes == seen[int(n) - 1] and not lease._inflight:
                     lost.append(lease)
         took = (trio.current_time() - start) * 1000
         self._renew_last = took
@@ -410,11 +416,9 @@ class RedisCoordinator(RedisWire):
                 continue
 
     async def _connect(self) -> bool:
-        """One reconnect attempt: a ping, then the re-assert round, then up."""
-        assert self._client is not None
+        """One reconnect attempt: a ping (with the scripts' loading), then the re-assert round, then up."""
         try:
-            with trio.fail_after(self._timeout_s):
-                await self._client.ping()
+            await self._hello()
         except _ERRORS:
             return False
         self._up = True  # calls may go out; nothing new is admitted until the re-assert is done
@@ -431,6 +435,7 @@ class RedisCoordinator(RedisWire):
         try:
             # The other replicas' subscriptions hear it and try their reconnect now rather than at
             # the end of their backoff: the cluster's re-assert round is one round, not two seconds.
+            assert self._client is not None
             with trio.fail_after(self._timeout_s):
                 await self._client.publish(self.keys.freed, "up")
         except _ERRORS:
@@ -555,10 +560,16 @@ class RedisCoordinator(RedisWire):
                 async with trio.open_nursery() as nursery:
                     self._up = True  # so a first failure counts as an outage
                     try:
-                        await self._renew([])
-                        self._up_event.set()
-                    except _Down:
-                        self._up = False
+                        await self._hello()
+                    except _ERRORS as exc:
+                        self._failures += 1
+                        self._mark_down(exc)
+                    else:
+                        try:
+                            await self._renew([])
+                            self._up_event.set()
+                        except _Down:
+                            self._up = False
                     for task in (
                         self._acquire_batcher, self._monitor, self._renewer, self._releaser,
                         self._subscriber, self._dispatcher,

@@ -31,6 +31,8 @@ log = logging.getLogger("acp_server.coordinator")
 
 #: Acquisitions or releases per ``acquire.lua`` or ``release.lua`` call.
 _BATCH: Final = 64
+#: Script calls sent together in one round trip (a pipeline) when more than one batch is ready.
+_PIPELINE: Final = 16
 #: Encoded request shapes kept (one per tenant, class and backend seen): past it the cache starts over.
 _SHAPES_MAX: Final = 1024
 
@@ -145,6 +147,21 @@ class RedisWire:
             script = client.register_script(script_source(name))
             self._scripts[name] = (str(script.sha), script_source(name))
 
+    async def _hello(self) -> None:
+        """``PING`` and ``SCRIPT LOAD`` of every script in one round trip (a non-transactional pipeline):
+        Redis answers, and the first calls after a start or a restart of Redis find their scripts.
+
+        Raises:
+            coredis.exceptions.RedisError, OSError, trio.TooSlowError: no answer within the timeout.
+        """
+        client = self._client
+        assert client is not None
+        with trio.fail_after(self._timeout_s):
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.ping()
+                for _, source in self._scripts.values():
+                    pipe.script_load(source)
+
     async def _evalsha(self, script: str, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> Any:
         """``EVALSHA`` of ``script``; on ``NOSCRIPT`` (a restarted or flushed Redis) the script is loaded
         and the call sent once more. Calling ``evalsha`` directly spares the retry policy and transform
@@ -167,6 +184,42 @@ class RedisWire:
             self._failures += 1
             self._mark_down(exc)
             raise _Down(str(exc) or type(exc).__name__) from exc
+
+    async def _call_many(
+        self, script: str, calls: Sequence[tuple[Sequence[str | bytes], Sequence[str | bytes | int]]]
+    ) -> list[Any]:
+        """Several calls of ``script`` (``(keys, args)`` each) in one round trip: a non-transactional
+        ``coredis`` pipeline, bounded by the timeout as one call; a failure marks the coordinator down.
+        On ``NOSCRIPT`` the script is loaded and the whole pipeline sent again (every script is
+        idempotent for the same arguments)."""
+        if len(calls) == 1:
+            return [await self._call(script, *calls[0])]
+        client = self._client
+        assert client is not None
+        sha, source = self._scripts[script]
+        try:
+            with trio.fail_after(self._timeout_s):
+                try:
+                    return await self._pipelined(client, sha, calls)
+                except coredis.exceptions.NoScriptError:
+                    await client.script_load(source)
+                    return await self._pipelined(client, sha, calls)
+        except _ERRORS as exc:
+            self._failures += 1
+            self._mark_down(exc)
+            raise _Down(str(exc) or type(exc).__name__) from exc
+
+    @staticmethod
+    async def _pipelined(
+        client: coredis.Redis[bytes], sha: str,
+        calls: Sequence[tuple[Sequence[str | bytes], Sequence[str | bytes | int]]],
+    ) -> list[Any]:
+        async with client.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                pipe.evalsha(sha, keys, args)
+        results = pipe.results
+        assert results is not None
+        return list(results)
 
     def _mark_down(self, exc: BaseException) -> None:
         if self._up:
@@ -295,8 +348,8 @@ class RedisWire:
         self._releases_idle = trio.Event() if self._releases_idle.is_set() else self._releases_idle
         self._release_wake.set()
 
-    async def _send_release(self, *items: _Release) -> None:
-        """One ``release.lua`` call for ``items``."""
+    def _release_call(self, items: Sequence[_Release]) -> tuple[list[str], list[str | int]]:
+        """The KEYS and ARGV of one ``release.lua`` call for ``items``."""
         keys: list[str] = []
         args: list[str | int] = [self.keys.freed, len(items)]
         for item in items:
@@ -304,11 +357,11 @@ class RedisWire:
             keys.extend(self.keys.limit(n) for n in item.names)
             tomb_ms = self._ttl_ms if item.tomb is not None else 0
             args.extend((item.lease_id, "1" if item.full else "0", tomb_ms, len(item.names)))
-        await self._call("release", keys, args)
+        return keys, args
 
     async def _drain_releases(self) -> None:
-        """Send the queued releases in order, many per call (an item older than two TTLs is dropped:
-        what it held stopped counting long ago).
+        """Send the queued releases in order, many per call and up to :data:`_PIPELINE` calls per round
+        trip (an item older than two TTLs is dropped: what it held stopped counting long ago).
 
         Raises:
             _Down: a call failed; its items stay first in the queue.
@@ -317,11 +370,12 @@ class RedisWire:
             queue = self._releases
             while queue:
                 cut = trio.current_time() - 2 * self._ttl_ms / 1000
-                batch = [queue[i] for i in range(min(_BATCH, len(queue)))]
-                fresh = [item for item in batch if item.queued_at > cut]
-                if fresh:
-                    await self._send_release(*fresh)
-                for item in batch:
+                taken = [queue[i] for i in range(min(_BATCH * _PIPELINE, len(queue)))]
+                fresh = [item for item in taken if item.queued_at > cut]
+                calls = [self._release_call(fresh[i : i + _BATCH]) for i in range(0, len(fresh), _BATCH)]
+                if calls:
+                    await self._call_many("release", calls)
+                for item in taken:
                     queue.popleft()
                     if item.sent is not None:
                         item.sent.set()
