@@ -1,12 +1,14 @@
 """The wire of the Redis coordinator: script calls bounded by a timeout, batches, the release queue.
 
-:class:`RedisWire` owns what touches Redis: the ``coredis`` client (raw bytes, no decoding), the scripts,
-called by SHA-1 (loaded again on ``NOSCRIPT``) with keys and arguments encoded to bytes ahead of time, the
-up/down state a failed call moves to, the encoding of acquisitions
-(once per kind of admission) and their batching (those of one turn of the event loop go out in one
-``acquire.lua`` call, waiters in their queue's order; while a call is on its way the next batch gathers)
-and the queue of releases, sent in order, many per call, and kept while Redis is away. :class:`~acp_server.coordinator.redis.RedisCoordinator` builds the leases, the
-outages and the waiters on it.
+:class:`RedisWire` owns what touches Redis: the ``coredis`` client (raw bytes, no decoding), the
+scripts, called by SHA-1 with keys and arguments encoded to bytes ahead of time (loaded with the first
+``PING`` of a connection, and again on ``NOSCRIPT``), the up/down state a failed call moves to, the
+encoding of acquisitions (once per kind of admission) and their batching (those of one turn of the event
+loop go out in one ``acquire.lua`` call, waiters in their queue's order; while a call is on its way the
+next batch gathers) and the queue of releases, sent in order, many per call (several calls per round trip
+through a non-transactional pipeline), and kept while Redis is away.
+:class:`~acp_server.coordinator.redis.RedisCoordinator` builds the leases, the outages and the waiters on
+it.
 """
 
 from __future__ import annotations
