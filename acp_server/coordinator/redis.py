@@ -31,8 +31,9 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Final
+from typing import Final
 
+import anyio
 import coredis
 import trio
 from coredis.retry import NoRetryPolicy
@@ -53,7 +54,6 @@ from .base import (
 from .local import LocalCoordinator, default_replica_id
 from .readout import cluster_statistics, read_cluster
 from .redis_wire import _ERRORS, RedisWire, _Down, _Release, redis_now_ms
-from .resp import RespPipe
 from .scripts import Keys
 from .waiters import PASS_CHUNK, WaitQueue
 
@@ -183,14 +183,14 @@ class RedisCoordinator(RedisWire):
     ) -> int:
         lease._attempts += 1
         attempt = lease._attempts
-        names, nkeys, keys, args = self._acquire_request(lease, options, leave, attempt, token)
+        names, keys, args = self._acquire_request(lease, options, leave, attempt, token)
         was_new = lease.state == "new"
         lease._inflight += 1
         # Shielded and bounded by the timeout: a cancel is seen once the answer is known, so what the
         # call took is given back exactly (a call torn mid-way would leave its outcome unknown).
         with trio.CancelScope(shield=True):
             try:
-                result = await self._batched_acquire(nkeys, keys, args, order)
+                result = await self._batched_acquire(keys, args, order)
             except _Down:
                 # No answer: the call may still run on the server. Its attempt gets a tombstone, and
                 # whatever it may have taken is given back.
@@ -289,7 +289,7 @@ class RedisCoordinator(RedisWire):
             return
         with trio.CancelScope(shield=True):
             try:
-                await self._send_release(item)
+                await self._call("release", *self._release_call([item]))
             except _Down:
                 self._enqueue_release(item)
         self._queue.wake()
@@ -334,24 +334,30 @@ class RedisCoordinator(RedisWire):
         """Renew ``leases`` (and heartbeat); returns the ones that were not whole any more."""
         lost: list[Lease] = []
         start = trio.current_time()
-        for i in range(0, max(1, len(leases)), _RENEW_BATCH):
-            batch = leases[i : i + _RENEW_BATCH]
+        batches = [leases[i : i + _RENEW_BATCH] for i in range(0, max(1, len(leases)), _RENEW_BATCH)]
+        calls = []
+        changes: list[list[int]] = []
+        for batch in batches:
             keys = [self.keys.replicas]
             args: list[str | int] = [self._replica_id, self._ttl_ms, len(batch)]
-            changes = []
+            seen = []
             for lease in batch:
                 names = list(lease.holds)
                 keys.append(self.keys.lease(lease.id))
                 keys.extend(self.keys.limit(n) for n in names)
                 args.extend((lease.id, len(names)))
-                changes.append(lease._changes)
-            result = await self._call("renew", keys, args)
+                seen.append(lease._changes)
+            calls.append((keys, args))
+            changes.append(seen)
+        # Every batch in one round trip: a renewal of many leases costs one wait, not one per batch.
+        results = await self._call_many("renew", calls)
+        for batch, seen, result in zip(batches, changes, results, strict=True):
             self._live = max(1, int(result[1]))
             for n in result[2:]:
                 lease = batch[int(n) - 1]
                 # A lease whose limits changed while the call was on its way was judged on an old list
                 # (a waiter that left the waiting room): the next renewal judges it.
-                if lease._changes == changes[int(n) - 1] and not lease._inflight:
+                if lease._changes == seen[int(n) - 1] and not lease._inflight:
                     lost.append(lease)
         took = (trio.current_time() - start) * 1000
         self._renew_last = took
@@ -410,11 +416,9 @@ class RedisCoordinator(RedisWire):
                 continue
 
     async def _connect(self) -> bool:
-        """One reconnect attempt: a ping, then the re-assert round, then up."""
-        assert self._client is not None
+        """One reconnect attempt: a ping (with the scripts' loading), then the re-assert round, then up."""
         try:
-            with trio.fail_after(self._timeout_s):
-                await self._client.ping()
+            await self._hello()
         except _ERRORS:
             return False
         self._up = True  # calls may go out; nothing new is admitted until the re-assert is done
@@ -431,6 +435,7 @@ class RedisCoordinator(RedisWire):
         try:
             # The other replicas' subscriptions hear it and try their reconnect now rather than at
             # the end of their backoff: the cluster's re-assert round is one round, not two seconds.
+            assert self._client is not None
             with trio.fail_after(self._timeout_s):
                 await self._client.publish(self.keys.freed, "up")
         except _ERRORS:
@@ -454,23 +459,21 @@ class RedisCoordinator(RedisWire):
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _subscriber(self) -> None:
-        assert self._pipe is not None
-
-        def on_message(_: list[Any]) -> None:
-            self._queue.wake()
-            if not self._up:
-                self._poke.set()  # Redis answers (another replica published)
-
+        """Wake the waiters on each message on ``{p}:freed`` (coredis' own pub/sub, on a connection of
+        its own); an ``up`` from another replica while this one is down tries the reconnect at once."""
+        assert self._client is not None
         while True:
             try:
-                conn = await self._pipe.subscribe(self.keys.freed, on_message)
-                try:
-                    await conn.ended.wait()
-                finally:
-                    conn.fail(ConnectionError("unsubscribed"))
-                log.debug("coordinator subscription ended (%r); resubscribing", conn.broken)
-            except _ERRORS as exc:
-                log.debug("coordinator subscription failed (%r); retrying", exc)
+                async with self._client.pubsub(
+                    channels=[self.keys.freed], ignore_subscribe_messages=True, retry_policy=None
+                ) as ps:
+                    async for _ in ps:
+                        self._queue.wake()
+                        if not self._up:
+                            self._poke.set()  # Redis answers (another replica published)
+            except* (*_ERRORS, anyio.ClosedResourceError, anyio.BrokenResourceError) as group:
+                # The subscription's own connection closes on a cancel too (then Cancelled follows).
+                log.debug("coordinator subscription ended (%r); resubscribing", group.exceptions[0])
             await trio.sleep(_BACKOFF_MIN_S)
 
     async def _dispatcher(self) -> None:
@@ -547,19 +550,26 @@ class RedisCoordinator(RedisWire):
         """Connect (or start down, reconnecting), run the background tasks; on exit release every lease
         still held and wait (bounded by the timeout) for the releases to reach Redis."""
         client: coredis.Redis[bytes] = coredis.Redis.from_url(
-            self.url, connect_timeout=self._timeout_s, retry_policy=NoRetryPolicy(), verify_version=False
+            self.url, connect_timeout=self._timeout_s, retry_policy=NoRetryPolicy(), verify_version=False,
+            decode_responses=False,
         )
         async with client:
             self._client = client
+            self._register_scripts(client)
             try:
                 async with trio.open_nursery() as nursery:
-                    self._pipe = RespPipe(self.url, nursery, connect_timeout_s=self._timeout_s)
                     self._up = True  # so a first failure counts as an outage
                     try:
-                        await self._renew([])
-                        self._up_event.set()
-                    except _Down:
-                        self._up = False
+                        await self._hello()
+                    except _ERRORS as exc:
+                        self._failures += 1
+                        self._mark_down(exc)
+                    else:
+                        try:
+                            await self._renew([])
+                            self._up_event.set()
+                        except _Down:
+                            self._up = False
                     for task in (
                         self._acquire_batcher, self._monitor, self._renewer, self._releaser,
                         self._subscriber, self._dispatcher,
@@ -577,4 +587,3 @@ class RedisCoordinator(RedisWire):
                         nursery.cancel_scope.cancel()
             finally:
                 self._client = None
-                self._pipe = None

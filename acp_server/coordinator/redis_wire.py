@@ -1,18 +1,19 @@
 """The wire of the Redis coordinator: script calls bounded by a timeout, batches, the release queue.
 
-:class:`RedisWire` owns what touches Redis: the scripts, called by SHA-1 over the pipelined
-connection of :mod:`~acp_server.coordinator.resp` (sent again with ``EVAL`` on ``NOSCRIPT``), the
-``coredis`` client for the rest, the up/down state a failed call moves to, the encoding of acquisitions
-(once per kind of admission) and their batching (those of one turn of the event loop go out in one
-``acquire.lua`` call, waiters in their queue's order; while a call is on its way the next batch gathers)
-and the queue of releases, sent in order, many per call, and kept while Redis is away. :class:`~acp_server.coordinator.redis.RedisCoordinator` builds the leases, the
-outages and the waiters on it.
+:class:`RedisWire` owns what touches Redis: the ``coredis`` client (raw bytes, no decoding), the
+scripts, called by SHA-1 with keys and arguments encoded to bytes ahead of time (loaded with the first
+``PING`` of a connection, and again on ``NOSCRIPT``), the up/down state a failed call moves to, the
+encoding of acquisitions (once per kind of admission) and their batching (those of one turn of the event
+loop go out in one ``acquire.lua`` call, waiters in their queue's order; while a call is on its way the
+next batch gathers) and the queue of releases, sent in order, many per call (several calls per round trip
+through a non-transactional pipeline), and kept while Redis is away.
+:class:`~acp_server.coordinator.redis.RedisCoordinator` builds the leases, the outages and the waiters on
+it.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import logging
 import math
@@ -24,7 +25,6 @@ import coredis.exceptions
 import trio
 
 from .base import CoordinatorUnavailable, FailureMode, Lease, Option
-from .resp import RespError, RespPipe, bulk
 from .scripts import SCRIPT_NAMES, Keys, script_source
 
 __all__ = ["SCRIPT_NAMES", "RedisWire", "redis_now_ms", "script_source"]
@@ -33,10 +33,12 @@ log = logging.getLogger("acp_server.coordinator")
 
 #: Acquisitions or releases per ``acquire.lua`` or ``release.lua`` call.
 _BATCH: Final = 64
+#: Script calls sent together in one round trip (a pipeline) when more than one batch is ready.
+_PIPELINE: Final = 16
 #: Encoded request shapes kept (one per tenant, class and backend seen): past it the cache starts over.
 _SHAPES_MAX: Final = 1024
 
-_ERRORS: Final = (coredis.exceptions.RedisError, RespError, OSError, trio.TooSlowError)
+_ERRORS: Final = (coredis.exceptions.RedisError, OSError, trio.TooSlowError)
 
 
 _NOW_LUA: Final = "local t = redis.call('TIME') return t[1] * 1000 + math.floor(t[2] / 1000)"
@@ -57,11 +59,10 @@ class _Down(Exception):
 class _Pending:
     """One acquisition waiting for its batch's reply: its KEYS and ARGV, encoded."""
 
-    __slots__ = ("args", "done", "error", "keys", "nkeys", "order", "result")
+    __slots__ = ("args", "done", "error", "keys", "order", "result")
 
-    def __init__(self, nkeys: int, keys: bytes, args: bytes, order: tuple[int, int]) -> None:
+    def __init__(self, keys: list[bytes], args: list[bytes], order: tuple[int, int]) -> None:
         self.order = order
-        self.nkeys = nkeys
         self.keys = keys
         self.args = args
         self.done = trio.Event()
@@ -118,12 +119,8 @@ class RedisWire:
         self._timeout_s = timeout_ms / 1000
         self._failure: FailureMode = failure
         self._client: coredis.Redis[bytes] | None = None
-        #: the script calls' own connection (pipelined); made by ``running()``
-        self._pipe: RespPipe | None = None
-        #: script name -> (SHA-1, source)
-        self._scripts: dict[str, tuple[str, str]] = {
-            name: (hashlib.sha1(script_source(name).encode()).hexdigest(), script_source(name)) for name in SCRIPT_NAMES
-        }
+        #: script name -> (SHA-1, source), registered on the client by ``running()``
+        self._scripts: dict[str, tuple[str, str]] = {}
         self._up = False
         self._up_event = trio.Event()
         self._down_event = trio.Event()
@@ -140,19 +137,91 @@ class RedisWire:
         self._failures = self._outages = 0
         self._caps_sent: dict[str, int] = {}  # caps recorded in {p}:caps over this connection
         #: (options, leave) -> their encoding (set names, set keys, JSON spec): one per kind of admission
-        self._shapes: dict[tuple[tuple[Option, ...], tuple[str, ...]], tuple[tuple[str, ...], bytes, bytes]] = {}
+        self._shapes: dict[tuple[tuple[Option, ...], tuple[str, ...]], tuple[tuple[str, ...], list[bytes], bytes]] = {}
+        #: the batch's fixed KEYS and ARGV heads, encoded once
+        self._acquire_keys = [keys.fence.encode(), keys.caps.encode()]
+        self._acquire_args = [str(self._ttl_ms).encode(), replica_id.encode(), keys.freed.encode()]
 
-    async def _call(self, script: str, keys: Sequence[str], args: Sequence[str | int]) -> Any:
-        """One script call, bounded by the timeout; a failure marks the coordinator down."""
-        assert self._pipe is not None
+    def _register_scripts(self, client: coredis.Redis[bytes]) -> None:
+        """Register every script on ``client`` (its SHA-1 is computed once; nothing is sent yet)."""
+        self._scripts = {}
+        for name in SCRIPT_NAMES:
+            script = client.register_script(script_source(name))
+            self._scripts[name] = (str(script.sha), script_source(name))
+
+    async def _hello(self) -> None:
+        """``PING`` and ``SCRIPT LOAD`` of every script in one round trip (a non-transactional pipeline):
+        Redis answers, and the first calls after a start or a restart of Redis find their scripts.
+
+        Raises:
+            coredis.exceptions.RedisError, OSError, trio.TooSlowError: no answer within the timeout.
+        """
+        client = self._client
+        assert client is not None
+        with trio.fail_after(self._timeout_s):
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.ping()
+                for _, source in self._scripts.values():
+                    pipe.script_load(source)
+
+    async def _evalsha(self, script: str, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> Any:
+        """``EVALSHA`` of ``script``; on ``NOSCRIPT`` (a restarted or flushed Redis) the script is loaded
+        and the call sent once more. Calling ``evalsha`` directly spares the retry policy and transform
+        that a :class:`coredis.commands.script.Script` call builds each time."""
+        client = self._client
+        assert client is not None
         sha, source = self._scripts[script]
         try:
+            return await client.evalsha(sha, keys, args)
+        except coredis.exceptions.NoScriptError:
+            await client.script_load(source)
+            return await client.evalsha(sha, keys, args)
+
+    async def _call(self, script: str, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> Any:
+        """One script call, bounded by the timeout; a failure marks the coordinator down."""
+        try:
             with trio.fail_after(self._timeout_s):
-                return await self._pipe.evalsha(sha, source, keys, args)
+                return await self._evalsha(script, keys, args)
         except _ERRORS as exc:
             self._failures += 1
             self._mark_down(exc)
             raise _Down(str(exc) or type(exc).__name__) from exc
+
+    async def _call_many(
+        self, script: str, calls: Sequence[tuple[Sequence[str | bytes], Sequence[str | bytes | int]]]
+    ) -> list[Any]:
+        """Several calls of ``script`` (``(keys, args)`` each) in one round trip: a non-transactional
+        ``coredis`` pipeline, bounded by the timeout as one call; a failure marks the coordinator down.
+        On ``NOSCRIPT`` the script is loaded and the whole pipeline sent again (every script is
+        idempotent for the same arguments)."""
+        if len(calls) == 1:
+            return [await self._call(script, *calls[0])]
+        client = self._client
+        assert client is not None
+        sha, source = self._scripts[script]
+        try:
+            with trio.fail_after(self._timeout_s):
+                try:
+                    return await self._pipelined(client, sha, calls)
+                except coredis.exceptions.NoScriptError:
+                    await client.script_load(source)
+                    return await self._pipelined(client, sha, calls)
+        except _ERRORS as exc:
+            self._failures += 1
+            self._mark_down(exc)
+            raise _Down(str(exc) or type(exc).__name__) from exc
+
+    @staticmethod
+    async def _pipelined(
+        client: coredis.Redis[bytes], sha: str,
+        calls: Sequence[tuple[Sequence[str | bytes], Sequence[str | bytes | int]]],
+    ) -> list[Any]:
+        async with client.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                pipe.evalsha(sha, keys, args)
+        results = pipe.results
+        assert results is not None
+        return list(results)
 
     def _mark_down(self, exc: BaseException) -> None:
         if self._up:
@@ -170,23 +239,11 @@ class RedisWire:
 
     # --- acquire ----------------------------------------------------------------------------------
 
-    async def _call_encoded(self, script: str, count: int, body: bytes) -> Any:
-        """:meth:`_call` with ``numkeys``, the keys and the arguments encoded (``count`` of them)."""
-        assert self._pipe is not None
-        sha, source = self._scripts[script]
-        try:
-            with trio.fail_after(self._timeout_s):
-                return await self._pipe.evalsha_encoded(sha, source, count, body)
-        except _ERRORS as exc:
-            self._failures += 1
-            self._mark_down(exc)
-            raise _Down(str(exc) or type(exc).__name__) from exc
-
     def _acquire_request(
         self, lease: Lease, options: Sequence[Option], leave: Sequence[str], attempt: int, token: int
-    ) -> tuple[tuple[str, ...], int, bytes, bytes]:
+    ) -> tuple[tuple[str, ...], list[bytes], list[bytes]]:
         """One request of a batched ``acquire.lua`` call, encoded: the names of its limit sets (set
-        ``i`` is ``names[i - 1]``), its number of KEYS, its KEYS (tombstone, record, sets) and ARGV."""
+        ``i`` is ``names[i - 1]``), its KEYS (tombstone, record, sets) and ARGV."""
         sent = self._caps_sent
         record = {n.name: n.cap for o in options for n in o.needs if sent.get(n.name) != n.cap}
         shape = (tuple(options), tuple(leave))
@@ -200,13 +257,14 @@ class RedisWire:
                     self._shapes.clear()
                 self._shapes[shape] = cached
         names, sets, spec = cached
-        keys = bulk(self.keys.tomb(lease.id, attempt)) + bulk(self.keys.lease(lease.id)) + sets
-        args = bulk(lease.id) + bulk(token) + bulk(len(names)) + spec
-        return names, 2 + len(names), keys, args
+        lease_id = lease.id
+        keys = [self.keys.tomb(lease_id, attempt).encode(), self.keys.lease(lease_id).encode(), *sets]
+        args = [lease_id.encode(), b"%d" % token, b"%d" % len(names), spec]
+        return names, keys, args
 
     def _request_shape(
         self, options: Sequence[Option], leave: Sequence[str], record: dict[str, int]
-    ) -> tuple[tuple[str, ...], bytes, bytes]:
+    ) -> tuple[tuple[str, ...], list[bytes], bytes]:
         """What a request's options and leave list encode to, the same for every lease: the set names,
         their keys and the JSON spec (with ``record``'s caps to note in the caps hash)."""
         names: list[str] = []
@@ -236,17 +294,17 @@ class RedisWire:
             body["d"] = [ki(n) for n in leave]
         if record:
             body["a"] = [[ki(name), cap] for name, cap in record.items()]
-        sets = b"".join(bulk(self.keys.limit(n)) for n in names)
-        return tuple(names), sets, bulk(json.dumps(body, separators=(",", ":")))
+        sets = [self.keys.limit(n).encode() for n in names]
+        return tuple(names), sets, json.dumps(body, separators=(",", ":")).encode()
 
-    async def _batched_acquire(self, nkeys: int, keys: bytes, args: bytes, order: tuple[int, int]) -> Any:
-        """Send one request (``nkeys`` keys, four arguments, encoded) with the others of this turn of
-        the loop; its reply.
+    async def _batched_acquire(self, keys: list[bytes], args: list[bytes], order: tuple[int, int]) -> Any:
+        """Send one request (its keys and four arguments, encoded) with the others of this turn of the
+        loop; its reply.
 
         Raises:
             _Down: the batch's call failed or timed out.
         """
-        item = _Pending(nkeys, keys, args, order)
+        item = _Pending(keys, args, order)
         self._acquire_pending.append(item)
         self._acquire_wake.set()
         await item.done.wait()
@@ -267,15 +325,13 @@ class RedisWire:
                     del pending[:_BATCH]
                     # waiters in their queue's order (the tasks of a pass ran in any order), then the rest
                     batch.sort(key=lambda item: item.order)
-                    nkeys = 2 + sum(item.nkeys for item in batch)
-                    body = b"".join((
-                        bulk(nkeys), bulk(self.keys.fence), bulk(self.keys.caps),
-                        *(item.keys for item in batch),
-                        bulk(self._ttl_ms), bulk(self._replica_id), bulk(self.keys.freed), bulk(len(batch)),
-                        *(item.args for item in batch),
-                    ))
+                    keys = self._acquire_keys.copy()
+                    args = [*self._acquire_args, b"%d" % len(batch)]
+                    for item in batch:
+                        keys += item.keys
+                        args += item.args
                     try:
-                        replies = await self._call_encoded("acquire", 1 + nkeys + 4 + 4 * len(batch), body)
+                        replies = await self._call("acquire", keys, args)
                     except _Down as exc:
                         for item in batch:
                             item.fail(exc)
@@ -294,8 +350,8 @@ class RedisWire:
         self._releases_idle = trio.Event() if self._releases_idle.is_set() else self._releases_idle
         self._release_wake.set()
 
-    async def _send_release(self, *items: _Release) -> None:
-        """One ``release.lua`` call for ``items``."""
+    def _release_call(self, items: Sequence[_Release]) -> tuple[list[str], list[str | int]]:
+        """The KEYS and ARGV of one ``release.lua`` call for ``items``."""
         keys: list[str] = []
         args: list[str | int] = [self.keys.freed, len(items)]
         for item in items:
@@ -303,11 +359,11 @@ class RedisWire:
             keys.extend(self.keys.limit(n) for n in item.names)
             tomb_ms = self._ttl_ms if item.tomb is not None else 0
             args.extend((item.lease_id, "1" if item.full else "0", tomb_ms, len(item.names)))
-        await self._call("release", keys, args)
+        return keys, args
 
     async def _drain_releases(self) -> None:
-        """Send the queued releases in order, many per call (an item older than two TTLs is dropped:
-        what it held stopped counting long ago).
+        """Send the queued releases in order, many per call and up to :data:`_PIPELINE` calls per round
+        trip (an item older than two TTLs is dropped: what it held stopped counting long ago).
 
         Raises:
             _Down: a call failed; its items stay first in the queue.
@@ -316,11 +372,12 @@ class RedisWire:
             queue = self._releases
             while queue:
                 cut = trio.current_time() - 2 * self._ttl_ms / 1000
-                batch = [queue[i] for i in range(min(_BATCH, len(queue)))]
-                fresh = [item for item in batch if item.queued_at > cut]
-                if fresh:
-                    await self._send_release(*fresh)
-                for item in batch:
+                taken = [queue[i] for i in range(min(_BATCH * _PIPELINE, len(queue)))]
+                fresh = [item for item in taken if item.queued_at > cut]
+                calls = [self._release_call(fresh[i : i + _BATCH]) for i in range(0, len(fresh), _BATCH)]
+                if calls:
+                    await self._call_many("release", calls)
+                for item in taken:
                     queue.popleft()
                     if item.sent is not None:
                         item.sent.set()
