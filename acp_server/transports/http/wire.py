@@ -18,9 +18,11 @@ scheme ``https``/``wss``.
 
 :class:`BatchedTCPServer` is hypercorn's ``TCPServer`` over such a stream with two per-request costs
 cut, its behaviour kept: a write that fits under the bound is queued at once (no lock, no cancel
-scope: the bytes are queued whole, so order and atomicity hold), and the keep-alive timer is one task
-per connection whose deadline moves (hypercorn starts a new task at the end of every request and
-cancels it at the start of the next).
+scope, no checkpoint: the bytes are queued whole, so order and atomicity hold), and the keep-alive
+timer is one task per connection whose deadline moves (hypercorn starts a new task at the end of
+every request and cancels it at the start of the next). It also tells the flusher when waiting for a
+burst to end is useless: on plain HTTP/1.1 (not a WebSocket, not HTTP/2) a response's writes, and an
+SSE chunk, are all queued in one scheduling pass, so they leave in the next one.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any, cast
 
 import trio
 from hypercorn.events import Event, RawData, Updated
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.ws_stream import WSStream
 from hypercorn.trio.tcp_server import TCPServer
 
 __all__ = ["BatchedTCPServer", "BatchedWrites", "TlsBatchedWrites"]
@@ -60,6 +64,9 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         self._idle = trio.Event()
         self._idle.set()
         self._error: BaseException | None = None
+        #: whether the flusher waits for a burst to end (a WebSocket's or HTTP/2's writers queue over
+        #: several passes; an HTTP/1.1 response or SSE chunk is queued whole in one)
+        self.join = True
 
     def _queue(self, data: bytes | bytearray | memoryview) -> None:
         self._out.append(bytes(data))
@@ -90,7 +97,7 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
-            for _ in range(_JOIN_PASSES):
+            for _ in range(_JOIN_PASSES if self.join else 0):
                 queued = len(self._out)
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 if len(self._out) == queued:
@@ -182,6 +189,8 @@ class BatchedTCPServer(TCPServer):
     async def protocol_send(self, event: Event) -> None:
         """Queue a write at once when it fits; move the keep-alive deadline in place."""
         if isinstance(event, RawData):
+            protocol = getattr(self.protocol, "protocol", None)
+            self.batched.join = not isinstance(protocol, H11Protocol) or isinstance(protocol.stream, WSStream)
             if self.batched.send_nowait(event.data):
                 return
         elif isinstance(event, Updated):
