@@ -11,6 +11,7 @@ import trio
 from hypercorn.config import Config
 
 from acp_server.transports.http.listener import serve_app
+from acp_server.transports.http.wire import BatchedWrites
 from acp_server.transports.listeners import bind_tcp_socket
 
 KEEP_ALIVE_S = 0.5
@@ -111,3 +112,41 @@ async def test_pipelined_requests_are_answered_whole_and_in_order() -> None:
             paths = [f"/p{i}" for i in range(20)]
             await stream.send_all(b"".join(_get(p) for p in paths))
             assert await _read_answers(stream, len(paths)) == [p.encode() * 200 for p in paths]
+
+
+class _Recorder(trio.abc.HalfCloseableStream):
+    """A stream that records each ``send_all``."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+        await trio.lowlevel.checkpoint()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async def send_eof(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+async def test_send_nowait_refuses_past_the_bound_and_send_all_waits_for_room() -> None:
+    recorder = _Recorder()
+    batched = BatchedWrites(recorder, limit=4, socket=object())
+    assert batched.send_nowait(b"1234")
+    assert not batched.send_nowait(b"5")  # past the bound: the caller must wait (send_all)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(batched.flusher)
+        with trio.fail_after(5):
+            await batched.send_all(b"5")
+        await batched._drain()
+        nursery.cancel_scope.cancel()
+    assert b"".join(recorder.writes) == b"12345"
