@@ -4,6 +4,7 @@ across restarts on one state directory), ``single`` sessions per cwd, and the fe
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -12,8 +13,9 @@ import pytest
 import trio
 
 from acp_server.backends import EchoBackend
+from acp_server.bridge.fanout import encode_update
 from acp_server.transports.http.rest import FEATURES
-from acp_server.transports.http.rest_events import SseSubscriber
+from acp_server.transports.http.rest_events import SseSubscriber, encode_frame, envelopes, frames_of
 from acp_server.transports.http.rest_stream import MAX_SUBSCRIBERS
 
 from .helpers import RawClient
@@ -251,3 +253,34 @@ async def test_single_scope_with_a_store_replaces_a_default_closed_by_an_acp_pee
                 other = (await c.post(url + "/session", json={"cwd": "/srv/s"})).json()
                 assert other["attached"] is False and other["sessionId"] != first["sessionId"]
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        encode_update("s1", 7, b'{"sessionUpdate":"agent_message_chunk","content":{"type":"text","text":"hi \\u00e9"}}'),
+        encode_update("s1", 8, b'{"sessionUpdate":"agent_message_chunk","content":{"type":"text","text":"x"}}', "cli-1"),
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1","update":{"a":[1,2]}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1","update":{},"_meta":{"eventId":true}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1","update":{},"_meta":{"eventId":0}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1","update":{},"_meta":"odd"}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1"}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":[1]}\n',
+        b'{"jsonrpc":"2.0","method":"_acp_server/turn_state","params":{"sessionId":"s1","state":"completed",'
+        b'"promptId":"p1","_meta":{"eventId":9}}}\n',
+        b'{"jsonrpc":"2.0","method":"_acp_server/turn_state","params":{"sessionId":"s1","state":"working"}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1","update":{"a":\r1}}}\n',
+        b"not json\n",
+    ],
+)
+def test_frames_of_a_line_are_the_envelopes_encoded(line: bytes) -> None:
+    """The session/update fast path writes the frames the general translation writes: the same ids and
+    SSE lines, the same JSON (escapes may differ), each frame's data on one line."""
+    fast = frames_of(line)
+    general = [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
+    assert [i for i, _ in fast] == [i for i, _ in general]
+    for (_, got), (_, want) in zip(fast, general, strict=True):
+        head, _, data = got.partition(b"data: ")
+        assert head == want.partition(b"data: ")[0]
+        assert data.endswith(b"\n\n") and b"\n" not in data[:-2] and b"\r" not in data
+        assert json.loads(data) == json.loads(want.partition(b"data: ")[2])

@@ -24,7 +24,6 @@ import msgspec
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
 from ...auth.http_rules import TrustedProxies
@@ -35,7 +34,7 @@ from .addresses import ForwardedFor
 from .app import AcpHttpApp, HttpLimits, HttpOptions
 from .auth import HttpGuard
 from .rules import HostRules
-from .wire import BatchedWrites, TlsBatchedWrites
+from .wire import BatchedTCPServer, BatchedWrites, TlsBatchedWrites
 
 __all__ = ["serve_app", "serve_http"]
 
@@ -92,7 +91,7 @@ async def serve_app(
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(batched.flusher)
-                await TCPServer(wrapped, config, context, {}, batched)  # type: ignore[arg-type]
+                await BatchedTCPServer(wrapped, config, context, {}, batched)
                 nursery.cancel_scope.cancel()
         except Exception:
             log.warning("http: a connection failed in the HTTP layer; closing it alone", exc_info=True)

@@ -15,15 +15,28 @@ own bound evicts it). A failed write fails the next ``send_all`` with ``BrokenRe
 bounds the handshake itself): it shows hypercorn what it reads of an SSL stream (the negotiated ALPN
 protocol, the socket under it), so that hypercorn speaks HTTP/2 when ``h2`` was chosen and names the
 scheme ``https``/``wss``.
+
+:class:`BatchedTCPServer` is hypercorn's ``TCPServer`` over such a stream with two per-request costs
+cut, its behaviour kept: a write that fits under the bound is queued at once (no lock, no cancel
+scope, no checkpoint: the bytes are queued whole, so order and atomicity hold), and the keep-alive
+timer is one task per connection whose deadline moves (hypercorn starts a new task at the end of
+every request and cancels it at the start of the next). It also tells the flusher when waiting for a
+burst to end is useless: on plain HTTP/1.1 (not a WebSocket, not HTTP/2) a response's writes, and an
+SSE chunk, are all queued in one scheduling pass, so they leave in the next one.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, cast
 
 import trio
+from hypercorn.events import Event, RawData, Updated
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.ws_stream import WSStream
+from hypercorn.trio.tcp_server import TCPServer
 
-__all__ = ["BatchedWrites", "TlsBatchedWrites"]
+__all__ = ["BatchedTCPServer", "BatchedWrites", "TlsBatchedWrites"]
 
 #: the most scheduling passes the flusher waits for a burst to end: it writes after the first pass that
 #: queued nothing more (a WebSocket burst queues one frame per pass)
@@ -51,14 +64,27 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         self._idle = trio.Event()
         self._idle.set()
         self._error: BaseException | None = None
+        #: whether the flusher waits for a burst to end (a WebSocket's or HTTP/2's writers queue over
+        #: several passes; an HTTP/1.1 response or SSE chunk is queued whole in one)
+        self.join = True
 
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        if self._error is not None:
-            raise trio.BrokenResourceError("the connection broke") from self._error
+    def _queue(self, data: bytes | bytearray | memoryview) -> None:
         self._out.append(bytes(data))
         self._nbytes += len(data)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._wake.set()
+
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> bool:
+        """Queue ``data`` if that needs no wait (``False``: broken, or past ``limit``: use :meth:`send_all`)."""
+        if self._error is not None or self._nbytes + len(data) > self.limit:
+            return False
+        self._queue(data)
+        return True
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._error is not None:
+            raise trio.BrokenResourceError("the connection broke") from self._error
+        self._queue(data)
         while self._nbytes > self.limit and self._error is None:
             self._room = trio.Event()
             await self._room.wait()
@@ -71,7 +97,7 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
-            for _ in range(_JOIN_PASSES):
+            for _ in range(_JOIN_PASSES if self.join else 0):
                 queued = len(self._out)
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 if len(self._out) == queued:
@@ -140,3 +166,45 @@ class TlsBatchedWrites(BatchedWrites):
     def selected_alpn_protocol(self) -> str | None:
         """The protocol the handshake chose (``h2``, ``http/1.1``, or ``None``: the client offered none)."""
         return self._alpn
+
+
+class BatchedTCPServer(TCPServer):
+    """hypercorn's ``TCPServer`` over a :class:`BatchedWrites` (see the module docstring).
+
+    Args:
+        app: the wrapped ASGI app.
+        config: hypercorn's config (its ``keep_alive_timeout`` is the idle bound between requests).
+        context: the worker context.
+        state: the lifespan state.
+        stream: the connection's :class:`BatchedWrites`.
+    """
+
+    def __init__(self, app: Any, config: Any, context: Any, state: Any, stream: BatchedWrites) -> None:
+        super().__init__(app, config, context, state, stream)  # type: ignore[arg-type]
+        self.batched = stream
+        #: the keep-alive timer: its deadline is ``inf`` while a request is served
+        self._idle_scope = trio.CancelScope(deadline=trio.current_time() + config.keep_alive_timeout)
+        self._idle_started = False
+
+    async def protocol_send(self, event: Event) -> None:
+        """Queue a write at once when it fits; move the keep-alive deadline in place."""
+        if isinstance(event, RawData):
+            protocol = getattr(self.protocol, "protocol", None)
+            self.batched.join = not isinstance(protocol, H11Protocol) or isinstance(protocol.stream, WSStream)
+            if self.batched.send_nowait(event.data):
+                return
+        elif isinstance(event, Updated):
+            self._idle_scope.deadline = trio.current_time() + self.config.keep_alive_timeout if event.idle else math.inf
+            return
+        await super().protocol_send(event)
+
+    async def _idle_timeout(self) -> None:
+        """Close the connection once it has been idle for ``keep_alive_timeout`` seconds."""
+        if self._idle_started:  # the timer's scope is entered once; hypercorn restarts it only at the start
+            await super()._idle_timeout()
+            return
+        self._idle_started = True
+        with self._idle_scope:
+            await self.context.terminated.wait()
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
