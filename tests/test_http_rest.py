@@ -241,6 +241,11 @@ async def test_permission_requests_go_to_subscribers_and_the_first_answer_wins()
                 ok = [{"type": "text", "text": "please"}]
                 sid = (await c.post(url + "/session", json={"sessionScope": "thread"})).json()["sessionId"]
                 r = await c.post(f"{url}/session/{sid}/prompt", json={"prompt": ok})
+                # subscribe only once the turn is over: a subscriber there before the agent asks would be asked
+                for _ in range(200):
+                    if not (await c.get(url + "/health?deep=1")).json()["activePrompts"]:
+                        break
+                    await trio.sleep(0.05)
                 ev0 = Events()
                 nursery.start_soon(ev0.run, c, f"{url}/session/{sid}/events", {"Last-Event-ID": str(r.json()["lastEventId"])})
                 (alone,) = await ev0.wait_for("turn_complete")
