@@ -3,7 +3,8 @@
 Modelled on hypercorn's trio TCP server: the reader turns bytes into events and runs each request's
 synchronous part at once, in arrival order; requests that must wait run as tasks. One writer owns
 the stream and joins everything queued into one ``send_all``. The shell knows no ACP method: it
-gets a :class:`~acp_server.jsonrpc.Dispatcher` and a context for its handlers.
+gets a :class:`~acp_server.jsonrpc.Dispatcher` and a context for its handlers. The output side (the
+queue, the writer, eviction of a slow consumer) is its base class, :class:`~.outbox.Outbox`.
 
 Bounds: at most ``max_inflight_requests`` requests run at once, later ones wait unstarted; reading
 pauses (backpressure through the transport, no error) only when four times that many wait. A request
@@ -67,12 +68,12 @@ from ..jsonrpc import (
     encode_error,
 )
 from ..logtext import clip
-from ..parking import ParkingSpot
 from ..types.acp import CancelRequestParams
+from .outbox import RELIABLE_WATERMARK_BYTES, Outbox
 from .refusal_budget import RefusalBudget, RefusalBudgetSettings
 from .timing import LatencyHistogram
 
-__all__ = ["ConnectionShell"]
+__all__ = ["RELIABLE_WATERMARK_BYTES", "ConnectionShell"]
 
 log = logging.getLogger("acp_server.connection")
 
@@ -80,9 +81,6 @@ _ids = itertools.count(1)
 _decode_cancel = msgspec.json.Decoder(CancelRequestParams).decode
 _FLUSH_TIMEOUT_S = 2.0
 _READ_SIZE = 65536
-#: :meth:`ConnectionShell.send_reliably` waits while more than this is queued (a replay is paced by
-#: the writer, and never holds more than this of the connection's memory)
-RELIABLE_WATERMARK_BYTES = 1 << 20
 
 
 class _Slot:
@@ -120,7 +118,7 @@ class _BatchReplies:
             self.parts = []
 
 
-class ConnectionShell:
+class ConnectionShell(Outbox):
     """Serve one JSON-RPC connection on a trio stream.
 
     Its attributes are slots (a server holds one per connection: an instance dict of this many keys
@@ -151,10 +149,7 @@ class ConnectionShell:
     __slots__ = (
         "__dict__",
         "_budget_settings",
-        "_closed",
         "_drain_scope",
-        "_drained",
-        "_drained_event",
         "_finished_unanswered",
         "_first_message_timeout_s",
         "_got_line",
@@ -165,32 +160,22 @@ class ConnectionShell:
         "_input_ended",
         "_last_input",
         "_on_close",
-        "_out",
-        "_out_bytes",
         "_outbound",
         "_reader_scope",
         "_refusal_kinds",
-        "_refusal_latency",
-        "_refusals_queued",
         "_resume_at",
         "_room",
         "_run_cap",
         "_slots",
         "_slots_gone",
         "_waiting",
-        "_writer_coalesce",
-        "_writer_spot",
         "core",
         "ctx",
         "dispatcher",
         "drain_timeout_s",
-        "evicted",
         "max_inflight",
-        "max_outbound_bytes",
-        "name",
         "peer_id",
         "refusal_budget",
-        "stream",
         "transport",
     )
 
@@ -214,8 +199,8 @@ class ConnectionShell:
         transport: str = "stream",
         refusal_budget: RefusalBudgetSettings | None = None,
     ) -> None:
+        super().__init__(stream, name, max_outbound_bytes, refusal_latency)
         self.peer_id = next(_ids)
-        self.name = name
         self.transport = transport
         self._refusal_kinds = refusal_kinds
         self._budget_settings = refusal_budget if refusal_budget is not None and refusal_budget.enabled else None
@@ -224,23 +209,10 @@ class ConnectionShell:
         #: requests started at most at once: max_inflight, 0 while the refusal budget is in debt
         self._run_cap = max_inflight_requests
         self._resume_at = 0.0  # trio time: the budget is in debt, no request starts before then
-        self.stream = stream
         self.core = Connection(max_message_bytes=max_message_bytes)
         self.dispatcher = dispatcher
-        self.max_outbound_bytes = max_outbound_bytes
         self.max_inflight = max_inflight_requests
-        self.evicted = False
         self._on_close = on_close
-        self._closed = False
-        self._out: list[bytes] = []
-        self._out_bytes = 0
-        self._refusal_latency = refusal_latency
-        self._refusals_queued: list[int] = []  # read stamps of the refusals now in _out
-        self._writer_spot = ParkingSpot()  # where the writer waits for output
-        self._writer_coalesce = False
-        #: nothing is queued for the writer; ``_drained_event`` is made only when somebody waits for it
-        self._drained = True
-        self._drained_event: trio.Event | None = None
         self._slots: dict[Any, _Slot] = {}
         self._waiting: list[Request] = []  # a list: an empty deque alone takes ~760 bytes
         self._inflight = 0  # started and not answered
@@ -262,87 +234,6 @@ class ConnectionShell:
         self.ctx = make_context(self)
 
     # --- the Peer interface of the bridge ----------------------------------------------------------
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def send(self, data: bytes) -> None:
-        """Queue a notification; evict the connection if it lets its queue overflow."""
-        if self._closed:
-            return
-        out = self._out
-        if not out:
-            self._wake_writer(True)
-        out.append(data)
-        self._out_bytes += len(data)
-        if self._out_bytes > self.max_outbound_bytes:
-            self._evict()
-
-    def reply(self, data: bytes) -> None:
-        """Queue an answer to the peer (never evicts: the caller bounds these)."""
-        if not self.evicted:
-            self._enqueue(data)
-
-    async def send_reliably(self, data: bytes) -> None:
-        """Queue a message that must arrive (a replay): paced by the writer, it waits while more than
-        :data:`RELIABLE_WATERMARK_BYTES` (or the outbound bound, if lower) are queued, instead of overflowing."""
-        mark = min(RELIABLE_WATERMARK_BYTES, self.max_outbound_bytes)
-        while self._out_bytes > mark and not self._closed:
-            await self._wait_drained()
-        self.reply(data)
-
-    def _enqueue(self, data: bytes) -> None:
-        out = self._out
-        if not out:
-            self._wake_writer(False)
-        out.append(data)
-        self._out_bytes += len(data)
-
-    def _wake_writer(self, update: bool) -> None:
-        """The queue is about to become non-empty: wake the writer if it waits (once per batch).
-
-        ``update``: what comes first is a notification (a turn under way, whose answer may follow at
-        once), so the writer lets the other runnable tasks go first, to send both in one write. An
-        answer first (a refusal, a quick method) goes out without that extra pass.
-        """
-        if self._writer_spot.wake():
-            self._writer_coalesce = update
-        self._drained = False
-
-    def _set_drained(self) -> None:
-        self._drained = True
-        event = self._drained_event
-        if event is not None:
-            self._drained_event = None
-            event.set()
-
-    async def _wait_drained(self) -> None:
-        """Return once nothing is queued for the writer (a checkpoint either way)."""
-        if self._drained:
-            await trio.lowlevel.checkpoint()
-            return
-        event = self._drained_event
-        if event is None:
-            event = self._drained_event = trio.Event()
-        await event.wait()
-
-    async def _wait_for_room(self) -> None:
-        while self._out_bytes > self.max_outbound_bytes and not self._closed:
-            await self._wait_drained()
-
-    def _evict(self) -> None:
-        log.warning(
-            "%s: evicting a slow consumer (%d bytes queued, limit %d)", self.name, self._out_bytes, self.max_outbound_bytes
-        )
-        self.evicted = True
-        self._out.append(
-            Connection.send_notification(
-                "_acp_server/evicted",
-                {"reason": "queue_overflow", "limit": self.max_outbound_bytes, "queuedBytes": self._out_bytes},
-            )
-        )
-        self.close()
 
     def close(self) -> None:
         """Stop reading; what is queued is flushed (for a short while) and the connection closes."""
@@ -480,45 +371,6 @@ class ConnectionShell:
                     return
                 deadline = trio.current_time() + idle
             await trio.sleep_until(deadline)
-
-    async def _writer(self) -> None:
-        stream = self.stream
-        try:
-            while True:
-                if not self._out:
-                    self._set_drained()
-                    await self._writer_spot.park()
-                    if self._writer_coalesce:
-                        # Let the tasks woken with us queue their part first: a turn's last updates
-                        # and its answer then leave in one write (one system call, one peer wakeup).
-                        await trio.lowlevel.checkpoint()
-                data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
-                self._out = []
-                self._out_bytes = 0
-                refused: list[int] | None = None
-                if self._refusals_queued:  # taken with the bytes that carry them, not aliased
-                    refused, self._refusals_queued = self._refusals_queued, []
-                await stream.send_all(data)
-                data = b""  # not kept while the writer waits: an idle connection would hold its last write
-                if refused is not None:
-                    self._record_refusals(refused)
-        except Exception as exc:
-            if isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, OSError)):
-                log.info("%s: write failed: %s", self.name, exc)
-            else:
-                log.exception("%s: unexpected error while writing; closing the connection", self.name)
-            self._out = []
-            self._out_bytes = 0
-            self._refusals_queued = []
-            self._set_drained()
-            self.close()
-
-    def _record_refusals(self, read_stamps: list[int]) -> None:
-        histogram = self._refusal_latency
-        assert histogram is not None
-        written = perf_counter_ns()
-        for read_ns in read_stamps:
-            histogram.record(written - read_ns)
 
     def _reply_error(self, data: bytes, slot: _Slot, reply: Callable[[bytes], None]) -> None:
         """Queue an error answer; an overload refusal is timed until its bytes are written, and spends
