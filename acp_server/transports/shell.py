@@ -23,7 +23,8 @@ ends the wait at once.
 Socket hygiene (not for stdio, the editor's own pipe): a connection that sends no complete line within
 ``first_message_timeout_s`` is closed, and so is one that holds nothing (no request in flight, no
 request of ours open, nothing ``holds`` says it keeps, such as an attached session) and sends nothing
-for ``idle_timeout_s``.
+for ``idle_timeout_s``. Both are kept by one timer for the whole run (:mod:`.deadlines`), not by a
+task per connection: a socket costs one heap entry, and a wake-up per timeout period.
 
 Refusal timing: given a :class:`~.timing.LatencyHistogram`, the shell records how long each overload
 refusal (an :class:`~acp_server.errors.OverloadError`: ``prompt_queue_full``, ``capacity_exceeded``,
@@ -69,6 +70,7 @@ from ..jsonrpc import (
 )
 from ..logtext import clip
 from ..types.acp import CancelRequestParams
+from .deadlines import Deadline, deadlines
 from .outbox import RELIABLE_WATERMARK_BYTES, Outbox
 from .refusal_budget import RefusalBudget, RefusalBudgetSettings
 from .timing import LatencyHistogram
@@ -149,6 +151,7 @@ class ConnectionShell(Outbox):
     __slots__ = (
         "__dict__",
         "_budget_settings",
+        "_deadline",
         "_drain_scope",
         "_finished_unanswered",
         "_first_message_timeout_s",
@@ -160,6 +163,7 @@ class ConnectionShell(Outbox):
         "_input_ended",
         "_last_input",
         "_on_close",
+        "_opened",
         "_outbound",
         "_reader_scope",
         "_refusal_kinds",
@@ -229,8 +233,12 @@ class ConnectionShell(Outbox):
         self._input_ended = False  # the peer's input ended (EOF): nothing more will be read
         self._got_line = False  # a complete line has arrived
         self._last_input = 0.0  # trio.current_time() of the last bytes read
+        self._opened = 0.0  # trio.current_time() when run() began
+        #: this socket's pending wake-up in the run's shared timer (first message or idle), if any
+        self._deadline: Deadline | None = None
         self._slots_gone: trio.Event | None = None  # set when the last request in flight leaves _slots
-        self._drain_scope = trio.CancelScope()
+        #: made when the input ends (a connection that never drains holds no cancel scope for it)
+        self._drain_scope: trio.CancelScope | None = None
         self.ctx = make_context(self)
 
     # --- the Peer interface of the bridge ----------------------------------------------------------
@@ -239,7 +247,8 @@ class ConnectionShell(Outbox):
         """Stop reading; what is queued is flushed (for a short while) and the connection closes."""
         self._mark_closed()
         self._reader_scope.cancel()
-        self._drain_scope.cancel()
+        if self._drain_scope is not None:
+            self._drain_scope.cancel()
 
     def _mark_closed(self) -> None:
         if not self._closed:
@@ -283,7 +292,7 @@ class ConnectionShell(Outbox):
             async with trio.open_nursery() as outer:
                 outer.start_soon(self._writer)
                 if self._first_message_timeout_s is not None or self._idle_timeout_s is not None:
-                    outer.start_soon(self._watchdog)
+                    self._arm_timeouts()
                 async with trio.open_nursery() as handlers:
                     self._handlers = handlers
                     ended = False
@@ -308,6 +317,9 @@ class ConnectionShell(Outbox):
                 outer.cancel_scope.cancel()
         finally:
             self._mark_closed()
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await self.stream.aclose()
 
@@ -317,7 +329,10 @@ class ConnectionShell(Outbox):
         for channel in self._outbound.values():
             channel.close()  # our requests to the peer: nobody can answer them now
         self._outbound.clear()
-        with self._drain_scope:
+        scope = self._drain_scope = trio.CancelScope()
+        if self._closed:
+            scope.cancel()
+        with scope:
             if self._slots and self.drain_timeout_s > 0:
                 log.debug("%s: end of input with %d requests in flight: draining", self.name, len(self._slots))
                 with trio.move_on_after(self.drain_timeout_s) as timer:
@@ -350,27 +365,42 @@ class ConnectionShell(Outbox):
     def _holds_nothing(self) -> bool:
         return not (self._slots or self._outbound or (self._holds is not None and self._holds()))
 
-    async def _watchdog(self) -> None:
-        """Close a socket that sent no complete line in time, or that idles holding nothing."""
-        opened = trio.current_time()
+    def _arm_timeouts(self) -> None:
+        """Ask the run's shared timer for this socket's first wake-up (first message, else idle)."""
+        now = self._opened = trio.current_time()
         first, idle = self._first_message_timeout_s, self._idle_timeout_s
         if first is not None:
-            await trio.sleep_until(opened + first)
-            if not self._got_line and not self._input_ended:
-                log.info("%s: no complete message within %.0f s; closing", self.name, first)
+            self._deadline = deadlines().at(now + first, self._first_message_due)
+        elif idle is not None:
+            self._deadline = deadlines().at(now + idle, self._idle_due)
+
+    def _first_message_due(self) -> None:
+        """Close a socket that sent no complete line in time; else watch it for idling."""
+        self._deadline = None
+        if self._closed:
+            return
+        if not self._got_line and not self._input_ended:
+            log.info("%s: no complete message within %.0f s; closing", self.name, self._first_message_timeout_s)
+            self.close()
+            return
+        if self._idle_timeout_s is not None:
+            self._idle_due()
+
+    def _idle_due(self) -> None:
+        """Close a socket idle for ``idle_timeout_s`` holding nothing; else wake up again when it may be."""
+        self._deadline = None
+        idle = self._idle_timeout_s
+        if self._closed or idle is None:
+            return
+        now = trio.current_time()
+        deadline = max(self._last_input, self._opened) + idle
+        if now >= deadline:
+            if self._holds_nothing() and not self._input_ended:
+                log.info("%s: idle for %.0f s holding nothing; closing", self.name, idle)
                 self.close()
                 return
-        if idle is None:
-            return
-        while not self._closed:
-            deadline = max(self._last_input, opened) + idle
-            if trio.current_time() >= deadline:
-                if self._holds_nothing() and not self._input_ended:
-                    log.info("%s: idle for %.0f s holding nothing; closing", self.name, idle)
-                    self.close()
-                    return
-                deadline = trio.current_time() + idle
-            await trio.sleep_until(deadline)
+            deadline = now + idle
+        self._deadline = deadlines().at(deadline, self._idle_due)
 
     def _reply_error(self, data: bytes, slot: _Slot, reply: Callable[[bytes], None]) -> None:
         """Queue an error answer; an overload refusal is timed until its bytes are written, and spends
