@@ -152,7 +152,6 @@ class ConnectionShell(Outbox):
         "__dict__",
         "_budget_settings",
         "_deadline",
-        "_drain_scope",
         "_finished_unanswered",
         "_first_message_timeout_s",
         "_got_line",
@@ -165,7 +164,6 @@ class ConnectionShell(Outbox):
         "_on_close",
         "_opened",
         "_outbound",
-        "_reader_scope",
         "_refusal_kinds",
         "_resume_at",
         "_room",
@@ -224,7 +222,6 @@ class ConnectionShell(Outbox):
         self._finished_unanswered = 0
         self._room: trio.Event | None = None  # what the reader waits on while too many requests wait
         self._outbound: dict[Any, trio.MemorySendChannel[Response]] = {}
-        self._reader_scope = trio.CancelScope()
         self._handlers: trio.Nursery | None = None
         self.drain_timeout_s = drain_timeout_s
         self._first_message_timeout_s = first_message_timeout_s
@@ -237,8 +234,6 @@ class ConnectionShell(Outbox):
         #: this socket's pending wake-up in the run's shared timer (first message or idle), if any
         self._deadline: Deadline | None = None
         self._slots_gone: trio.Event | None = None  # set when the last request in flight leaves _slots
-        #: made when the input ends (a connection that never drains holds no cancel scope for it)
-        self._drain_scope: trio.CancelScope | None = None
         self.ctx = make_context(self)
 
     # --- the Peer interface of the bridge ----------------------------------------------------------
@@ -246,9 +241,10 @@ class ConnectionShell(Outbox):
     def close(self) -> None:
         """Stop reading; what is queued is flushed (for a short while) and the connection closes."""
         self._mark_closed()
-        self._reader_scope.cancel()
-        if self._drain_scope is not None:
-            self._drain_scope.cancel()
+        if self._handlers is not None:
+            # The reader and the drain run in the handlers' nursery (one cancel scope for all three):
+            # what runs is cancelled, and run() flushes what is queued.
+            self._handlers.cancel_scope.cancel()
 
     def _mark_closed(self) -> None:
         if not self._closed:
@@ -295,11 +291,10 @@ class ConnectionShell(Outbox):
                     self._arm_timeouts()
                 async with trio.open_nursery() as handlers:
                     self._handlers = handlers
-                    ended = False
+                    if self._closed:
+                        handlers.cancel_scope.cancel()
                     try:
-                        with self._reader_scope:
-                            ended = await self._reader()
-                        if ended:
+                        if await self._reader():
                             await self._drain()
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                         log.info("%s: read failed: %s", self.name, exc)
@@ -329,28 +324,24 @@ class ConnectionShell(Outbox):
         for channel in self._outbound.values():
             channel.close()  # our requests to the peer: nobody can answer them now
         self._outbound.clear()
-        scope = self._drain_scope = trio.CancelScope()
-        if self._closed:
-            scope.cancel()
-        with scope:
-            if self._slots and self.drain_timeout_s > 0:
-                log.debug("%s: end of input with %d requests in flight: draining", self.name, len(self._slots))
-                with trio.move_on_after(self.drain_timeout_s) as timer:
+        if self._slots and self.drain_timeout_s > 0:
+            log.debug("%s: end of input with %d requests in flight: draining", self.name, len(self._slots))
+            with trio.move_on_after(self.drain_timeout_s) as timer:
+                await self._wait_slots_gone()
+            if timer.cancelled_caught:
+                log.warning(
+                    "%s: %d requests still running %.0f s after the end of input: cancelling them",
+                    self.name,
+                    len(self._slots),
+                    self.drain_timeout_s,
+                )
+                for slot in list(self._slots.values()):
+                    if slot.deferred is not None:
+                        slot.deferred.stop()  # a prompt: answered stopReason "cancelled"
+                    else:
+                        self._cancel_slot(slot)
+                with trio.move_on_after(_FLUSH_TIMEOUT_S):
                     await self._wait_slots_gone()
-                if timer.cancelled_caught:
-                    log.warning(
-                        "%s: %d requests still running %.0f s after the end of input: cancelling them",
-                        self.name,
-                        len(self._slots),
-                        self.drain_timeout_s,
-                    )
-                    for slot in list(self._slots.values()):
-                        if slot.deferred is not None:
-                            slot.deferred.stop()  # a prompt: answered stopReason "cancelled"
-                        else:
-                            self._cancel_slot(slot)
-                    with trio.move_on_after(_FLUSH_TIMEOUT_S):
-                        await self._wait_slots_gone()
         # What is queued by now is flushed by run() before the connection closes.
 
     async def _wait_slots_gone(self) -> None:
