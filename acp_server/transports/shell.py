@@ -139,7 +139,7 @@ class ConnectionShell(Outbox):
             end of input is a disconnect: what runs is treated as its client leaving).
         first_message_timeout_s: close the connection if no complete line arrived by then (``None``: never).
         idle_timeout_s: close a connection that holds nothing after this long without input (``None``: never).
-        holds: whether the rest of the server keeps something for this connection (an attached
+        holds: given the shell, whether the rest of the server keeps something for this connection (an attached
             session): such a connection is not idle.
         refusal_kinds: where to count each overload refusal written, by ``errorKind``.
         transport: what the connection came over (``tcp``, ``ws``, ...), for statistics.
@@ -196,7 +196,7 @@ class ConnectionShell(Outbox):
         drain_timeout_s: float = 30.0,
         first_message_timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
-        holds: Callable[[], bool] | None = None,
+        holds: Callable[[ConnectionShell], bool] | None = None,
         refusal_kinds: dict[str, int] | None = None,
         transport: str = "stream",
         refusal_budget: RefusalBudgetSettings | None = None,
@@ -354,7 +354,7 @@ class ConnectionShell(Outbox):
             self._slots_gone.set()
 
     def _holds_nothing(self) -> bool:
-        return not (self._slots or self._outbound or (self._holds is not None and self._holds()))
+        return not (self._slots or self._outbound or (self._holds is not None and self._holds(self)))
 
     def _arm_timeouts(self) -> None:
         """Ask the run's shared timer for this socket's first wake-up (first message, else idle)."""
