@@ -298,7 +298,7 @@ class Server:
             drain_timeout_s=self.drain_timeout_s,
             first_message_timeout_s=FIRST_MESSAGE_TIMEOUT_S if socket else None,
             idle_timeout_s=(self.connection_idle_timeout_s or None) if socket else None,
-            holds=lambda: self._holds(shell),
+            holds=self._holds,
             refusal_kinds=self.refusal_kinds,
             transport=transport_of(stream, name),
             refusal_budget=self.refusal_budget if socket else None,  # not the editor's own pipe

@@ -3,7 +3,8 @@
 Modelled on hypercorn's trio TCP server: the reader turns bytes into events and runs each request's
 synchronous part at once, in arrival order; requests that must wait run as tasks. One writer owns
 the stream and joins everything queued into one ``send_all``. The shell knows no ACP method: it
-gets a :class:`~acp_server.jsonrpc.Dispatcher` and a context for its handlers.
+gets a :class:`~acp_server.jsonrpc.Dispatcher` and a context for its handlers. The output side (the
+queue, the writer, eviction of a slow consumer) is its base class, :class:`~.outbox.Outbox`.
 
 Bounds: at most ``max_inflight_requests`` requests run at once, later ones wait unstarted; reading
 pauses (backpressure through the transport, no error) only when four times that many wait. A request
@@ -22,7 +23,8 @@ ends the wait at once.
 Socket hygiene (not for stdio, the editor's own pipe): a connection that sends no complete line within
 ``first_message_timeout_s`` is closed, and so is one that holds nothing (no request in flight, no
 request of ours open, nothing ``holds`` says it keeps, such as an attached session) and sends nothing
-for ``idle_timeout_s``.
+for ``idle_timeout_s``. Both are kept by one timer for the whole run (:mod:`.deadlines`), not by a
+task per connection: a socket costs one heap entry, and a wake-up per timeout period.
 
 Refusal timing: given a :class:`~.timing.LatencyHistogram`, the shell records how long each overload
 refusal (an :class:`~acp_server.errors.OverloadError`: ``prompt_queue_full``, ``capacity_exceeded``,
@@ -67,12 +69,13 @@ from ..jsonrpc import (
     encode_error,
 )
 from ..logtext import clip
-from ..parking import ParkingSpot
 from ..types.acp import CancelRequestParams
+from .deadlines import Deadline, deadlines
+from .outbox import RELIABLE_WATERMARK_BYTES, Outbox
 from .refusal_budget import RefusalBudget, RefusalBudgetSettings
 from .timing import LatencyHistogram
 
-__all__ = ["ConnectionShell"]
+__all__ = ["RELIABLE_WATERMARK_BYTES", "ConnectionShell"]
 
 log = logging.getLogger("acp_server.connection")
 
@@ -80,9 +83,6 @@ _ids = itertools.count(1)
 _decode_cancel = msgspec.json.Decoder(CancelRequestParams).decode
 _FLUSH_TIMEOUT_S = 2.0
 _READ_SIZE = 65536
-#: :meth:`ConnectionShell.send_reliably` waits while more than this is queued (a replay is paced by
-#: the writer, and never holds more than this of the connection's memory)
-RELIABLE_WATERMARK_BYTES = 1 << 20
 
 
 class _Slot:
@@ -120,7 +120,7 @@ class _BatchReplies:
             self.parts = []
 
 
-class ConnectionShell:
+class ConnectionShell(Outbox):
     """Serve one JSON-RPC connection on a trio stream.
 
     Its attributes are slots (a server holds one per connection: an instance dict of this many keys
@@ -139,7 +139,7 @@ class ConnectionShell:
             end of input is a disconnect: what runs is treated as its client leaving).
         first_message_timeout_s: close the connection if no complete line arrived by then (``None``: never).
         idle_timeout_s: close a connection that holds nothing after this long without input (``None``: never).
-        holds: whether the rest of the server keeps something for this connection (an attached
+        holds: given the shell, whether the rest of the server keeps something for this connection (an attached
             session): such a connection is not idle.
         refusal_kinds: where to count each overload refusal written, by ``errorKind``.
         transport: what the connection came over (``tcp``, ``ws``, ...), for statistics.
@@ -151,10 +151,7 @@ class ConnectionShell:
     __slots__ = (
         "__dict__",
         "_budget_settings",
-        "_closed",
-        "_drain_scope",
-        "_drained",
-        "_drained_event",
+        "_deadline",
         "_finished_unanswered",
         "_first_message_timeout_s",
         "_got_line",
@@ -165,32 +162,22 @@ class ConnectionShell:
         "_input_ended",
         "_last_input",
         "_on_close",
-        "_out",
-        "_out_bytes",
+        "_opened",
         "_outbound",
-        "_reader_scope",
         "_refusal_kinds",
-        "_refusal_latency",
-        "_refusals_queued",
         "_resume_at",
         "_room",
         "_run_cap",
         "_slots",
         "_slots_gone",
         "_waiting",
-        "_writer_coalesce",
-        "_writer_spot",
         "core",
         "ctx",
         "dispatcher",
         "drain_timeout_s",
-        "evicted",
         "max_inflight",
-        "max_outbound_bytes",
-        "name",
         "peer_id",
         "refusal_budget",
-        "stream",
         "transport",
     )
 
@@ -209,13 +196,13 @@ class ConnectionShell:
         drain_timeout_s: float = 30.0,
         first_message_timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
-        holds: Callable[[], bool] | None = None,
+        holds: Callable[[ConnectionShell], bool] | None = None,
         refusal_kinds: dict[str, int] | None = None,
         transport: str = "stream",
         refusal_budget: RefusalBudgetSettings | None = None,
     ) -> None:
+        super().__init__(stream, name, max_outbound_bytes, refusal_latency)
         self.peer_id = next(_ids)
-        self.name = name
         self.transport = transport
         self._refusal_kinds = refusal_kinds
         self._budget_settings = refusal_budget if refusal_budget is not None and refusal_budget.enabled else None
@@ -224,23 +211,10 @@ class ConnectionShell:
         #: requests started at most at once: max_inflight, 0 while the refusal budget is in debt
         self._run_cap = max_inflight_requests
         self._resume_at = 0.0  # trio time: the budget is in debt, no request starts before then
-        self.stream = stream
         self.core = Connection(max_message_bytes=max_message_bytes)
         self.dispatcher = dispatcher
-        self.max_outbound_bytes = max_outbound_bytes
         self.max_inflight = max_inflight_requests
-        self.evicted = False
         self._on_close = on_close
-        self._closed = False
-        self._out: list[bytes] = []
-        self._out_bytes = 0
-        self._refusal_latency = refusal_latency
-        self._refusals_queued: list[int] = []  # read stamps of the refusals now in _out
-        self._writer_spot = ParkingSpot()  # where the writer waits for output
-        self._writer_coalesce = False
-        #: nothing is queued for the writer; ``_drained_event`` is made only when somebody waits for it
-        self._drained = True
-        self._drained_event: trio.Event | None = None
         self._slots: dict[Any, _Slot] = {}
         self._waiting: list[Request] = []  # a list: an empty deque alone takes ~760 bytes
         self._inflight = 0  # started and not answered
@@ -248,7 +222,6 @@ class ConnectionShell:
         self._finished_unanswered = 0
         self._room: trio.Event | None = None  # what the reader waits on while too many requests wait
         self._outbound: dict[Any, trio.MemorySendChannel[Response]] = {}
-        self._reader_scope = trio.CancelScope()
         self._handlers: trio.Nursery | None = None
         self.drain_timeout_s = drain_timeout_s
         self._first_message_timeout_s = first_message_timeout_s
@@ -257,98 +230,21 @@ class ConnectionShell:
         self._input_ended = False  # the peer's input ended (EOF): nothing more will be read
         self._got_line = False  # a complete line has arrived
         self._last_input = 0.0  # trio.current_time() of the last bytes read
+        self._opened = 0.0  # trio.current_time() when run() began
+        #: this socket's pending wake-up in the run's shared timer (first message or idle), if any
+        self._deadline: Deadline | None = None
         self._slots_gone: trio.Event | None = None  # set when the last request in flight leaves _slots
-        self._drain_scope = trio.CancelScope()
         self.ctx = make_context(self)
 
     # --- the Peer interface of the bridge ----------------------------------------------------------
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def send(self, data: bytes) -> None:
-        """Queue a notification; evict the connection if it lets its queue overflow."""
-        if self._closed:
-            return
-        out = self._out
-        if not out:
-            self._wake_writer(True)
-        out.append(data)
-        self._out_bytes += len(data)
-        if self._out_bytes > self.max_outbound_bytes:
-            self._evict()
-
-    def reply(self, data: bytes) -> None:
-        """Queue an answer to the peer (never evicts: the caller bounds these)."""
-        if not self.evicted:
-            self._enqueue(data)
-
-    async def send_reliably(self, data: bytes) -> None:
-        """Queue a message that must arrive (a replay): paced by the writer, it waits while more than
-        :data:`RELIABLE_WATERMARK_BYTES` (or the outbound bound, if lower) are queued, instead of overflowing."""
-        mark = min(RELIABLE_WATERMARK_BYTES, self.max_outbound_bytes)
-        while self._out_bytes > mark and not self._closed:
-            await self._wait_drained()
-        self.reply(data)
-
-    def _enqueue(self, data: bytes) -> None:
-        out = self._out
-        if not out:
-            self._wake_writer(False)
-        out.append(data)
-        self._out_bytes += len(data)
-
-    def _wake_writer(self, update: bool) -> None:
-        """The queue is about to become non-empty: wake the writer if it waits (once per batch).
-
-        ``update``: what comes first is a notification (a turn under way, whose answer may follow at
-        once), so the writer lets the other runnable tasks go first, to send both in one write. An
-        answer first (a refusal, a quick method) goes out without that extra pass.
-        """
-        if self._writer_spot.wake():
-            self._writer_coalesce = update
-        self._drained = False
-
-    def _set_drained(self) -> None:
-        self._drained = True
-        event = self._drained_event
-        if event is not None:
-            self._drained_event = None
-            event.set()
-
-    async def _wait_drained(self) -> None:
-        """Return once nothing is queued for the writer (a checkpoint either way)."""
-        if self._drained:
-            await trio.lowlevel.checkpoint()
-            return
-        event = self._drained_event
-        if event is None:
-            event = self._drained_event = trio.Event()
-        await event.wait()
-
-    async def _wait_for_room(self) -> None:
-        while self._out_bytes > self.max_outbound_bytes and not self._closed:
-            await self._wait_drained()
-
-    def _evict(self) -> None:
-        log.warning(
-            "%s: evicting a slow consumer (%d bytes queued, limit %d)", self.name, self._out_bytes, self.max_outbound_bytes
-        )
-        self.evicted = True
-        self._out.append(
-            Connection.send_notification(
-                "_acp_server/evicted",
-                {"reason": "queue_overflow", "limit": self.max_outbound_bytes, "queuedBytes": self._out_bytes},
-            )
-        )
-        self.close()
-
     def close(self) -> None:
         """Stop reading; what is queued is flushed (for a short while) and the connection closes."""
         self._mark_closed()
-        self._reader_scope.cancel()
-        self._drain_scope.cancel()
+        if self._handlers is not None:
+            # The reader and the drain run in the handlers' nursery (one cancel scope for all three):
+            # what runs is cancelled, and run() flushes what is queued.
+            self._handlers.cancel_scope.cancel()
 
     def _mark_closed(self) -> None:
         if not self._closed:
@@ -392,14 +288,13 @@ class ConnectionShell:
             async with trio.open_nursery() as outer:
                 outer.start_soon(self._writer)
                 if self._first_message_timeout_s is not None or self._idle_timeout_s is not None:
-                    outer.start_soon(self._watchdog)
+                    self._arm_timeouts()
                 async with trio.open_nursery() as handlers:
                     self._handlers = handlers
-                    ended = False
+                    if self._closed:
+                        handlers.cancel_scope.cancel()
                     try:
-                        with self._reader_scope:
-                            ended = await self._reader()
-                        if ended:
+                        if await self._reader():
                             await self._drain()
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                         log.info("%s: read failed: %s", self.name, exc)
@@ -417,6 +312,9 @@ class ConnectionShell:
                 outer.cancel_scope.cancel()
         finally:
             self._mark_closed()
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await self.stream.aclose()
 
@@ -426,25 +324,24 @@ class ConnectionShell:
         for channel in self._outbound.values():
             channel.close()  # our requests to the peer: nobody can answer them now
         self._outbound.clear()
-        with self._drain_scope:
-            if self._slots and self.drain_timeout_s > 0:
-                log.debug("%s: end of input with %d requests in flight: draining", self.name, len(self._slots))
-                with trio.move_on_after(self.drain_timeout_s) as timer:
+        if self._slots and self.drain_timeout_s > 0:
+            log.debug("%s: end of input with %d requests in flight: draining", self.name, len(self._slots))
+            with trio.move_on_after(self.drain_timeout_s) as timer:
+                await self._wait_slots_gone()
+            if timer.cancelled_caught:
+                log.warning(
+                    "%s: %d requests still running %.0f s after the end of input: cancelling them",
+                    self.name,
+                    len(self._slots),
+                    self.drain_timeout_s,
+                )
+                for slot in list(self._slots.values()):
+                    if slot.deferred is not None:
+                        slot.deferred.stop()  # a prompt: answered stopReason "cancelled"
+                    else:
+                        self._cancel_slot(slot)
+                with trio.move_on_after(_FLUSH_TIMEOUT_S):
                     await self._wait_slots_gone()
-                if timer.cancelled_caught:
-                    log.warning(
-                        "%s: %d requests still running %.0f s after the end of input: cancelling them",
-                        self.name,
-                        len(self._slots),
-                        self.drain_timeout_s,
-                    )
-                    for slot in list(self._slots.values()):
-                        if slot.deferred is not None:
-                            slot.deferred.stop()  # a prompt: answered stopReason "cancelled"
-                        else:
-                            self._cancel_slot(slot)
-                    with trio.move_on_after(_FLUSH_TIMEOUT_S):
-                        await self._wait_slots_gone()
         # What is queued by now is flushed by run() before the connection closes.
 
     async def _wait_slots_gone(self) -> None:
@@ -457,68 +354,44 @@ class ConnectionShell:
             self._slots_gone.set()
 
     def _holds_nothing(self) -> bool:
-        return not (self._slots or self._outbound or (self._holds is not None and self._holds()))
+        return not (self._slots or self._outbound or (self._holds is not None and self._holds(self)))
 
-    async def _watchdog(self) -> None:
-        """Close a socket that sent no complete line in time, or that idles holding nothing."""
-        opened = trio.current_time()
+    def _arm_timeouts(self) -> None:
+        """Ask the run's shared timer for this socket's first wake-up (first message, else idle)."""
+        now = self._opened = trio.current_time()
         first, idle = self._first_message_timeout_s, self._idle_timeout_s
         if first is not None:
-            await trio.sleep_until(opened + first)
-            if not self._got_line and not self._input_ended:
-                log.info("%s: no complete message within %.0f s; closing", self.name, first)
+            self._deadline = deadlines().at(now + first, self._first_message_due)
+        elif idle is not None:
+            self._deadline = deadlines().at(now + idle, self._idle_due)
+
+    def _first_message_due(self) -> None:
+        """Close a socket that sent no complete line in time; else watch it for idling."""
+        self._deadline = None
+        if self._closed:
+            return
+        if not self._got_line and not self._input_ended:
+            log.info("%s: no complete message within %.0f s; closing", self.name, self._first_message_timeout_s)
+            self.close()
+            return
+        if self._idle_timeout_s is not None:
+            self._idle_due()
+
+    def _idle_due(self) -> None:
+        """Close a socket idle for ``idle_timeout_s`` holding nothing; else wake up again when it may be."""
+        self._deadline = None
+        idle = self._idle_timeout_s
+        if self._closed or idle is None:
+            return
+        now = trio.current_time()
+        deadline = max(self._last_input, self._opened) + idle
+        if now >= deadline:
+            if self._holds_nothing() and not self._input_ended:
+                log.info("%s: idle for %.0f s holding nothing; closing", self.name, idle)
                 self.close()
                 return
-        if idle is None:
-            return
-        while not self._closed:
-            deadline = max(self._last_input, opened) + idle
-            if trio.current_time() >= deadline:
-                if self._holds_nothing() and not self._input_ended:
-                    log.info("%s: idle for %.0f s holding nothing; closing", self.name, idle)
-                    self.close()
-                    return
-                deadline = trio.current_time() + idle
-            await trio.sleep_until(deadline)
-
-    async def _writer(self) -> None:
-        stream = self.stream
-        try:
-            while True:
-                if not self._out:
-                    self._set_drained()
-                    await self._writer_spot.park()
-                    if self._writer_coalesce:
-                        # Let the tasks woken with us queue their part first: a turn's last updates
-                        # and its answer then leave in one write (one system call, one peer wakeup).
-                        await trio.lowlevel.checkpoint()
-                data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
-                self._out = []
-                self._out_bytes = 0
-                refused: list[int] | None = None
-                if self._refusals_queued:  # taken with the bytes that carry them, not aliased
-                    refused, self._refusals_queued = self._refusals_queued, []
-                await stream.send_all(data)
-                data = b""  # not kept while the writer waits: an idle connection would hold its last write
-                if refused is not None:
-                    self._record_refusals(refused)
-        except Exception as exc:
-            if isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, OSError)):
-                log.info("%s: write failed: %s", self.name, exc)
-            else:
-                log.exception("%s: unexpected error while writing; closing the connection", self.name)
-            self._out = []
-            self._out_bytes = 0
-            self._refusals_queued = []
-            self._set_drained()
-            self.close()
-
-    def _record_refusals(self, read_stamps: list[int]) -> None:
-        histogram = self._refusal_latency
-        assert histogram is not None
-        written = perf_counter_ns()
-        for read_ns in read_stamps:
-            histogram.record(written - read_ns)
+            deadline = now + idle
+        self._deadline = deadlines().at(deadline, self._idle_due)
 
     def _reply_error(self, data: bytes, slot: _Slot, reply: Callable[[bytes], None]) -> None:
         """Queue an error answer; an overload refusal is timed until its bytes are written, and spends
