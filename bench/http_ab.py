@@ -134,6 +134,12 @@ async def _one(target: str, url: str, pid: int, sizes: HttpSizes, run: Run) -> N
         sid = (await conn.new_session(cwd="/tmp", mcp_servers=[])).session_id
         prompt = [acp.text_block(sizes.text)]
         reply = await conn.prompt(session_id=sid, prompt=prompt)
+        # the SDK runs each notification's handler in a task of its own and resolves a response at once:
+        # chunks that arrived in the same read as the answer may be handled just after it
+        for _ in range(100):
+            if "".join(client.text) == sizes.text:
+                break
+            await asyncio.sleep(0.01)
         if reply.stop_reason != "end_turn" or "".join(client.text) != sizes.text:
             raise BenchError(f"{target} does not echo: {reply.stop_reason!r} {''.join(client.text)!r}")
         for _ in range(sizes.warmup):
