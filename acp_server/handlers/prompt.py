@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..bridge.shared_admit import admit_shared
 from ..jsonrpc import Deferred
 from ..types.acp import PromptParams
@@ -19,33 +21,19 @@ def prompt(ctx: ConnContext, params: PromptParams) -> Deferred:
             tenant=ctx.tenant,
         )
         return bridge.waiter(ticket, owner=not duplicate)
-    key = meta_str(params.meta, "idempotencyKey")
+    meta = params.meta
+    terms: dict[str, Any] = {  # the admission's terms, the same for the local and the shared path
+        "peer": ctx.peer,
+        "client_id": meta_client_id(meta),
+        "deadline_ms": meta_deadline_ms(meta),
+        "cancelled": ctx.cancelled,
+        "channel": ctx.channel(),
+        "meta": passthrough_meta(meta),
+        "idempotency_key": meta_str(meta, "idempotencyKey"),
+        "tenant": ctx.tenant,
+        "priority": meta_priority(meta),
+    }
     if bridge.shared is not None:  # the limits are a cluster's: the shared part is a coordinator call
-        return admit_shared(
-            bridge,
-            params.session_id,
-            params.prompt,
-            peer=ctx.peer,
-            client_id=meta_client_id(params.meta),
-            deadline_ms=meta_deadline_ms(params.meta),
-            cancelled=ctx.cancelled,
-            channel=ctx.channel(),
-            meta=passthrough_meta(params.meta),
-            idempotency_key=key,
-            tenant=ctx.tenant,
-            priority=meta_priority(params.meta),
-        )
-    ticket, duplicate = bridge.admit(
-        params.session_id,
-        params.prompt,
-        peer=ctx.peer,
-        client_id=meta_client_id(params.meta),
-        deadline_ms=meta_deadline_ms(params.meta),
-        cancelled=ctx.cancelled,
-        channel=ctx.channel(),
-        meta=passthrough_meta(params.meta),
-        idempotency_key=key,
-        tenant=ctx.tenant,
-        priority=meta_priority(params.meta),
-    )
+        return admit_shared(bridge, params.session_id, params.prompt, **terms)
+    ticket, duplicate = bridge.admit(params.session_id, params.prompt, **terms)
     return bridge.waiter(ticket, owner=not duplicate)
