@@ -16,7 +16,7 @@ from . import cluster_cli
 from .admission import Limits
 from .admission.policy import PolicyLimits
 from .auth.hosts import add_access_flags
-from .auth.settings import add_serve_flags
+from .auth.settings import add_serve_flags, positive_arg
 from .server import ListenAddress
 
 __all__ = [
@@ -60,15 +60,7 @@ def _int_arg(flag: str, *, minimum: int, meaning: str) -> Callable[[str], int]:
 
 
 def _seconds_arg(flag: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if math.isnan(value) or math.isinf(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be a positive number of seconds; got {text!r}")
-        return value
-
+    parse: Callable[[str], float] = positive_arg(flag, "a positive number of seconds")
     return parse
 
 

@@ -21,7 +21,7 @@ from .audit import AuditLog
 from .tls import DEFAULT_HANDSHAKE_TIMEOUT_S, ServerTls, TlsConfigError
 from .tokens import TokenFileError, TokenStore
 
-__all__ = ["AuthSettings", "add_serve_flags", "settings_from"]
+__all__ = ["AuthSettings", "add_serve_flags", "positive_arg", "settings_from"]
 
 EXIT_FILE = 1
 
@@ -43,7 +43,8 @@ class AuthSettings:
     tls: ServerTls | None = None
 
 
-def _positive(flag: str, meaning: str) -> Any:
+def positive_arg(flag: str, meaning: str) -> Any:
+    """An argparse type: a finite number above 0, else the flag's message naming ``meaning``."""
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -73,7 +74,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--audit-log", metavar="FILE", help="append audit lines (JSON) to FILE (default: stderr)")
     g.add_argument(
         "--rate-limit-rps",
-        type=_positive("--rate-limit-rps", "a positive number (requests a second per token)"),
+        type=positive_arg("--rate-limit-rps", "a positive number (requests a second per token)"),
         metavar="N",
         help="requests a second per token, bursts of 2N; more get rate_limited (default: no limit)",
     )
@@ -81,7 +82,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     g.add_argument(
         "--tls-handshake-timeout-s",
-        type=_positive("--tls-handshake-timeout-s", "a positive number of seconds"),
+        type=positive_arg("--tls-handshake-timeout-s", "a positive number of seconds"),
         metavar="S",
         help=f"a TLS client that has not completed its handshake by then is closed "
         f"(default {DEFAULT_HANDSHAKE_TIMEOUT_S:g})",
