@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 import msgspec
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from acp_server.backends.agent_process import decode_params
@@ -29,7 +29,7 @@ from acp_server.jsonrpc import (
     TooLarge,
     safe_decode,
 )
-from acp_server.jsonrpc.guard import decode_failure, scan_top_level
+from acp_server.jsonrpc.guard import MAX_DEPTH, SCAN_TOKENS, decode_failure, scan_top_level
 
 from .helpers import assert_error_valid, scaled
 
@@ -141,12 +141,25 @@ def test_fuzz_request_line_gets_one_event_with_its_id(case: tuple[bytes, Any], d
 
 @settings(max_examples=BATCH_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_request_line(), min_size=1, max_size=4))
+@example([(b'{"jsonrpc":"2.0","method":"","params":' + _nest(None, 6700, "object") + b',"id":0}', 0)])  # past the scan
+@example([(b'{"jsonrpc":"2.0","method":"","params":' + _nest({}, 2000, "object") + b',"id":0}', 0)])
 def test_fuzz_batch_answers_every_request_with_its_id(cases: list[tuple[bytes, Any]]) -> None:
-    """A batch, deep items included: one item per request, each a Request or an error with its id."""
+    """A batch, deep items included: one item per request, each a Request or an error with its id.
+
+    Only a batch whose end the bounded scan reaches can be split: past :data:`SCAN_TOKENS` tokens (an
+    item nested thousands of levels deep) the whole line gets one error addressed to ``null``."""
     ids = [id for _, id in cases]
     conn = Connection(max_message_bytes=1 << 22)
-    events = _events(conn, b"[" + b",".join(line for line, _ in cases) + b"]\n")
-    assert len(events) == 1 and isinstance(events[0], Batch)
+    line = b"[" + b",".join(line for line, _ in cases) + b"]"
+    events = _events(conn, line + b"\n")
+    assert len(events) == 1
+    scanned = scan_top_level(line)
+    assert scanned is not None
+    if not isinstance(events[0], Batch):
+        assert not scanned[1] and len(line) > SCAN_TOKENS, line[:200]  # the scan gave up before the end
+        msg = _check_reply(events[0])
+        assert msg["id"] is None and msg["error"]["data"]["maxDepth"] == MAX_DEPTH
+        return
     seen = []
     for item in events[0].items:
         if isinstance(item, Request):
