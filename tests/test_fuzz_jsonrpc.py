@@ -29,7 +29,7 @@ from acp_server.jsonrpc import (
     TooLarge,
     safe_decode,
 )
-from acp_server.jsonrpc.guard import MAX_DEPTH, SCAN_TOKENS, decode_failure, scan_top_level
+from acp_server.jsonrpc.guard import SCAN_TOKENS, decode_failure, scan_top_level
 
 from .helpers import assert_error_valid, scaled
 
