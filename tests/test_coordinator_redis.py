@@ -27,7 +27,11 @@ SEAT = Option((Need("seats", 3),))
 
 @asynccontextmanager
 async def replicas(server: RedisServer, n: int, **kw: Any) -> AsyncIterator[list[RedisCoordinator]]:
-    """``n`` coordinators on one Redis and prefix, as ``n`` replicas would be."""
+    """``n`` coordinators on one Redis and prefix, as ``n`` replicas would be.
+
+    A test that is not about Redis being away gets a generous call timeout: on a loaded machine a burst
+    of calls can wait past the default 500 ms, which would read as an outage."""
+    kw.setdefault("timeout_ms", 5000)
     async with AsyncExitStack() as stack:
         out = []
         for i in range(n):
