@@ -544,6 +544,7 @@ class ConnectionShell(Outbox):
             return
         self._inflight += 1
         slot.running = True
+        self.hold()  # its answer comes from a task of the next pass: what is queued waits to leave with it
         if isinstance(out, Deferred):
             slot.deferred = out
             out.on_settled(partial(self._release, slot))
