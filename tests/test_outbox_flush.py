@@ -152,3 +152,33 @@ async def test_a_held_outbox_waits_one_pass_for_the_answer() -> None:
         nursery.cancel_scope.cancel()
     await pipe.aclose()
     await peer.aclose()
+
+
+async def test_a_hold_renewed_every_pass_delays_the_output_once() -> None:
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    pipe = _CountingPipe(r2, w1)
+    peer = PipeStream(r1, w2)
+    box = _Box(pipe)
+    passes: list[int] = []
+
+    async def holding_every_pass() -> None:
+        # a peer whose requests keep coming: each pass another dispatch holds the outbox
+        for _ in range(50):
+            box.hold()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(box._writer)
+        await trio.testing.wait_all_tasks_blocked()
+        box.send(b"first\n")
+        box.hold()
+        assert box._flusher is not None
+        passes.append(box._flusher.passes)
+        nursery.start_soon(holding_every_pass)
+        assert await _read_exactly(peer, 6) == b"first\n"
+        passes.append(box._flusher.passes)
+        assert passes[1] - passes[0] <= 2, passes  # written at the end of the next pass, not after the 50
+        nursery.cancel_scope.cancel()
+    await pipe.aclose()
+    await peer.aclose()

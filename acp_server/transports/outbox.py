@@ -42,6 +42,10 @@ log = logging.getLogger("acp_server.connection")
 RELIABLE_WATERMARK_BYTES = 1 << 20
 
 
+#: ``Outbox._held_pass`` of an outbox already kept one pass (it is written at the next pass's end)
+_DEFERRED = -2
+
+
 def _noop() -> None:
     pass
 
@@ -72,8 +76,12 @@ class _PassFlusher(trio.abc.Instrument):
         for outbox in dirty:
             try:
                 if outbox._held_pass == passes and timeout == 0:
-                    self.dirty.append(outbox)  # a task of the next pass has its answer: they leave together
+                    # A task of the next pass has its answer: they leave together. Once only: a peer
+                    # whose requests keep coming is not kept waiting pass after pass.
+                    outbox._held_pass = _DEFERRED
+                    self.dirty.append(outbox)
                     continue
+                outbox._held_pass = -1
                 woke = outbox._flush_now() or woke
             except BaseException:  # never out of an instrument (trio would drop it, and every later flush)
                 log.exception("%s: writing at the end of a pass failed; the writer takes it", outbox.name)
@@ -200,7 +208,7 @@ class Outbox:
         """A request was handed to a task that runs in the next scheduling pass: what is queued now waits
         for the end of that pass, to leave with the answer (in one write) if it comes by then."""
         flusher = self._flusher
-        if flusher is not None:
+        if flusher is not None and self._held_pass != _DEFERRED:
             self._held_pass = flusher.passes
 
     def _enqueue(self, data: bytes) -> None:
