@@ -548,7 +548,7 @@ class ConnectionShell(Outbox):
         if isinstance(out, Deferred):
             slot.deferred = out
             out.on_settled(partial(self._release, slot))
-            out.subscribe(lambda result, error: self._deferred_done(req, reply, result, error))
+            out.subscribe(partial(self._deferred_done, req, reply))
             return
         assert self._handlers is not None
         self._handlers.start_soon(self._finish, req, out, slot, reply)
@@ -573,8 +573,10 @@ class ConnectionShell(Outbox):
                 reply(data)
             else:
                 self._reply_error(data, slot, reply)
-        self._slot_done()
-        self._start_waiting()
+        if not self._slots:
+            self._slot_done()
+        if self._waiting or self._room is not None:
+            self._start_waiting()
 
     def _start_waiting(self) -> None:
         while self._waiting and self._inflight - self._finished_unanswered < self._run_cap:
