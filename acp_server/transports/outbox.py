@@ -1,10 +1,11 @@
 """The output side of a connection's shell: the queue of bytes for the peer, and the one writer task.
 
 Everything for the peer is queued (:meth:`Outbox.send` for notifications fanned out to this connection,
-:meth:`Outbox.reply` for answers to its own requests); one writer owns the stream and joins what is
-queued into one ``send_all``. Notifications are bounded by ``max_outbound_bytes``: a connection that
-lets them overflow is sent ``_acp_server/evicted`` and closed, instead of slowing anyone else. Answers
-wait for the writer instead (their caller bounds them). A write that fails closes the connection.
+:meth:`Outbox.reply` for answers to its own requests) and leaves joined, in one write (see below) or
+through the one writer task, which joins what is queued into one ``send_all``. Notifications are
+bounded by ``max_outbound_bytes``: a connection that lets them overflow is sent ``_acp_server/evicted``
+and closed, instead of slowing anyone else. Answers wait for the writer instead (their caller bounds
+them). A write that fails closes the connection.
 
 Writes at the end of the scheduling pass: on a stream that can be written without waiting (a socket, or
 the stdio :class:`~.listeners.PipeStream`), what is queued is not handed to the writer task but written
@@ -17,7 +18,7 @@ step and no scheduling pass of its own. A connection that has just handed a requ
 came before it. Other streams (TLS, HTTP) are written by the writer task, woken at the first message.
 
 Refusal timing: the read stamps of the overload refusals in the queue travel with the bytes that carry
-them, and are recorded in the :class:`~.timing.LatencyHistogram` once their ``send_all`` returned.
+them, and are recorded in the :class:`~.timing.LatencyHistogram` once their write returned.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The thin trio shell around one connection: a reader feeding the sans-I/O core, and one writer.
 
 Modelled on hypercorn's trio TCP server: the reader turns bytes into events and runs each request's
-synchronous part at once, in arrival order; requests that must wait run as tasks. One writer owns
-the stream and joins everything queued into one ``send_all``. The shell knows no ACP method: it
+synchronous part at once, in arrival order; requests that must wait run as tasks. Everything queued
+for the peer leaves joined: in one write as the scheduling pass ends, or through the one writer task. The shell knows no ACP method: it
 gets a :class:`~acp_server.jsonrpc.Dispatcher` and a context for its handlers. The output side (the
 queue, the writer, eviction of a slow consumer) is its base class, :class:`~.outbox.Outbox`.
 
