@@ -90,7 +90,10 @@ class _PassFlusher(trio.abc.Instrument):
                 woke = True
         if woke and timeout > 0:
             # A writer was woken while trio is about to sleep: wake the loop at once for it.
-            self.token.run_sync_soon(_noop)
+            try:
+                self.token.run_sync_soon(_noop)
+            except BaseException:  # the run is ending: nothing waits for the loop any more
+                log.debug("could not wake the run loop for a woken writer", exc_info=True)
 
 
 _FLUSHER: RunVar[_PassFlusher] = RunVar("acp_server.outbox.flusher")
