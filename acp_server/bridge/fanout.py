@@ -67,15 +67,18 @@ def encode_update(session_id: str, event_id: int, body: bytes, originator: str |
     """One ``session/update`` line: SessionNotification's shape around ``body`` (the update's JSON).
 
     ``originator``: the client id whose prompt caused it (``_meta.originatorClientId``); replays carry none.
+    One bytes format per line (the ids are arguments: a ``%`` in them or in ``body`` is not read).
     """
-    meta = (
-        f'{{"eventId":{event_id}}}' if originator is None
-        else f'{{"eventId":{event_id},"originatorClientId":"{originator}"}}'
-    )
-    return b"".join((
-        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"', session_id.encode(),
-        b'","update":', body, b',"_meta":', meta.encode(), b"}}\n",
-    ))
+    if originator is None:
+        return _UPDATE % (session_id.encode(), body, event_id)
+    return _UPDATE_FROM % (session_id.encode(), body, event_id, originator.encode())
+
+
+_UPDATE = b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"%s","update":%s,"_meta":{"eventId":%d}}}\n'
+_UPDATE_FROM = (
+    b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"%s","update":%s,'
+    b'"_meta":{"eventId":%d,"originatorClientId":"%s"}}}\n'
+)
 
 
 def answer(ticket: PromptTicket) -> None:
