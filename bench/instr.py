@@ -3,8 +3,9 @@
 A deterministic guard against regressions on the prompt path, where timing benchmarks on a shared
 machine move by 10-20% from run to run. One process holds the server and its driver:
 ``acp_server.server.serve`` (no listener, store off: what ``serve --stdio`` runs) serves one connection
-of an in-memory stream pair (``trio.testing.memory_stream_pair``) through the real connection shell,
-JSON-RPC dispatch and bridge, and the driver sends pre-encoded requests on the other end. It runs under
+over two pipes (both ends :class:`~acp_server.transports.listeners.PipeStream`, the stdio transport)
+through the real connection shell, JSON-RPC dispatch and bridge, and the driver sends pre-encoded
+requests on the other end. It runs under
 ``valgrind --tool=callgrind`` with:
 
 - ``PYTHONHASHSEED=0``, so that str hashes (dict and set layouts) are the same every run;
@@ -71,6 +72,7 @@ WORKLOAD: dict[str, Any] = {
     "pipelined_sessions": 100,
     "pipelined_depth": 2,
     "pipelined_rounds": 3,
+    "stream": "pipes",
 }
 PHASES = ("sequential-1word", "sequential-9words", "pipelined-1word")
 
@@ -96,6 +98,7 @@ def run_workload(sizes: dict[str, Any], marker: bool) -> dict[str, int]:
 
     from acp_server.cli import tune_gc
     from acp_server.server import Server, ServerConfig, serve
+    from acp_server.transports.listeners import PipeStream
 
     trio_run._r.seed(0)
 
@@ -116,7 +119,12 @@ def run_workload(sizes: dict[str, Any], marker: bool) -> dict[str, int]:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             server: Server = await nursery.start(serve, ServerConfig())
-            ours, theirs = trio.testing.memory_stream_pair()
+            # Two pipes, each end a PipeStream: what ``serve --stdio`` reads and writes (trio's memory
+            # streams take two extra scheduler passes per read and per write, which no transport has).
+            server_in, driver_out = os.pipe()
+            driver_in, server_out = os.pipe()
+            theirs = PipeStream(server_in, server_out)
+            ours = PipeStream(driver_in, driver_out)
             nursery.start_soon(server.handle_stream, theirs, "instr")
             buf = bytearray()
             next_id = 1

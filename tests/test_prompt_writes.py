@@ -1,9 +1,10 @@
 """One write per echo prompt: the turn's states, its updates and its answer leave together.
 
 Over stdio a prompt of the echo backend is five messages (``accepted``, ``running``, the chunk,
-``completed``, the answer); each write costs a system call and wakes the editor. The shell's writer
-lets the runner that its wake-up scheduled queue its part first, and the echo backend ends a turn
-without yielding, so the five leave in one write.
+``completed``, the answer); each write costs a system call and wakes the editor. What the reader
+queues waits for the end of the scheduling pass in which the runner takes its turn (the outbox's
+end-of-pass flush, held one pass by the dispatch), and the echo backend ends a turn without yielding,
+so the five leave in one write.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .helpers import RawClient, running_server
 
 
 class _CountingPipe(PipeStream):
-    """The stdio stream, counting its writes."""
+    """The stdio stream, counting its writes (by the writer task, or at the end of a pass)."""
 
     def __init__(self, receive_fd: int, send_fd: int) -> None:
         super().__init__(receive_fd, send_fd)
@@ -30,6 +31,11 @@ class _CountingPipe(PipeStream):
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         self.writes.append(bytes(data))
         await super().send_all(data)
+
+    def write_nowait(self, data: bytes) -> int:
+        sent = super().write_nowait(data)
+        self.writes.append(bytes(data[:sent]))
+        return sent
 
 
 async def test_each_sequential_echo_prompt_is_one_write() -> None:

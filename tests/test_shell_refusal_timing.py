@@ -168,3 +168,30 @@ def test_error_responses_keep_jsonrpcservers_shape(id: int | str | None) -> None
     ):
         expected = msgspec.json.encode(serialize_error(ErrorResponse(error.code, error.message, error.payload, id)))
         assert encode_error(id, error) == expected + b"\n"
+
+
+def _socket_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    a, b = trio.socket.socketpair()
+    return trio.SocketStream(a), trio.SocketStream(b)
+
+
+async def test_a_refusal_written_at_the_end_of_a_pass_is_timed() -> None:
+    """Over a socket the refusal leaves as the scheduling pass ends (no writer task): still timed, once."""
+    limits = Limits(max_pending_prompts_per_session=1)
+    with trio.fail_after(10):
+        async with running_server(limits, EchoBackend(delay_ms=60_000)) as (server, nursery):
+            client, histogram = open_connection(server, nursery, _socket_pair)
+            nursery.start_soon(client.pump)
+            await client.initialize()
+            session_id, _ = await client.new_session()
+            held_id, _held = client.start_request("session/prompt")
+            await client.send({"jsonrpc": "2.0", "id": held_id, "method": "session/prompt", "params": prompt_params(session_id)})
+            await trio.testing.wait_all_tasks_blocked()
+            started = time.perf_counter()
+            answer = await client.call_raw("session/prompt", prompt_params(session_id))
+            assert answer["error"]["data"]["errorKind"] == "prompt_queue_full"
+            await trio.testing.wait_all_tasks_blocked()
+            assert histogram.count == 1
+            assert 0 < histogram.sum_ns / 1000 <= (time.perf_counter() - started) * 1e6
+            await client.stream.aclose()
+            nursery.cancel_scope.cancel()

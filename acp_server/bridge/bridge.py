@@ -463,7 +463,6 @@ class SessionBridge:
         effective = self.limits.prompt_deadline_ms
         if deadline_ms is not None and (not effective or deadline_ms < effective):
             effective = deadline_ms
-        now = trio.current_time()
         policy = self.policy
         seat: Seat | Queued | None = None
         if policy.enabled and not session.pending_count:
@@ -471,7 +470,7 @@ class SessionBridge:
                 seat = policy.decide(
                     tenant=session.tenant,
                     priority=priority,
-                    deadline=now + effective / 1000 if effective else None,
+                    deadline=trio.current_time() + effective / 1000 if effective else None,
                     session_id=session_id,
                 )
             except AcpError:

@@ -67,15 +67,18 @@ def encode_update(session_id: str, event_id: int, body: bytes, originator: str |
     """One ``session/update`` line: SessionNotification's shape around ``body`` (the update's JSON).
 
     ``originator``: the client id whose prompt caused it (``_meta.originatorClientId``); replays carry none.
+    One bytes format per line (the ids are arguments: a ``%`` in them or in ``body`` is not read).
     """
-    meta = (
-        f'{{"eventId":{event_id}}}' if originator is None
-        else f'{{"eventId":{event_id},"originatorClientId":"{originator}"}}'
-    )
-    return b"".join((
-        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"', session_id.encode(),
-        b'","update":', body, b',"_meta":', meta.encode(), b"}}\n",
-    ))
+    if originator is None:
+        return _UPDATE % (session_id.encode(), body, event_id)
+    return _UPDATE_FROM % (session_id.encode(), body, event_id, originator.encode())
+
+
+_UPDATE = b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"%s","update":%s,"_meta":{"eventId":%d}}}\n'
+_UPDATE_FROM = (
+    b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"%s","update":%s,'
+    b'"_meta":{"eventId":%d,"originatorClientId":"%s"}}}\n'
+)
 
 
 def answer(ticket: PromptTicket) -> None:
@@ -146,13 +149,14 @@ class FanOut:
         session.next_event_id = event_id + 1
         # TurnStateParams' shape (tests decode every one into it); the reason (a stop reason may come
         # from an agent) is JSON-encoded.
-        fields = f'"promptId":"{ticket.prompt_id}","state":"{state}","at":{time_ns() // 1_000_000}'  # epoch ms, as now_ms()
+        extra = ""
         if reason is not None:
-            fields += ',"reason":' + _encoder.encode(reason).decode()
+            extra = ',"reason":' + _encoder.encode(reason).decode()
         if position is not None:
-            fields += f',"positionHint":{position}'
+            extra += f',"positionHint":{position}'
+        at = time_ns() // 1_000_000  # epoch ms, as now_ms()
         if state in TERMINAL_TURN_STATES:
-            text = ("{" + fields + "}").encode()
+            text = f'{{"promptId":"{ticket.prompt_id}","state":"{state}","at":{at}{extra}}}'.encode()
             session.history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
             if len(session.history) > self._trim_at:
                 self._trim(session)
@@ -161,18 +165,22 @@ class FanOut:
         states = self._peer_states
         if len(attached) == 1:  # the usual case, without a generator
             (peer,) = attached
-            peers: tuple[Peer, ...] = (peer,) if states[peer].turn_states else ()
+            if not states[peer].turn_states:
+                return
+            peers: tuple[Peer, ...] = (peer,)
         else:
             peers = tuple(p for p in attached if states[p].turn_states)
-        if not peers:
-            return
+            if not peers:
+                return
         # ``originatorClientId`` (as on the prompt's updates): a server-minted id, so it needs no escaping;
-        # it tells each attached client which of the session's prompts is its own.
+        # it tells each attached client which of the session's prompts is its own. Ids of our own
+        # minting need no escaping either: the line is one format.
         client = ticket.client_id
-        meta = f'"eventId":{event_id}' if client is None else f'"eventId":{event_id},"originatorClientId":"{client}"'
+        origin = "" if client is None else f',"originatorClientId":"{client}"'
         data = (
-            f'{{"jsonrpc":"2.0","method":"{TURN_STATE}","params":{{"sessionId":"{session.session_id}",{fields},'
-            f'"_meta":{{{meta}}}}}}}\n'
+            f'{{"jsonrpc":"2.0","method":"{TURN_STATE}","params":{{"sessionId":"{session.session_id}",'
+            f'"promptId":"{ticket.prompt_id}","state":"{state}","at":{at}{extra},'
+            f'"_meta":{{"eventId":{event_id}{origin}}}}}}}\n'
         ).encode()
         self.send(session, data, None, peers)
 

@@ -267,7 +267,7 @@ class SessionRunner:
             ticket.prompt,
             partial(self._emit_for, ticket),
             _TurnChannel(fanout, channel, ticket) if channel is not None else None,
-            _with_fence(ticket.meta, ticket.lease),
+            _with_fence(ticket.meta, ticket.lease) if isinstance(ticket.lease, SharedHold) else ticket.meta,
             permit=ticket.lease,  # a pool lease or a shared hold: a backend may hand it back between calls
             deadline=ticket.deadline if ticket.deadline_ms else None,
             transcript=partial(self._table.transcript, session, session.next_event_id - 1),

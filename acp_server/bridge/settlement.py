@@ -78,7 +78,11 @@ class Settlement:
             return False
         if error is not None:
             error = error.for_prompt(ticket.prompt_id)
-        state, reason = _terminal_state(result, error)
+            state, reason = _terminal_state(result, error)
+        elif result is not None and result.stop_reason != "cancelled":
+            state, reason = "completed", result.stop_reason  # the usual outcome, without the call
+        else:
+            state, reason = _terminal_state(result, error)
         self._fanout.turn_state(ticket, state, reason=reason)
         ticket.settled = True
         ticket.result, ticket.error = result, error
@@ -97,7 +101,8 @@ class Settlement:
             ticket.release_holds()  # it never reached the backend
         self._record(ticket)
         self._fanout.hold_answer(ticket)
-        self.fail_head_forks(session)
+        if session.abandoned is not None:
+            self.fail_head_forks(session)
         self._fanout.answer_waiters(ticket)
         return True
 

@@ -384,6 +384,19 @@ class PipeStream(trio.abc.HalfCloseableStream):
                 except OSError as exc:
                     raise trio.BrokenResourceError(exc) from exc
 
+    def write_nowait(self, data: bytes) -> int:
+        """Write what the pipe takes now, without waiting; how much it took.
+
+        Raises:
+            trio.ClosedResourceError: the stream is closed.
+            BlockingIOError: the pipe is full.
+            OSError: the write failed (the reader is gone).
+        """
+        fd = self._send_fd
+        if fd is None:
+            raise trio.ClosedResourceError("the stream is closed")
+        return os.write(fd, data)
+
     async def wait_send_all_might_not_block(self) -> None:
         if self._send_fd is None:
             raise trio.ClosedResourceError("the stream is closed")

@@ -1,21 +1,34 @@
 """The output side of a connection's shell: the queue of bytes for the peer, and the one writer task.
 
 Everything for the peer is queued (:meth:`Outbox.send` for notifications fanned out to this connection,
-:meth:`Outbox.reply` for answers to its own requests); one writer owns the stream and joins what is
-queued into one ``send_all``. Notifications are bounded by ``max_outbound_bytes``: a connection that
-lets them overflow is sent ``_acp_server/evicted`` and closed, instead of slowing anyone else. Answers
-wait for the writer instead (their caller bounds them). A write that fails closes the connection.
+:meth:`Outbox.reply` for answers to its own requests) and leaves joined, in one write (see below) or
+through the one writer task, which joins what is queued into one ``send_all``. Notifications are
+bounded by ``max_outbound_bytes``: a connection that lets them overflow is sent ``_acp_server/evicted``
+and closed, instead of slowing anyone else. Answers wait for the writer instead (their caller bounds
+them). A write that fails closes the connection.
+
+Writes at the end of the scheduling pass: on a stream that can be written without waiting (a socket, or
+the stdio :class:`~.listeners.PipeStream`), what is queued is not handed to the writer task but written
+by the run's :class:`_PassFlusher` (a trio instrument) as the pass ends, just before trio waits for I/O:
+everything every task of the pass queued for a connection leaves in one ``write``, and the writer task is
+woken only when the kernel takes less than all of it (a full socket or pipe) or the write fails (its
+``send_all`` then meets the error and closes the connection). A sequential prompt then costs no writer
+step and no scheduling pass of its own. A connection that has just handed a request to another task
+(:meth:`Outbox.hold`) is flushed one pass later, so that the answer that task queues leaves with what
+came before it. Other streams (TLS, HTTP) are written by the writer task, woken at the first message.
 
 Refusal timing: the read stamps of the overload refusals in the queue travel with the bytes that carry
-them, and are recorded in the :class:`~.timing.LatencyHistogram` once their ``send_all`` returned.
+them, and are recorded in the :class:`~.timing.LatencyHistogram` once their write returned.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from time import perf_counter_ns
 
 import trio
+from trio.lowlevel import RunVar
 
 from ..jsonrpc import Connection
 from ..parking import ParkingSpot
@@ -28,6 +41,78 @@ log = logging.getLogger("acp_server.connection")
 #: :meth:`Outbox.send_reliably` waits while more than this is queued (a replay is paced by the writer,
 #: and never holds more than this of the connection's memory)
 RELIABLE_WATERMARK_BYTES = 1 << 20
+
+
+#: ``Outbox._held_pass`` of an outbox already kept one pass (it is written at the next pass's end)
+_DEFERRED = -2
+
+
+def _noop() -> None:
+    pass
+
+
+class _PassFlusher(trio.abc.Instrument):
+    """Writes, as each scheduling pass of the run ends, what the pass queued on the run's direct outboxes.
+
+    ``before_io_wait`` runs once per pass of trio's loop, after every task runnable in it took its step.
+    """
+
+    __slots__ = ("dirty", "passes", "token")
+
+    def __init__(self) -> None:
+        #: outboxes that got output while their writer was parked, in the order they got it
+        self.dirty: list[Outbox] = []
+        #: passes ended so far (:meth:`Outbox.hold` marks the current one)
+        self.passes = 0
+        self.token = trio.lowlevel.current_trio_token()
+
+    def before_io_wait(self, timeout: float) -> None:
+        passes = self.passes
+        self.passes = passes + 1
+        dirty = self.dirty
+        if not dirty:
+            return
+        self.dirty = []
+        woke = False
+        for outbox in dirty:
+            try:
+                if outbox._held_pass == passes and timeout == 0:
+                    # A task of the next pass has its answer: they leave together. Once only: a peer
+                    # whose requests keep coming is not kept waiting pass after pass.
+                    outbox._held_pass = _DEFERRED
+                    self.dirty.append(outbox)
+                    continue
+                outbox._held_pass = -1
+                woke = outbox._flush_now() or woke
+            except BaseException:  # never out of an instrument (trio would drop it, and every later flush)
+                log.exception("%s: writing at the end of a pass failed; the writer takes it", outbox.name)
+                outbox._writer_spot.wake()
+                woke = True
+        if woke and timeout > 0:
+            # A writer was woken while trio is about to sleep: wake the loop at once for it.
+            try:
+                self.token.run_sync_soon(_noop)
+            except BaseException:  # the run is ending: nothing waits for the loop any more
+                log.debug("could not wake the run loop for a woken writer", exc_info=True)
+
+
+_FLUSHER: RunVar[_PassFlusher] = RunVar("acp_server.outbox.flusher")
+
+
+def _run_flusher() -> _PassFlusher:
+    """The current trio run's flusher (installed at the first call)."""
+    try:
+        return _FLUSHER.get()
+    except LookupError:
+        flusher = _PassFlusher()
+        trio.lowlevel.add_instrument(flusher)
+        _FLUSHER.set(flusher)
+        return flusher
+
+
+def _writes_nowait(stream: object) -> bool:
+    """Whether ``stream`` can be written without waiting (``write_nowait``, or a plain trio socket)."""
+    return hasattr(stream, "write_nowait") or type(stream) is trio.SocketStream
 
 
 class Outbox:
@@ -46,6 +131,8 @@ class Outbox:
         "_closed",
         "_drained",
         "_drained_event",
+        "_flusher",
+        "_held_pass",
         "_out",
         "_out_bytes",
         "_refusal_latency",
@@ -79,6 +166,9 @@ class Outbox:
         #: nothing is queued for the writer; ``_drained_event`` is made only when somebody waits for it
         self._drained = True
         self._drained_event: trio.Event | None = None
+        #: the run's end-of-pass flusher while the writer runs on a stream written without waiting
+        self._flusher: _PassFlusher | None = None
+        self._held_pass = -1  # the pass :meth:`hold` was called in
 
     def close(self) -> None:
         """Stop serving the connection (what is queued is flushed for a short while)."""
@@ -94,7 +184,12 @@ class Outbox:
             return
         out = self._out
         if not out:
-            self._wake_writer(True)
+            flusher = self._flusher
+            if flusher is not None:
+                flusher.dirty.append(self)
+                self._drained = False
+            else:
+                self._wake_writer(True)
         out.append(data)
         self._out_bytes += len(data)
         if self._out_bytes > self.max_outbound_bytes:
@@ -113,12 +208,58 @@ class Outbox:
             await self._wait_drained()
         self.reply(data)
 
+    def hold(self) -> None:
+        """A request was handed to a task that runs in the next scheduling pass: what is queued now waits
+        for the end of that pass, to leave with the answer (in one write) if it comes by then."""
+        flusher = self._flusher
+        if flusher is not None and self._held_pass != _DEFERRED:
+            self._held_pass = flusher.passes
+
     def _enqueue(self, data: bytes) -> None:
         out = self._out
         if not out:
-            self._wake_writer(False)
+            flusher = self._flusher
+            if flusher is not None:
+                flusher.dirty.append(self)
+                self._drained = False
+            else:
+                self._wake_writer(False)
         out.append(data)
         self._out_bytes += len(data)
+
+    def _flush_now(self) -> bool:
+        """At the end of a pass: write what is queued if the writer is idle; whether the writer was woken
+        (the kernel took less than all of it, or the write failed: its ``send_all`` then decides)."""
+        out = self._out
+        if not out or self._writer_spot.task is None:
+            return False  # nothing left, or the writer is busy (it takes this next) or gone
+        data = b"".join(out) if len(out) > 1 else out[0]
+        stream = self.stream
+        try:
+            write = getattr(stream, "write_nowait", None)
+            if write is not None:
+                sent = write(data)
+            else:
+                sent = os.write(stream.socket.fileno(), data)  # type: ignore[union-attr]  # a trio.SocketStream
+        except BlockingIOError:
+            sent = 0
+        except (OSError, trio.ClosedResourceError, trio.BrokenResourceError):
+            sent = -1
+        if sent == len(data):
+            self._out = []
+            self._out_bytes = 0
+            if self._refusals_queued:
+                refused, self._refusals_queued = self._refusals_queued, []
+                self._record_refusals(refused)
+            self._set_drained()
+            return False
+        if sent > 0:
+            rest = data[sent:]
+            self._out = [rest]
+            self._out_bytes = len(rest)
+        self._writer_coalesce = False
+        self._writer_spot.wake()
+        return True
 
     def _wake_writer(self, update: bool) -> None:
         """The queue is about to become non-empty: wake the writer if it waits (once per batch).
@@ -167,6 +308,8 @@ class Outbox:
 
     async def _writer(self) -> None:
         stream = self.stream
+        if _writes_nowait(stream):
+            self._flusher = _run_flusher()
         try:
             while True:
                 if not self._out:
@@ -196,6 +339,8 @@ class Outbox:
             self._refusals_queued = []
             self._set_drained()
             self.close()
+        finally:
+            self._flusher = None
 
     def _record_refusals(self, read_stamps: list[int]) -> None:
         histogram = self._refusal_latency

@@ -1,8 +1,8 @@
 """The thin trio shell around one connection: a reader feeding the sans-I/O core, and one writer.
 
 Modelled on hypercorn's trio TCP server: the reader turns bytes into events and runs each request's
-synchronous part at once, in arrival order; requests that must wait run as tasks. One writer owns
-the stream and joins everything queued into one ``send_all``. The shell knows no ACP method: it
+synchronous part at once, in arrival order; requests that must wait run as tasks. Everything queued
+for the peer leaves joined: in one write as the scheduling pass ends, or through the one writer task. The shell knows no ACP method: it
 gets a :class:`~acp_server.jsonrpc.Dispatcher` and a context for its handlers. The output side (the
 queue, the writer, eviction of a slow consumer) is its base class, :class:`~.outbox.Outbox`.
 
@@ -544,10 +544,11 @@ class ConnectionShell(Outbox):
             return
         self._inflight += 1
         slot.running = True
+        self.hold()  # its answer comes from a task of the next pass: what is queued waits to leave with it
         if isinstance(out, Deferred):
             slot.deferred = out
             out.on_settled(partial(self._release, slot))
-            out.subscribe(lambda result, error: self._deferred_done(req, reply, result, error))
+            out.subscribe(partial(self._deferred_done, req, reply))
             return
         assert self._handlers is not None
         self._handlers.start_soon(self._finish, req, out, slot, reply)
@@ -572,8 +573,10 @@ class ConnectionShell(Outbox):
                 reply(data)
             else:
                 self._reply_error(data, slot, reply)
-        self._slot_done()
-        self._start_waiting()
+        if not self._slots:
+            self._slot_done()
+        if self._waiting or self._room is not None:
+            self._start_waiting()
 
     def _start_waiting(self) -> None:
         while self._waiting and self._inflight - self._finished_unanswered < self._run_cap:
