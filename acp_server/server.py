@@ -271,7 +271,7 @@ class Server:
     def _holds(self, shell: ConnectionShell) -> bool:
         """Whether the bridge keeps something for ``shell`` (a session it is attached to)."""
         state = self.bridge.clients.peers.get(shell)
-        return state is not None and bool(state.sessions)
+        return state is not None and state.holds_sessions()
 
     async def handle_stream(
         self, stream: trio.abc.Stream, name: str = "connection", *, trusted: bool = False, socket: bool = True
