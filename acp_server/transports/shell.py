@@ -308,7 +308,7 @@ class ConnectionShell(Outbox):
         # A plain trio socket is read with os.read on its descriptor, waiting in wait_readable when it
         # is empty, with the checkpoints SocketStream.receive_some makes (one scheduling point per read):
         # an idle connection then waits without the suspended calls of receive_some, the socket's recv
-        # and its helper, and their context manager (about 1.3 KB per connection). Other streams are
+        # and its helper, and their context manager (about 1.4 KB per connection). Other streams are
         # read through receive_some.
         fd = stream.socket.fileno() if type(stream) is trio.SocketStream else -1
         limit_waiting = 4 * self.max_inflight
