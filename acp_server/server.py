@@ -164,6 +164,9 @@ class Server:
         else:
             self.dispatcher = Dispatcher(gated(REQUESTS), gated(NOTIFICATIONS))
         self.connections: set[ConnectionShell] = set()
+        # Bound once: each connection's shell keeps these (a bound method made per connection is 64 bytes).
+        self._on_shell_closed = self._closed
+        self._shell_holds = self._holds
         self._running = 0
         self._all_done = trio.Event()
         #: connections closed for letting their outbound queue overflow
@@ -268,7 +271,7 @@ class Server:
     def _holds(self, shell: ConnectionShell) -> bool:
         """Whether the bridge keeps something for ``shell`` (a session it is attached to)."""
         state = self.bridge.clients.peers.get(shell)
-        return state is not None and bool(state.sessions)
+        return state is not None and state.holds_sessions()
 
     async def handle_stream(
         self, stream: trio.abc.Stream, name: str = "connection", *, trusted: bool = False, socket: bool = True
@@ -288,17 +291,17 @@ class Server:
         shell = ConnectionShell(
             stream,
             self.dispatcher,
-            lambda sh: self._context(sh, info),
+            partial(self._context, info=info),  # not a closure: this frame would keep two cells per connection
             max_message_bytes=lim.max_message_bytes,
             max_outbound_bytes=lim.outbound_bytes,
             max_inflight_requests=lim.max_inflight_requests,
-            on_close=self._closed,
+            on_close=self._on_shell_closed,
             name=name,
             refusal_latency=self.refusal_latency,
             drain_timeout_s=self.drain_timeout_s,
             first_message_timeout_s=FIRST_MESSAGE_TIMEOUT_S if socket else None,
             idle_timeout_s=(self.connection_idle_timeout_s or None) if socket else None,
-            holds=self._holds,
+            holds=self._shell_holds,
             refusal_kinds=self.refusal_kinds,
             transport=transport_of(stream, name),
             refusal_budget=self.refusal_budget if socket else None,  # not the editor's own pipe

@@ -92,3 +92,33 @@ async def test_expire_idle_drops_only_the_ids_last_seen_before_the_cut() -> None
     assert clients.any_live(session)
     clients.detach(session, live)
     assert not clients.any_live(session) and clients.state(live).sessions == set()
+
+
+async def test_a_connection_attached_to_none_one_or_many_sessions_and_detached_again() -> None:
+    """One session is kept without a set of its own (most connections hold one); two or more in a set,
+    and whatever the form, attach, detach, close and a closed session leave the same membership."""
+    clients = ClientRegistry()
+    sessions = [SessionTable.build(FakeBackend(), "/tmp", [], "default") for _ in range(3)]
+    peer = FakePeer()
+    state = clients.state(peer)
+    assert state.sessions == set() and not state.holds_sessions()
+    clients.attach(sessions[0], peer)
+    clients.attach(sessions[0], peer)
+    assert state.sessions == {sessions[0]} and state.holds_sessions()
+    assert not isinstance(state._attached, set)  # one session: no set
+    for session in sessions[1:]:
+        clients.attach(session, peer)
+    assert state.sessions == set(sessions)
+    clients.detach(sessions[1], peer)
+    clients.detach(sessions[1], peer)
+    assert state.sessions == {sessions[0], sessions[2]}
+    clients.session_closed(sessions[0])
+    assert state.sessions == {sessions[2]} and not isinstance(state._attached, set)
+    clients.detach(sessions[0], peer)  # not attached any more: nothing changes
+    assert state.sessions == {sessions[2]}
+    clients.detach(sessions[2], peer)
+    assert state.sessions == set() and not state.holds_sessions()
+    for session in sessions[1:]:
+        clients.attach(session, peer)
+    clients.peer_closed(peer)
+    assert all(peer not in s.attached for s in sessions) and peer not in clients.peers

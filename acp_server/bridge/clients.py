@@ -38,15 +38,48 @@ def now_ms() -> int:
 class PeerState:
     """What the bridge keeps for one connection."""
 
-    __slots__ = ("registrations", "sessions", "turn_states")
+    __slots__ = ("_attached", "registrations", "turn_states")
 
     def __init__(self) -> None:
         #: session id -> the client id this connection registered there
         self.registrations: dict[str, str] = {}
-        #: the sessions this connection is attached to (receives the updates of)
-        self.sessions: set[Session] = set()
+        #: the sessions this connection is attached to (receives the updates of): none, the one, or a
+        #: set of two or more (most connections hold one session, and a set of one takes 216 bytes)
+        self._attached: Session | set[Session] | None = None
         #: it receives ``_acp_server/turn_state`` (``initialize`` ``_meta.turnStates: false`` opts out)
         self.turn_states = True
+
+    @property
+    def sessions(self) -> set[Session]:
+        """The sessions this connection is attached to (a new set)."""
+        held = self._attached
+        if held is None:
+            return set()
+        return set(held) if isinstance(held, set) else {held}
+
+    def holds_sessions(self) -> bool:
+        """Whether the connection is attached to some session."""
+        return self._attached is not None
+
+    def attach(self, session: Session) -> None:
+        """The connection receives ``session``'s updates."""
+        held = self._attached
+        if held is None:
+            self._attached = session
+        elif isinstance(held, set):
+            held.add(session)
+        elif held is not session:
+            self._attached = {held, session}
+
+    def detach(self, session: Session) -> None:
+        """The connection no longer receives ``session``'s updates."""
+        held = self._attached
+        if held is session:
+            self._attached = None
+        elif isinstance(held, set):
+            held.discard(session)
+            if len(held) == 1:
+                self._attached = next(iter(held))
 
 
 class ClientRegistry:
@@ -102,7 +135,7 @@ class ClientRegistry:
             state = self.state(peer)
             state.registrations[session.session_id] = reg.client_id
             session.attached.add(peer)
-            state.sessions.add(session)
+            state.attach(session)
         return reg.client_id
 
     def resolve(self, session: Session, peer: Peer | None, requested: str | None) -> str | None:
@@ -174,14 +207,14 @@ class ClientRegistry:
             state = self.peers.get(peer)
             if state is None:
                 state = self.peers[peer] = PeerState()
-            state.sessions.add(session)
+            state.attach(session)
 
     def detach(self, session: Session, peer: Peer) -> None:
         """``peer`` stops receiving the session's updates (its client ids stay registered)."""
         session.attached.discard(peer)
         state = self.peers.get(peer)
         if state is not None:
-            state.sessions.discard(session)
+            state.detach(session)
 
     def peer_closed(self, peer: Peer) -> None:
         """A connection is gone: it receives nothing more and is forgotten (its client ids stay with
@@ -197,7 +230,7 @@ class ClientRegistry:
         for peer in list(session.attached):
             state = self.peers.get(peer)
             if state is not None:
-                state.sessions.discard(session)
+                state.detach(session)
                 state.registrations.pop(session_id, None)
             # a peer that watches one session (a REST event stream) is told, so that it can end
             ended = getattr(peer, "session_ended", None)

@@ -95,7 +95,10 @@ class ConnectionGate:
 
     async def serve(self, handler: Handler, stream: trio.abc.Stream, name: str, refusal: bytes | None = None) -> None:
         """Run ``handler(stream)`` if there is room, else send ``refusal`` (default: the NDJSON
-        ``_acp_server/evicted`` of :meth:`refusal`) and close the connection at once."""
+        ``_acp_server/evicted`` of :meth:`refusal`) and close the connection at once.
+
+        The handler is isolated (see :func:`isolated`): an exception in it is logged and closes
+        that connection only."""
         if self.open >= self.limit:
             self.refused += 1
             if not self._refusing:
@@ -122,6 +125,10 @@ class ConnectionGate:
         self.open += 1
         try:
             await handler(stream)
+        except Exception:
+            # The handler's failure closes its connection only (what :func:`isolated` does, without
+            # one more suspended frame per open connection).
+            log.exception("%s: connection handler failed; closing that connection", name)
         finally:
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
@@ -179,7 +186,8 @@ async def _accept_loop(
             if backoff:
                 log.info("%s: accepting again after %d failed accepts", name, failures)
                 backoff, failures = 0.0, 0
-            nursery.start_soon(gate.serve, handler, stream, name, refusal)
+            # Named by the listener: a name trio derived from the function would be a string per task.
+            nursery.start_soon(gate.serve, handler, stream, name, refusal, name=name)
 
 
 async def bind_tcp_socket(host: str, port: int, *, backlog: int = 128) -> trio.socket.SocketType:
@@ -217,10 +225,9 @@ async def serve_listeners(
     :func:`isolated`), within ``gate``'s limit (default: a gate of its own); a connection past the
     limit is sent ``refusal`` (default: NDJSON ``_acp_server/evicted``) and closed."""
     gate = gate or ConnectionGate()
-    run = isolated(handler, name)
     async with trio.open_nursery() as nursery:
         for listener in listeners:
-            nursery.start_soon(_accept_loop, listener, run, gate, nursery, name, refusal)
+            nursery.start_soon(_accept_loop, listener, handler, gate, nursery, name, refusal)
         task_status.started(list(listeners))
 
 

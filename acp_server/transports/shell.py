@@ -45,6 +45,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 from collections.abc import Callable, Coroutine
 from functools import partial
 from time import perf_counter_ns
@@ -83,6 +84,17 @@ _ids = itertools.count(1)
 _decode_cancel = msgspec.json.Decoder(CancelRequestParams).decode
 _FLUSH_TIMEOUT_S = 2.0
 _READ_SIZE = 65536
+#: task names given to trio (one it derived from the function would be a new string per task)
+_WRITER_TASK = "acp_server connection writer"
+_HANDLER_TASK = "acp_server connection request"
+
+
+def _read_now(fd: int) -> bytes | None:
+    """What a non-blocking descriptor has to read now (``b""`` at its end), ``None`` if nothing yet."""
+    try:
+        return os.read(fd, _READ_SIZE)
+    except BlockingIOError:
+        return None
 
 
 class _Slot:
@@ -164,6 +176,7 @@ class ConnectionShell(Outbox):
         "_on_close",
         "_opened",
         "_outbound",
+        "_reading",
         "_refusal_kinds",
         "_resume_at",
         "_room",
@@ -222,7 +235,8 @@ class ConnectionShell(Outbox):
         self._finished_unanswered = 0
         self._room: trio.Event | None = None  # what the reader waits on while too many requests wait
         self._outbound: dict[Any, trio.MemorySendChannel[Response]] = {}
-        self._handlers: trio.Nursery | None = None
+        self._handlers: trio.Nursery | None = None  # the writer's and the requests' tasks
+        self._reading: trio.CancelScope | None = None  # the reader's, while it reads
         self.drain_timeout_s = drain_timeout_s
         self._first_message_timeout_s = first_message_timeout_s
         self._idle_timeout_s = idle_timeout_s
@@ -241,10 +255,9 @@ class ConnectionShell(Outbox):
     def close(self) -> None:
         """Stop reading; what is queued is flushed (for a short while) and the connection closes."""
         self._mark_closed()
-        if self._handlers is not None:
-            # The reader and the drain run in the handlers' nursery (one cancel scope for all three):
-            # what runs is cancelled, and run() flushes what is queued.
-            self._handlers.cancel_scope.cancel()
+        if self._reading is not None:
+            # The reader stops; run() then cancels the requests that run, and flushes what is queued.
+            self._reading.cancel()
 
     def _mark_closed(self) -> None:
         if not self._closed:
@@ -283,33 +296,76 @@ class ConnectionShell(Outbox):
         return self._inflight
 
     async def run(self) -> None:
-        """Serve until the peer leaves, the connection is closed or evicted, or we are cancelled."""
+        """Serve until the peer leaves, the connection is closed or evicted, or we are cancelled.
+
+        One nursery holds the writer and the requests' tasks; this task is the reader, under a cancel
+        scope of its own that :meth:`close` cancels. When the reading ends, the requests still running
+        are cancelled (their tasks each have a scope), what is queued is flushed for a short while, and
+        the nursery is cancelled. An idle connection thus costs one nursery, one more scope and two
+        tasks, and its reader waits with nothing stacked above the socket but this call.
+        """
+        stream = self.stream
+        # A plain trio socket is read with os.read on its descriptor, waiting in wait_readable when it
+        # is empty, with the checkpoints SocketStream.receive_some makes (one scheduling point per read):
+        # an idle connection then waits without the suspended calls of receive_some, the socket's recv
+        # and its helper, and their context manager (about 1.4 KB per connection). Other streams are
+        # read through receive_some.
+        fd = stream.socket.fileno() if type(stream) is trio.SocketStream else -1
+        limit_waiting = 4 * self.max_inflight
         try:
-            async with trio.open_nursery() as outer:
-                outer.start_soon(self._writer)
+            async with trio.open_nursery() as tasks:
+                self._handlers = tasks
+                tasks.start_soon(self._writer, name=_WRITER_TASK)
                 if self._first_message_timeout_s is not None or self._idle_timeout_s is not None:
                     self._arm_timeouts()
-                async with trio.open_nursery() as handlers:
-                    self._handlers = handlers
-                    if self._closed:
-                        handlers.cancel_scope.cancel()
-                    try:
-                        if await self._reader():
-                            await self._drain()
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                        log.info("%s: read failed: %s", self.name, exc)
-                    except Exception:
-                        # A defect met while serving this peer ends this peer, never the server.
-                        log.exception("%s: unexpected error while reading; closing the connection", self.name)
-                    finally:
-                        self._mark_closed()
-                        for slot in list(self._slots.values()):
-                            if slot.deferred is not None:
-                                slot.deferred.cancel(connection_lost=True)
-                        handlers.cancel_scope.cancel()
+                try:
+                    with trio.CancelScope() as reading:
+                        self._reading = reading
+                        if self._closed:
+                            reading.cancel()
+                        while True:
+                            data: bytes | bytearray = b""  # not kept while waiting: an idle connection would hold its last read
+                            while len(self._waiting) >= limit_waiting:
+                                room = self._room = trio.Event()
+                                await room.wait()
+                            if self._out_bytes > self.max_outbound_bytes:
+                                await self._wait_for_room()
+                            if fd < 0:
+                                data = await stream.receive_some(_READ_SIZE)
+                            else:
+                                await trio.lowlevel.checkpoint_if_cancelled()
+                                read = _read_now(fd)
+                                if read is None:
+                                    # Waited for outside any ``except`` block: a handled exception stays
+                                    # alive (with its traceback) as long as the block runs, awaits included.
+                                    while read is None:
+                                        await trio.lowlevel.wait_readable(fd)
+                                        read = _read_now(fd)
+                                else:
+                                    await trio.lowlevel.cancel_shielded_checkpoint()
+                                data, read = read, None
+                            if not data:
+                                log.debug("%s: end of input", self.name)
+                                await self._drain()
+                                break
+                            if not self._received(data):
+                                break
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    log.info("%s: read failed: %s", self.name, exc)
+                except Exception:
+                    # A defect met while serving this peer ends this peer, never the server.
+                    log.exception("%s: unexpected error while reading; closing the connection", self.name)
+                finally:
+                    self._reading = None
+                    self._mark_closed()
+                    for slot in list(self._slots.values()):
+                        if slot.deferred is not None:
+                            slot.deferred.cancel(connection_lost=True)
+                        elif slot.scope is not None:
+                            slot.scope.cancel()
                 with trio.move_on_after(_FLUSH_TIMEOUT_S):
                     await self._wait_drained()
-                outer.cancel_scope.cancel()
+                tasks.cancel_scope.cancel()
         finally:
             self._mark_closed()
             if self._deadline is not None:
@@ -350,8 +406,11 @@ class ConnectionShell(Outbox):
             await gone.wait()
 
     def _slot_done(self) -> None:
-        if not self._slots and self._slots_gone is not None:
-            self._slots_gone.set()
+        if not self._slots:
+            # An emptied dict keeps its table (~160 bytes an idle connection would hold); clear() frees it.
+            self._slots.clear()
+            if self._slots_gone is not None:
+                self._slots_gone.set()
 
     def _holds_nothing(self) -> bool:
         return not (self._slots or self._outbound or (self._holds is not None and self._holds(self)))
@@ -442,32 +501,21 @@ class ConnectionShell(Outbox):
         self._resume_at = 0.0
         self._start_waiting()
 
-    async def _reader(self) -> bool:
-        """Read and dispatch until the input ends (``True``) or the connection must close (``False``)."""
+    def _received(self, data: bytes | bytearray) -> bool:
+        """Dispatch what ``data`` completes; ``False``: the connection must close (a line too large)."""
         core = self.core
-        limit_waiting = 4 * self.max_inflight
+        core.receive_data(data)
+        self._last_input = trio.current_time()
         while True:
-            while len(self._waiting) >= limit_waiting:
-                room = self._room = trio.Event()
-                await room.wait()
-            if self._out_bytes > self.max_outbound_bytes:
-                await self._wait_for_room()
-            data = await self.stream.receive_some(_READ_SIZE)
-            if not data:
-                log.debug("%s: end of input", self.name)
+            event = core.next_event()
+            if event is NEED_DATA:
                 return True
-            self._last_input = trio.current_time()
-            core.receive_data(data)
-            while True:
-                event = core.next_event()
-                if event is NEED_DATA:
-                    break
-                self._got_line = True
-                if isinstance(event, TooLarge):
-                    log.warning("%s: message over %d bytes; closing", self.name, event.limit)
-                    self.reply(event.data)
-                    return False
-                self._handle(event, self.reply)
+            self._got_line = True
+            if isinstance(event, TooLarge):
+                log.warning("%s: message over %d bytes; closing", self.name, event.limit)
+                self.reply(event.data)
+                return False
+            self._handle(event, self.reply)
 
     def _handle(self, event: Any, reply: Callable[[bytes], None]) -> None:
         if isinstance(event, Request):
@@ -551,7 +599,7 @@ class ConnectionShell(Outbox):
             out.subscribe(partial(self._deferred_done, req, reply))
             return
         assert self._handlers is not None
-        self._handlers.start_soon(self._finish, req, out, slot, reply)
+        self._handlers.start_soon(self._finish, req, out, slot, reply, name=_HANDLER_TASK)
 
     def _release(self, slot: _Slot) -> None:
         """``slot``'s work is over but its answer waits: the next waiting request may start."""
@@ -579,7 +627,7 @@ class ConnectionShell(Outbox):
             self._start_waiting()
 
     def _start_waiting(self) -> None:
-        while self._waiting and self._inflight - self._finished_unanswered < self._run_cap:
+        while self._waiting and not self._closed and self._inflight - self._finished_unanswered < self._run_cap:
             self._start(self._waiting.pop(0), self.reply)
         room = self._room
         if room is not None:
@@ -593,7 +641,7 @@ class ConnectionShell(Outbox):
         try:
             with trio.CancelScope() as scope:
                 slot.scope = scope
-                if slot.cancelled:
+                if slot.cancelled or self._closed:
                     scope.cancel()
                 data = await self.dispatcher.finish(req.id, req.method, pending)
             if data is None and not self._closed:
