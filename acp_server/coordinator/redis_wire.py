@@ -1,12 +1,15 @@
 """The wire of the Redis coordinator: script calls bounded by a timeout, batches, the release queue.
 
-:class:`RedisWire` owns what touches Redis: the ``coredis`` client (raw bytes, no decoding), the
-scripts, called by SHA-1 with keys and arguments encoded to bytes ahead of time (loaded with the first
-``PING`` of a connection, and again on ``NOSCRIPT``), the up/down state a failed call moves to, the
-encoding of acquisitions (once per kind of admission) and their batching (those of one turn of the event
-loop go out in one ``acquire.lua`` call, waiters in their queue's order; while a call is on its way the
-next batch gathers) and the queue of releases, sent in order, many per call (several calls per round trip
-through a non-transactional pipeline), and kept while Redis is away.
+:class:`RedisWire` owns what touches Redis: the ``coredis`` client (raw bytes, no decoding) and one
+connection of its pool held for every script call (the *line*: each call is one ``create_request`` on it,
+in the order the calls are made, so calls made together share one write and one read, and a release
+queued before an acquisition reaches Redis before it), the scripts, called by SHA-1 with keys and
+arguments encoded to bytes ahead of time (loaded with the first ``PING`` of a connection, and again on
+``NOSCRIPT``), the up/down state a failed call moves to, the encoding of acquisitions (once per kind of
+admission) and their batching (those of one turn of the event loop go out in one ``acquire.lua`` call,
+waiters in their queue's order; while a call is on its way the next batch gathers) and the queue of
+releases, sent in order, many per call, kept while Redis is away, and sent ahead of the next acquisition
+call in the same write when one goes out first.
 :class:`~acp_server.coordinator.redis.RedisCoordinator` builds the leases, the outages and the waiters on
 it.
 """
@@ -23,6 +26,8 @@ from typing import Any, Final
 import coredis
 import coredis.exceptions
 import trio
+from coredis.commands.constants import CommandName
+from coredis.connection import BaseConnection
 
 from .base import CoordinatorUnavailable, FailureMode, Lease, Option
 from .scripts import SCRIPT_NAMES, Keys, script_source
@@ -133,13 +138,20 @@ class RedisWire:
         self._release_wake = trio.Event()
         self._releases_idle = trio.Event()
         self._releases_idle.set()
-        self._release_lock = trio.Lock()
+        #: release calls sent and not answered yet (``flush`` waits for them too)
+        self._release_inflight = 0
+        #: the connection every script call goes on (``None`` until the first ``_hello``)
+        self._line: BaseConnection | None = None
+        #: True while this replica may be in ``{p}:waiting`` (a waiter's attempt was refused there)
+        self._waiting_sent = False
+        #: True when this replica should leave ``{p}:waiting`` with the next release call
+        self._unregister = False
         self._failures = self._outages = 0
         self._caps_sent: dict[str, int] = {}  # caps recorded in {p}:caps over this connection
         #: (options, leave) -> their encoding (set names, set keys, JSON spec): one per kind of admission
-        self._shapes: dict[tuple[tuple[Option, ...], tuple[str, ...]], tuple[tuple[str, ...], list[bytes], bytes]] = {}
+        self._shapes: dict[tuple[tuple[Option, ...], tuple[str, ...], bool], tuple[tuple[str, ...], list[bytes], bytes]] = {}
         #: the batch's fixed KEYS and ARGV heads, encoded once
-        self._acquire_keys = [keys.fence.encode(), keys.caps.encode()]
+        self._acquire_keys = [keys.fence.encode(), keys.caps.encode(), keys.waiting.encode()]
         self._acquire_args = [str(self._ttl_ms).encode(), replica_id.encode(), keys.freed.encode()]
 
     def _register_scripts(self, client: coredis.Redis[bytes]) -> None:
@@ -150,8 +162,9 @@ class RedisWire:
             self._scripts[name] = (str(script.sha), script_source(name))
 
     async def _hello(self) -> None:
-        """``PING`` and ``SCRIPT LOAD`` of every script in one round trip (a non-transactional pipeline):
-        Redis answers, and the first calls after a start or a restart of Redis find their scripts.
+        """``PING`` and ``SCRIPT LOAD`` of every script in one round trip on the line (a new connection
+        from the pool when there is none or it broke): Redis answers, and the first calls after a start
+        or a restart of Redis find their scripts.
 
         Raises:
             coredis.exceptions.RedisError, OSError, trio.TooSlowError: no answer within the timeout.
@@ -159,69 +172,66 @@ class RedisWire:
         client = self._client
         assert client is not None
         with trio.fail_after(self._timeout_s):
-            async with client.pipeline(transaction=False) as pipe:
-                pipe.ping()
-                for _, source in self._scripts.values():
-                    pipe.script_load(source)
+            line = self._line
+            if line is None or not line.usable:
+                self._line = None
+                line = self._line = await client.connection_pool.get_connection()
+            requests = [line.create_request(CommandName.PING, decode=False)]
+            requests += [
+                line.create_request(CommandName.SCRIPT_LOAD, source, decode=False) for _, source in self._scripts.values()
+            ]
+            for request in requests:
+                await request
 
-    async def _evalsha(self, script: str, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> Any:
-        """``EVALSHA`` of ``script``; on ``NOSCRIPT`` (a restarted or flushed Redis) the script is loaded
-        and the call sent once more. Calling ``evalsha`` directly spares the retry policy and transform
-        that a :class:`coredis.commands.script.Script` call builds each time."""
-        client = self._client
-        assert client is not None
-        sha, source = self._scripts[script]
+    def _send(self, script: str, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> Any:
+        """Queue one ``EVALSHA`` on the line now (its place on the wire is fixed by this call); await
+        the returned request for the reply (``TimeoutError`` past the timeout).
+
+        Raises:
+            coredis.exceptions.ConnectionError: the line is gone (or was never made).
+        """
+        line = self._line
+        if line is None:
+            raise coredis.exceptions.ConnectionError("no connection to the coordinator yet")
+        return line.create_request(
+            CommandName.EVALSHA, self._scripts[script][0], len(keys), *keys, *args, decode=False,
+            timeout=self._timeout_s,
+        )
+
+    async def _reply(self, script: str, request: Any, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> Any:
+        """The reply of a request made by :meth:`_send`; on ``NOSCRIPT`` (a restarted or flushed Redis:
+        the call did not run) the script is loaded and the call sent once more."""
         try:
-            return await client.evalsha(sha, keys, args)
+            return await request
         except coredis.exceptions.NoScriptError:
-            await client.script_load(source)
-            return await client.evalsha(sha, keys, args)
+            line = self._line
+            assert line is not None
+            await line.create_request(CommandName.SCRIPT_LOAD, self._scripts[script][1], decode=False, timeout=self._timeout_s)
+            return await self._send(script, keys, args)
 
     async def _call(self, script: str, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> Any:
-        """One script call, bounded by the timeout; a failure marks the coordinator down."""
+        """One script call on the line, bounded by the timeout; a failure marks the coordinator down."""
         try:
-            with trio.fail_after(self._timeout_s):
-                return await self._evalsha(script, keys, args)
+            return await self._reply(script, self._send(script, keys, args), keys, args)
         except _ERRORS as exc:
-            self._failures += 1
-            self._mark_down(exc)
-            raise _Down(str(exc) or type(exc).__name__) from exc
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: BaseException) -> _Down:
+        self._failures += 1
+        self._mark_down(exc)
+        return _Down(str(exc) or type(exc).__name__)
 
     async def _call_many(
         self, script: str, calls: Sequence[tuple[Sequence[str | bytes], Sequence[str | bytes | int]]]
     ) -> list[Any]:
-        """Several calls of ``script`` (``(keys, args)`` each) in one round trip: a non-transactional
-        ``coredis`` pipeline, bounded by the timeout as one call; a failure marks the coordinator down.
-        On ``NOSCRIPT`` the script is loaded and the whole pipeline sent again (every script is
-        idempotent for the same arguments)."""
-        if len(calls) == 1:
-            return [await self._call(script, *calls[0])]
-        client = self._client
-        assert client is not None
-        sha, source = self._scripts[script]
+        """Several calls of ``script`` (``(keys, args)`` each) in one round trip: queued on the line
+        together (one write), each bounded by the timeout; a failure marks the coordinator down. A call
+        answered ``NOSCRIPT`` did not run: the script is loaded and that call sent again."""
         try:
-            with trio.fail_after(self._timeout_s):
-                try:
-                    return await self._pipelined(client, sha, calls)
-                except coredis.exceptions.NoScriptError:
-                    await client.script_load(source)
-                    return await self._pipelined(client, sha, calls)
+            requests = [self._send(script, keys, args) for keys, args in calls]
+            return [await self._reply(script, r, *call) for r, call in zip(requests, calls, strict=True)]
         except _ERRORS as exc:
-            self._failures += 1
-            self._mark_down(exc)
-            raise _Down(str(exc) or type(exc).__name__) from exc
-
-    @staticmethod
-    async def _pipelined(
-        client: coredis.Redis[bytes], sha: str,
-        calls: Sequence[tuple[Sequence[str | bytes], Sequence[str | bytes | int]]],
-    ) -> list[Any]:
-        async with client.pipeline(transaction=False) as pipe:
-            for keys, args in calls:
-                pipe.evalsha(sha, keys, args)
-        results = pipe.results
-        assert results is not None
-        return list(results)
+            raise self._failed(exc) from exc
 
     def _mark_down(self, exc: BaseException) -> None:
         if self._up:
@@ -240,16 +250,18 @@ class RedisWire:
     # --- acquire ----------------------------------------------------------------------------------
 
     def _acquire_request(
-        self, lease: Lease, options: Sequence[Option], leave: Sequence[str], attempt: int, token: int
+        self, lease: Lease, options: Sequence[Option], leave: Sequence[str], attempt: int, token: int,
+        wait: bool = False,
     ) -> tuple[tuple[str, ...], list[bytes], list[bytes]]:
         """One request of a batched ``acquire.lua`` call, encoded: the names of its limit sets (set
-        ``i`` is ``names[i - 1]``), its KEYS (tombstone, record, sets) and ARGV."""
+        ``i`` is ``names[i - 1]``), its KEYS (tombstone, record, sets) and ARGV (``wait``: a waiter's
+        attempt, which enters ``{p}:waiting`` when refused)."""
         sent = self._caps_sent
         record = {n.name: n.cap for o in options for n in o.needs if sent.get(n.name) != n.cap}
-        shape = (tuple(options), tuple(leave))
+        shape = (tuple(options), tuple(leave), wait)
         cached = None if record else self._shapes.get(shape)
         if cached is None:
-            cached = self._request_shape(options, leave, record)
+            cached = self._request_shape(options, leave, record, wait)
             if record:
                 sent.update(record)
             else:
@@ -263,7 +275,7 @@ class RedisWire:
         return names, keys, args
 
     def _request_shape(
-        self, options: Sequence[Option], leave: Sequence[str], record: dict[str, int]
+        self, options: Sequence[Option], leave: Sequence[str], record: dict[str, int], wait: bool = False
     ) -> tuple[tuple[str, ...], list[bytes], bytes]:
         """What a request's options and leave list encode to, the same for every lease: the set names,
         their keys and the JSON spec (with ``record``'s caps to note in the caps hash)."""
@@ -294,6 +306,8 @@ class RedisWire:
             body["d"] = [ki(n) for n in leave]
         if record:
             body["a"] = [[ki(name), cap] for name, cap in record.items()]
+        if wait:
+            body["q"] = 1
         sets = [self.keys.limit(n).encode() for n in names]
         return tuple(names), sets, json.dumps(body, separators=(",", ":")).encode()
 
@@ -330,11 +344,26 @@ class RedisWire:
                     for item in batch:
                         keys += item.keys
                         args += item.args
+                    # Releases queued meanwhile go first, in the same write: the room they free is
+                    # there for this call, and the releaser has nothing left to wake for.
+                    sent = self._send_releases() if self._up and self._releases else None
                     try:
-                        replies = await self._call("acquire", keys, args)
-                    except _Down as exc:
+                        request = self._send("acquire", keys, args)
+                    except _ERRORS as exc:
+                        request = exc
+                    if sent is not None:
+                        try:
+                            await self._settle_releases(sent)
+                        except _Down:
+                            pass  # put back in the queue; the acquisition's own reply says the rest
+                    try:
+                        if isinstance(request, BaseException):
+                            raise request
+                        replies = await self._reply("acquire", request, keys, args)
+                    except _ERRORS as exc:
+                        down = self._failed(exc)
                         for item in batch:
-                            item.fail(exc)
+                            item.fail(down)
                         continue
                     for item, reply in zip(batch, replies, strict=True):
                         item.result = reply
@@ -350,10 +379,15 @@ class RedisWire:
         self._releases_idle = trio.Event() if self._releases_idle.is_set() else self._releases_idle
         self._release_wake.set()
 
-    def _release_call(self, items: Sequence[_Release]) -> tuple[list[str], list[str | int]]:
-        """The KEYS and ARGV of one ``release.lua`` call for ``items``."""
-        keys: list[str] = []
-        args: list[str | int] = [self.keys.freed, len(items)]
+    def _may_unregister(self) -> bool:
+        """True when this replica may leave ``{p}:waiting`` now (no waiter, none on its way)."""
+        return False
+
+    def _release_call(self, items: Sequence[_Release], unregister: bool = False) -> tuple[list[str], list[str | int]]:
+        """The KEYS and ARGV of one ``release.lua`` call for ``items`` (``unregister``: this replica
+        leaves ``{p}:waiting`` in the same call)."""
+        keys: list[str] = [self.keys.waiting]
+        args: list[str | int] = [self.keys.freed, self._replica_id, "1" if unregister else "0", len(items)]
         for item in items:
             keys.extend((self.keys.tomb(item.lease_id, item.tomb or 0), self.keys.lease(item.lease_id)))
             keys.extend(self.keys.limit(n) for n in item.names)
@@ -361,33 +395,73 @@ class RedisWire:
             args.extend((item.lease_id, "1" if item.full else "0", tomb_ms, len(item.names)))
         return keys, args
 
+    def _send_releases(self) -> tuple[list[_Release], list[Any], list[Any], bool] | None:
+        """Take up to :data:`_PIPELINE` calls' worth of queued releases (many per call; an item older
+        than two TTLs is dropped: what it held stopped counting long ago) and queue their calls on the
+        line now, with this replica's leave of ``{p}:waiting`` when it is due; ``None`` when there is
+        nothing to send. :meth:`_settle_releases` awaits the replies."""
+        queue = self._releases
+        unregister = self._unregister and self._may_unregister()
+        if not queue and not unregister:
+            return None
+        cut = trio.current_time() - 2 * self._ttl_ms / 1000
+        taken = [queue.popleft() for _ in range(min(_BATCH * _PIPELINE, len(queue)))]
+        fresh = [item for item in taken if item.queued_at > cut]
+        calls = [self._release_call(fresh[i : i + _BATCH], unregister and not i) for i in range(0, len(fresh), _BATCH)]
+        if not calls:  # only the leave of {p}:waiting, or every item was stale
+            calls = [self._release_call((), unregister)]
+        if unregister:
+            self._unregister = self._waiting_sent = False
+        self._release_inflight += 1
+        try:
+            requests = [self._send("release", keys, args) for keys, args in calls]
+        except _ERRORS as exc:
+            requests = [exc]
+        return taken, calls, requests, unregister
+
+    async def _settle_releases(self, sent: tuple[list[_Release], list[Any], list[Any], bool]) -> None:
+        """Await the replies of :meth:`_send_releases`' calls.
+
+        Raises:
+            _Down: a call failed; its items are put back first in the queue.
+        """
+        taken, calls, requests, unregister = sent
+        try:
+            for request, call in zip(requests, calls, strict=False):
+                if isinstance(request, BaseException):
+                    raise request
+                await self._reply("release", request, *call)
+        except _ERRORS as exc:
+            self._releases.extendleft(reversed(taken))
+            if unregister:
+                self._unregister = self._waiting_sent = True
+            raise self._failed(exc) from exc
+        finally:
+            self._release_inflight -= 1
+        for item in taken:
+            if item.sent is not None:
+                item.sent.set()
+        if not self._releases and not self._release_inflight:
+            self._releases_idle.set()
+
     async def _drain_releases(self) -> None:
-        """Send the queued releases in order, many per call and up to :data:`_PIPELINE` calls per round
-        trip (an item older than two TTLs is dropped: what it held stopped counting long ago).
+        """Send the queued releases in order, many per call and up to :data:`_PIPELINE` calls per write,
+        until the queue is empty.
 
         Raises:
             _Down: a call failed; its items stay first in the queue.
         """
-        async with self._release_lock:
-            queue = self._releases
-            while queue:
-                cut = trio.current_time() - 2 * self._ttl_ms / 1000
-                taken = [queue[i] for i in range(min(_BATCH * _PIPELINE, len(queue)))]
-                fresh = [item for item in taken if item.queued_at > cut]
-                calls = [self._release_call(fresh[i : i + _BATCH]) for i in range(0, len(fresh), _BATCH)]
-                if calls:
-                    await self._call_many("release", calls)
-                for item in taken:
-                    queue.popleft()
-                    if item.sent is not None:
-                        item.sent.set()
+        while (sent := self._send_releases()) is not None:
+            await self._settle_releases(sent)
+        if not self._release_inflight:
             self._releases_idle.set()
 
     async def _releaser(self) -> None:
         """Send queued releases as they come; while Redis is away, wait for it."""
         while True:
-            if not self._releases:
-                self._releases_idle.set()
+            if not self._releases and not (self._unregister and self._may_unregister()):
+                if not self._release_inflight:
+                    self._releases_idle.set()
                 await self._release_wake.wait()
                 self._release_wake = trio.Event()
                 continue

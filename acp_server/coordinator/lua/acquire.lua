@@ -5,6 +5,9 @@
 -- KEYS[1]   the fencing counter ({p}:fence): one INCR per new holder, so tokens only grow.
 -- KEYS[2]   the caps hash ({p}:caps): limit set key -> its cap as last asserted, 0 for a count (for
 --           `acp-server cluster`).
+-- KEYS[3]   the waiting replicas ({p}:waiting): sorted set, member = replica id, score = expiry (ms): a
+--           replica with a waiter refused here, so a set left is announced on the channel only while
+--           another replica than the caller is in it.
 -- then, per request in ARGV order:
 --   its tombstone ({p}:tomb:<lease>:<attempt>): left by a release that raced this attempt; refuse.
 --   its lease record ({p}:lease:<lease>) = "<fencing token>|<replica>", expiring with the lease.
@@ -21,7 +24,8 @@
 --   seats) = {"r": rank (0-based), "s": [seats per rank], "k": [seat set per rank], "w": [room set per
 --   rank]}. "d": sets the lease leaves when it gets an option (a waiter leaving the waiting room).
 --   "a": [[set, cap], ...] to record in the caps hash, whatever the outcome (a replica records each cap
---   once per connection, not on every call).
+--   once per connection, not on every call). "q": 1 when the request is a waiter's attempt: refused, it
+--   enters (or stays in) KEYS[3] until now + TTL, in the same step as the refusal.
 --
 -- Returns one reply per request: {option (1-based), token, now} on success; {0, set, count, cap, soft,
 -- now} on refusal (the first full hard cap, else the last soft refusal); {-1} when tombstoned.
@@ -29,12 +33,20 @@
 -- Invariant: no set ever gains a member while it holds `cap` live members (live: expiry > now; expired
 -- members are purged before counting), a lease joins every set of one option or none, a tombstoned
 -- attempt joins nothing, a class at or above its share of the seats takes a seat only when no class
--- below its share has a waiter, and an arrival (a lease not in the waiting room) never takes a seat
--- while a waiter of its own class waits.
+-- below its share has a waiter, an arrival (a lease not in the waiting room) never takes a seat
+-- while a waiter of its own class waits, and a waiter's refusal is never later than its replica's
+-- entry in KEYS[3] (so every room freed after it is announced while that replica waits).
 local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) * 1000 + math.floor(tonumber(now_t[2]) / 1000)
 local ttl = tonumber(ARGV[1])
 local purged = {}
+
+-- True when a replica other than the caller has a live entry in the waiting replicas.
+local function others_wait()
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  local n = redis.call('ZCARD', KEYS[3])
+  return n > 1 or (n == 1 and redis.call('ZSCORE', KEYS[3], ARGV[2]) == false)
+end
 
 local function acquire(base, member, token, spec)
   -- base: KEYS index of the request's tombstone; its record is base + 1, its set i is base + 1 + i.
@@ -109,7 +121,7 @@ local function acquire(base, member, token, spec)
       end
       if token == '0' then token = tostring(redis.call('INCR', KEYS[1])) end
       redis.call('SET', KEYS[base + 1], token .. '|' .. ARGV[2], 'PX', ttl)
-      if left > 0 then redis.call('PUBLISH', ARGV[3], 'left') end
+      if left > 0 and others_wait() then redis.call('PUBLISH', ARGV[3], 'left') end
       return {number, tonumber(token), now}
     end
     if refusal[5] == 0 then return refusal end
@@ -118,11 +130,14 @@ local function acquire(base, member, token, spec)
 end
 
 local replies = {}
-local base = 3
+local base = 4
 local a = 5
 for n = 1, tonumber(ARGV[4]) do
   local sets = tonumber(ARGV[a + 2])
-  replies[n] = acquire(base, ARGV[a], ARGV[a + 1], cjson.decode(ARGV[a + 3]))
+  local spec = cjson.decode(ARGV[a + 3])
+  local reply = acquire(base, ARGV[a], ARGV[a + 1], spec)
+  if spec.q and reply[1] == 0 then redis.call('ZADD', KEYS[3], now + ttl, ARGV[2]) end
+  replies[n] = reply
   base = base + 2 + sets
   a = a + 4
 end
