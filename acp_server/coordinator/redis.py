@@ -53,7 +53,7 @@ from .base import (
 )
 from .local import LocalCoordinator, default_replica_id
 from .readout import cluster_statistics, read_cluster
-from .redis_wire import _ERRORS, RedisWire, _Down, _Release, redis_now_ms
+from .redis_wire import _ERRORS, ARRIVAL, RedisWire, _Down, _Release, redis_now_ms
 from .scripts import Keys
 from .waiters import PASS_CHUNK, WaitQueue
 
@@ -66,8 +66,7 @@ BACKOFF_MAX_S: Final = 2.0
 _BACKOFF_MIN_S: Final = 0.05
 #: Leases renewed per ``renew.lua`` call.
 _RENEW_BATCH: Final = 200
-#: The batch order of an acquisition that is not a waiter's: after every waiter of the same call.
-_ARRIVAL: Final = (1 << 30, 0)
+_ARRIVAL: Final = ARRIVAL
 
 
 class RedisCoordinator(RedisWire):
@@ -601,7 +600,7 @@ class RedisCoordinator(RedisWire):
                         except _Down:
                             self._up = False
                     for task in (
-                        self._acquire_batcher, self._monitor, self._renewer, self._releaser,
+                        self._monitor, self._renewer, self._releaser,
                         self._subscriber, self._dispatcher,
                     ):
                         nursery.start_soon(task)

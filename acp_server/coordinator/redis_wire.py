@@ -61,10 +61,15 @@ class _Down(Exception):
     """A call got no answer in time (or the connection failed): the coordinator is away."""
 
 
-class _Pending:
-    """One acquisition waiting for its batch's reply: its KEYS and ARGV, encoded."""
+#: The batch order of an acquisition that is not a waiter's: after every waiter of the same call.
+ARRIVAL: Final = (1 << 30, 0)
 
-    __slots__ = ("args", "done", "error", "keys", "order", "result")
+
+class _Pending:
+    """One acquisition waiting for its batch's reply: its KEYS and ARGV, encoded. ``done`` is set when
+    its reply (or error) is there, or when its task is to own a call just sent (``own``)."""
+
+    __slots__ = ("args", "done", "error", "keys", "order", "own", "result")
 
     def __init__(self, keys: list[bytes], args: list[bytes], order: tuple[int, int]) -> None:
         self.order = order
@@ -73,10 +78,29 @@ class _Pending:
         self.done = trio.Event()
         self.result: Any = None
         self.error: _Down | None = None
+        self.own: _Flight | None = None
 
     def fail(self, error: _Down) -> None:
         self.error = error
         self.done.set()
+
+
+class _Flight:
+    """One ``acquire.lua`` call on its way: its requests, in order, the request (or the error of
+    sending it) and the releases sent ahead of it in the same write."""
+
+    __slots__ = ("args", "items", "keys", "releases", "request")
+
+    def __init__(self, items: list[_Pending], keys: list[bytes], args: list[bytes], request: Any, releases: Any) -> None:
+        self.items = items
+        self.keys = keys
+        self.args = args
+        self.request = request
+        self.releases = releases
+
+
+#: The ``own`` of a request whose task is to wait one turn of the loop and send what gathered.
+_GATHER: Final = _Flight([], [], [], None, None)
 
 
 class _Release:
@@ -133,8 +157,12 @@ class RedisWire:
         self._poke = trio.Event()
         self._next_attempt = 0.0
         self._releases: collections.deque[_Release] = collections.deque()
+        #: acquisitions gathering for the next call, and the call on its way (at most one)
         self._acquire_pending: list[_Pending] = []
-        self._acquire_wake = trio.Event()
+        self._flight: _Flight | None = None
+        self._gathering = False  # a task yields one turn of the loop before it sends what gathered
+        #: the last call answered several requests: their tasks are likely to ask again together
+        self._gather_next = False
         self._release_wake = trio.Event()
         self._releases_idle = trio.Event()
         self._releases_idle.set()
@@ -312,67 +340,112 @@ class RedisWire:
         return tuple(names), sets, json.dumps(body, separators=(",", ":")).encode()
 
     async def _batched_acquire(self, keys: list[bytes], args: list[bytes], order: tuple[int, int]) -> Any:
-        """Send one request (its keys and four arguments, encoded) with the others of this turn of the
-        loop; its reply.
+        """Send one request (its keys and four arguments, encoded) with the others gathered; its reply.
+
+        At most one ``acquire.lua`` call is on its way; the requests made meanwhile gather and go out
+        as one call when it is answered. An arrival with nothing on its way or gathering is sent at
+        once (no turn of the loop waited), unless the last call answered several (their tasks are
+        likely to ask again in the same turn); a waiter's attempt waits one turn, so the attempts of
+        one pass share a call, sorted into queue order. The task that sends a call (or is handed one sent
+        for it) awaits its reply and gives every request of the call its own: no task in between.
+        Callers run shielded; every wait is bounded by the timeout.
 
         Raises:
-            _Down: the batch's call failed or timed out.
+            _Down: the call failed or timed out.
         """
         item = _Pending(keys, args, order)
-        self._acquire_pending.append(item)
-        self._acquire_wake.set()
-        await item.done.wait()
+        pending = self._acquire_pending
+        pending.append(item)
+        if self._flight is None and not self._gathering:
+            if order != ARRIVAL or len(pending) > 1 or self._gather_next:
+                self._gathering = True
+                await self._gather()
+            elif pending:
+                self._launch()
+        while True:
+            flight = item.own
+            if flight is not None:
+                item.own = None
+                item.done = trio.Event()
+                if flight is _GATHER:
+                    await self._gather()
+                else:
+                    await self._land(flight)
+            elif item.done.is_set():
+                break  # (Event.wait on a set event would still yield a turn of the loop)
+            else:
+                await item.done.wait()
         if item.error is not None:
             raise item.error
         return item.result
 
-    async def _acquire_batcher(self) -> None:
-        """Send the pending acquisitions, many per ``acquire.lua`` call: while one call is on its way,
-        the next batch gathers."""
-        pending = self._acquire_pending
+    async def _gather(self) -> None:
+        """Let the other tasks of this turn of the loop add their requests, then send them."""
+        self._gather_next = False
         try:
-            while True:
-                await self._acquire_wake.wait()
-                self._acquire_wake = trio.Event()
-                while pending:
-                    batch = pending[:_BATCH]
-                    del pending[:_BATCH]
-                    # waiters in their queue's order (the tasks of a pass ran in any order), then the rest
-                    batch.sort(key=lambda item: item.order)
-                    keys = self._acquire_keys.copy()
-                    args = [*self._acquire_args, b"%d" % len(batch)]
-                    for item in batch:
-                        keys += item.keys
-                        args += item.args
-                    # Releases queued meanwhile go first, in the same write: the room they free is
-                    # there for this call, and the releaser has nothing left to wake for.
-                    sent = self._send_releases() if self._up and self._releases else None
-                    try:
-                        request = self._send("acquire", keys, args)
-                    except _ERRORS as exc:
-                        request = exc
-                    if sent is not None:
-                        try:
-                            await self._settle_releases(sent)
-                        except _Down:
-                            pass  # put back in the queue; the acquisition's own reply says the rest
-                    try:
-                        if isinstance(request, BaseException):
-                            raise request
-                        replies = await self._reply("acquire", request, keys, args)
-                    except _ERRORS as exc:
-                        down = self._failed(exc)
-                        for item in batch:
-                            item.fail(down)
-                        continue
-                    for item, reply in zip(batch, replies, strict=True):
-                        item.result = reply
-                        item.done.set()
+            await trio.lowlevel.cancel_shielded_checkpoint()
         finally:
-            closed = _Down("the coordinator is closed")
-            for item in pending:
-                item.fail(closed)
-            pending.clear()
+            self._gathering = False
+        if self._flight is None and self._acquire_pending:
+            self._launch()
+
+    def _launch(self) -> None:
+        """Send the gathered requests (up to :data:`_BATCH`) in one call, queued releases first in the
+        same write (the room they free is there for this call); its first request's task owns it."""
+        pending = self._acquire_pending
+        batch = pending[:_BATCH]
+        del pending[:_BATCH]
+        batch.sort(key=lambda item: item.order)  # waiters in their queue's order, then the arrivals
+        keys = self._acquire_keys.copy()
+        args = [*self._acquire_args, b"%d" % len(batch)]
+        for item in batch:
+            keys += item.keys
+            args += item.args
+        releases = self._send_releases() if self._up and self._releases else None
+        try:
+            request = self._send("acquire", keys, args)
+        except _ERRORS as exc:
+            request = exc
+        flight = self._flight = _Flight(batch, keys, args, request, releases)
+        owner = batch[0]
+        owner.own = flight
+        owner.done.set()
+
+    async def _land(self, flight: _Flight) -> None:
+        """Await ``flight``'s reply, give each request its own, and send what gathered meanwhile."""
+        replies: Any = None
+        down: _Down | None = None
+        try:
+            if isinstance(flight.request, BaseException):
+                raise flight.request
+            replies = await self._reply("acquire", flight.request, flight.keys, flight.args)
+        except _ERRORS as exc:
+            down = self._failed(exc)
+        if flight.releases is not None:
+            try:
+                await self._settle_releases(flight.releases)  # answered before the acquisition
+            except _Down:
+                pass  # put back in the queue
+        for i, item in enumerate(flight.items):
+            if down is not None:
+                item.error = down
+            else:
+                item.result = replies[i]
+            item.done.set()
+        self._flight = None
+        self._gather_next = len(flight.items) > 1
+        pending = self._acquire_pending
+        if pending and not self._gathering:
+            if self._gather_next:
+                # The tasks just answered ask again in the next turn: the first gathered one sends
+                # after it, with them, rather than alone now.
+                self._gathering = True
+                pending[0].own = _GATHER
+                pending[0].done.set()
+            else:
+                self._launch()
+        if self._releases and self._flight is None:
+            self._release_wake.set()  # no acquisition went out to take them along
 
     def _enqueue_release(self, item: _Release) -> None:
         self._releases.append(item)
@@ -467,6 +540,12 @@ class RedisWire:
                 continue
             if not self._up:
                 await self._up_event.wait()
+            if self._flight is not None or self._gathering:
+                # An acquisition call goes out soon (this turn's, or the next when the one on its way
+                # is answered, which wakes this task if none does): the releases go in its write.
+                await self._release_wake.wait()
+                self._release_wake = trio.Event()
+                continue
             try:
                 await self._drain_releases()
             except _Down:
