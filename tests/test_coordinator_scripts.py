@@ -52,10 +52,15 @@ class Scripts:
         return keys, [lease, token, len(names), json.dumps(body)]
 
     async def batch(
-        self, requests: list[tuple[list[str], list[Any]]], *, ttl: int = 10_000, replica: str = "r1"
+        self, requests: list[tuple[list[str], list[Any]]], *, ttl: int = 10_000, replica: str = "r1",
+        releases: list[tuple[str, list[str], bool, int, int]] = (),  # type: ignore[assignment]
     ) -> list[list[Any]]:
+        """One acquire.lua call: ``releases`` (lease, sets, full, tombstone ms, attempt) first."""
         keys = [K.fence, K.caps, K.waiting]
-        args: list[Any] = [ttl, replica, K.freed, len(requests)]
+        args: list[Any] = [ttl, replica, K.freed, len(requests), len(releases), "0"]
+        for lease, names, full, tomb_ms, attempt in releases:
+            keys += [K.tomb(lease, attempt), K.lease(lease)] + [K.limit(n) for n in names]
+            args += [lease, "1" if full else "0", tomb_ms, len(names)]
         for k, a in requests:
             keys.extend(k)
             args.extend(a)
@@ -229,6 +234,21 @@ async def test_a_batched_release_frees_every_lease(scripts: Scripts) -> None:
     assert await scripts.members("seats") == set()
 
 
+async def test_releases_in_an_acquire_call_go_before_its_requests(scripts: Scripts) -> None:
+    seat = [{"n": [["seats", 1, 0]]}]
+    await scripts.acquire("a", seat, names=["seats"])
+    # a's release and b's acquisition in one call: b gets the seat a leaves
+    replies = await scripts.batch([scripts.request("b", seat, names=["seats"])], releases=[("a", ["seats"], True, 0, 1)])
+    assert replies[0][0] == 1
+    assert await scripts.members("seats") == {b"b"}
+    assert await scripts.client.get(K.lease("a")) is None
+    # a release with a tombstone refuses that attempt's acquisition in the same call
+    replies = await scripts.batch(
+        [scripts.request("c", seat, names=["seats"], attempt=2)], releases=[("c", ["seats"], True, 5000, 2)]
+    )
+    assert replies == [[-1]]
+
+
 # --- release.lua -----------------------------------------------------------------------------------
 
 
@@ -284,6 +304,9 @@ async def test_a_release_is_announced_only_while_another_replica_waits(scripts: 
         assert (await scripts.acquire("b", seat, names=["seats"], replica="r2", attempt=2, wait=True))[0] == 0
         assert await scripts.client.zscore(K.waiting, "r2") is not None
         assert await _announced(scripts, ps, scripts.release("a", ["seats"]))
+        # the same from a release that an acquire call applies first
+        await scripts.acquire("a", seat, names=["seats"], attempt=5)
+        assert await _announced(scripts, ps, scripts.batch([], releases=[("a", ["seats"], True, 0, 5)]))
         # r2's own release is not announced to r2 (it wakes its waiters itself)
         await scripts.acquire("c", seat, names=["seats"], replica="r2")
         assert not await _announced(scripts, ps, scripts.release("c", ["seats"], replica="r2"))

@@ -8,8 +8,8 @@ arguments encoded to bytes ahead of time (loaded with the first ``PING`` of a co
 ``NOSCRIPT``), the up/down state a failed call moves to, the encoding of acquisitions (once per kind of
 admission) and their batching (those of one turn of the event loop go out in one ``acquire.lua`` call,
 waiters in their queue's order; while a call is on its way the next batch gathers) and the queue of
-releases, sent in order, many per call, kept while Redis is away, and sent ahead of the next acquisition
-call in the same write when one goes out first.
+releases, sent in order, many per call, kept while Redis is away, and taken into the next acquisition
+call when one goes out first (``acquire.lua`` applies them before its requests).
 :class:`~acp_server.coordinator.redis.RedisCoordinator` builds the leases, the outages and the waiters on
 it.
 """
@@ -87,11 +87,14 @@ class _Pending:
 
 class _Flight:
     """One ``acquire.lua`` call on its way: its requests, in order, the request (or the error of
-    sending it) and the releases sent ahead of it in the same write."""
+    sending it) and the releases it applies first (with this replica's leave of ``{p}:waiting``)."""
 
     __slots__ = ("args", "items", "keys", "releases", "request")
 
-    def __init__(self, items: list[_Pending], keys: list[bytes], args: list[bytes], request: Any, releases: Any) -> None:
+    def __init__(
+        self, items: list[_Pending], keys: list[Any], args: list[Any], request: Any,
+        releases: tuple[list[_Release], bool] | None,
+    ) -> None:
         self.items = items
         self.keys = keys
         self.args = args
@@ -390,18 +393,32 @@ class RedisWire:
             self._launch()
 
     def _launch(self) -> None:
-        """Send the gathered requests (up to :data:`_BATCH`) in one call, queued releases first in the
-        same write (the room they free is there for this call); its first request's task owns it."""
+        """Send the gathered requests (up to :data:`_BATCH`) in one call, with up to :data:`_BATCH`
+        queued releases applied first (the room they free is there for this call); its first request's
+        task owns it."""
         pending = self._acquire_pending
         batch = pending[:_BATCH]
         del pending[:_BATCH]
         batch.sort(key=lambda item: item.order)  # waiters in their queue's order, then the arrivals
-        keys = self._acquire_keys.copy()
-        args = [*self._acquire_args, b"%d" % len(batch)]
+        queue = self._releases
+        unregister = self._unregister and self._may_unregister()
+        releases: tuple[list[_Release], bool] | None = None
+        keys: list[Any] = self._acquire_keys.copy()
+        if self._up and (queue or unregister):
+            cut = trio.current_time() - 2 * self._ttl_ms / 1000
+            taken = [queue.popleft() for _ in range(min(_BATCH, len(queue)))]
+            fresh = [item for item in taken if item.queued_at > cut]
+            args: list[Any] = [*self._acquire_args, b"%d" % len(batch), b"%d" % len(fresh), b"1" if unregister else b"0"]
+            self._release_parts(fresh, keys, args)
+            releases = (taken, unregister)
+            if unregister:
+                self._unregister = self._waiting_sent = False
+            self._release_inflight += 1
+        else:
+            args = [*self._acquire_args, b"%d" % len(batch), b"0", b"0"]
         for item in batch:
             keys += item.keys
             args += item.args
-        releases = self._send_releases() if self._up and self._releases else None
         try:
             request = self._send("acquire", keys, args)
         except _ERRORS as exc:
@@ -422,10 +439,18 @@ class RedisWire:
         except _ERRORS as exc:
             down = self._failed(exc)
         if flight.releases is not None:
-            try:
-                await self._settle_releases(flight.releases)  # answered before the acquisition
-            except _Down:
-                pass  # put back in the queue
+            taken, unregister = flight.releases
+            self._release_inflight -= 1
+            if down is not None:
+                self._releases.extendleft(reversed(taken))
+                if unregister:
+                    self._unregister = self._waiting_sent = True
+            else:
+                for release in taken:
+                    if release.sent is not None:
+                        release.sent.set()
+                if not self._releases and not self._release_inflight:
+                    self._releases_idle.set()
         for i, item in enumerate(flight.items):
             if down is not None:
                 item.error = down
@@ -461,12 +486,18 @@ class RedisWire:
         leaves ``{p}:waiting`` in the same call)."""
         keys: list[str] = [self.keys.waiting]
         args: list[str | int] = [self.keys.freed, self._replica_id, "1" if unregister else "0", len(items)]
-        for item in items:
-            keys.extend((self.keys.tomb(item.lease_id, item.tomb or 0), self.keys.lease(item.lease_id)))
-            keys.extend(self.keys.limit(n) for n in item.names)
-            tomb_ms = self._ttl_ms if item.tomb is not None else 0
-            args.extend((item.lease_id, "1" if item.full else "0", tomb_ms, len(item.names)))
+        self._release_parts(items, keys, args)
         return keys, args
+
+    def _release_parts(self, items: Sequence[_Release], keys: list[Any], args: list[Any]) -> None:
+        """Add the KEYS and the four ARGV values of each release (as ``release.lua`` and
+        ``acquire.lua`` take them)."""
+        keys_ = self.keys
+        for item in items:
+            keys.append(keys_.tomb(item.lease_id, item.tomb or 0))
+            keys.append(keys_.lease(item.lease_id))
+            keys.extend([keys_.limit(n) for n in item.names])
+            args += (item.lease_id, "1" if item.full else "0", self._ttl_ms if item.tomb is not None else 0, len(item.names))
 
     def _send_releases(self) -> tuple[list[_Release], list[Any], list[Any], bool] | None:
         """Take up to :data:`_PIPELINE` calls' worth of queued releases (many per call; an item older

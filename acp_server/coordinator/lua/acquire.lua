@@ -1,6 +1,8 @@
 -- acquire.lua: leases join the limit sets of one of their options, each all or nothing, after a check
 -- of every cap. One call serves a batch of requests (the acquisitions of one turn of a replica's event
--- loop), applied in order, so a later request in the batch sees what an earlier one took.
+-- loop), applied in order, so a later request in the batch sees what an earlier one took; the releases
+-- queued on the replica meanwhile go first, exactly as release.lua applies them, so the room they free
+-- is there for the requests.
 --
 -- KEYS[1]   the fencing counter ({p}:fence): one INCR per new holder, so tokens only grow.
 -- KEYS[2]   the caps hash ({p}:caps): limit set key -> its cap as last asserted, 0 for a count (for
@@ -8,7 +10,8 @@
 -- KEYS[3]   the waiting replicas ({p}:waiting): sorted set, member = replica id, score = expiry (ms): a
 --           replica with a waiter refused here, so a set left is announced on the channel only while
 --           another replica than the caller is in it.
--- then, per request in ARGV order:
+-- then, per release in ARGV order, its keys as in release.lua (tombstone, record, sets to leave); then,
+-- per request in ARGV order:
 --   its tombstone ({p}:tomb:<lease>:<attempt>): left by a release that raced this attempt; refuse.
 --   its lease record ({p}:lease:<lease>) = "<fencing token>|<replica>", expiring with the lease.
 --   the limit sets it names ({p}:l:<name>): sorted sets, member = lease id, score = expiry (ms, Redis
@@ -16,7 +19,11 @@
 -- ARGV[1]   TTL in ms
 -- ARGV[2]   replica id
 -- ARGV[3]   channel to publish on when sets are left (the "d" list below frees room for others)
--- ARGV[4]   number of requests; then per request four values:
+-- ARGV[4]   number of requests
+-- ARGV[5]   number of releases
+-- ARGV[6]   "1": the replica has no waiter any more, it leaves KEYS[3] first; "0": nothing to change
+-- then per release four values, as in release.lua (lease id, "1" for the whole lease, tombstone TTL in
+-- ms, number of sets); then per request four values:
 --   lease id; fencing token to keep ("0": draw a new one); how many limit sets follow its record in
 --   KEYS; the spec, JSON: {"o": [option, ...], "d": [set, ...]}. Sets are numbered 1.. among the
 --   request's own limit sets. option = {"n": [[set, cap, soft], ...], "c": rule}; cap 0 counts without
@@ -129,9 +136,25 @@ local function acquire(base, member, token, spec)
   return refusal
 end
 
-local replies = {}
 local base = 4
-local a = 5
+local a = 7
+if ARGV[6] == '1' then redis.call('ZREM', KEYS[3], ARGV[2]) end
+local freed = 0
+for _ = 1, tonumber(ARGV[5]) do
+  local member = ARGV[a]
+  local sets = tonumber(ARGV[a + 3])
+  for i = base + 2, base + 1 + sets do
+    freed = freed + redis.call('ZREM', KEYS[i], member)
+  end
+  if ARGV[a + 1] == '1' then redis.call('DEL', KEYS[base + 1]) end
+  local tomb = tonumber(ARGV[a + 2])
+  if tomb > 0 then redis.call('SET', KEYS[base], '1', 'PX', tomb) end
+  base = base + 2 + sets
+  a = a + 4
+end
+if freed > 0 and others_wait() then redis.call('PUBLISH', ARGV[3], 'left') end
+
+local replies = {}
 for n = 1, tonumber(ARGV[4]) do
   local sets = tonumber(ARGV[a + 2])
   local spec = cjson.decode(ARGV[a + 3])
