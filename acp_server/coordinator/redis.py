@@ -450,6 +450,7 @@ class RedisCoordinator(RedisWire):
         self._up = True  # calls may go out; nothing new is admitted until the re-assert is done
         try:
             self._caps_sent.clear()  # Redis may have restarted empty
+            self._shapes.clear()
             # Releases first: a compensation queued for a lease id must not undo its re-take.
             await self._drain_releases()
             await self._reassert()

@@ -287,13 +287,17 @@ class RedisWire:
         """One request of a batched ``acquire.lua`` call, encoded: the names of its limit sets (set
         ``i`` is ``names[i - 1]``), its KEYS (tombstone, record, sets) and ARGV (``wait``: a waiter's
         attempt, which enters ``{p}:waiting`` when refused)."""
-        sent = self._caps_sent
-        record = {n.name: n.cap for o in options for n in o.needs if sent.get(n.name) != n.cap}
+        # A shape is kept once its caps are all recorded over this connection (the caps a request
+        # records ride in its spec): a kept shape needs no look at the caps.
         shape = (tuple(options), tuple(leave), wait)
-        cached = None if record else self._shapes.get(shape)
+        cached = self._shapes.get(shape)
         if cached is None:
+            sent = self._caps_sent
+            record = {n.name: n.cap for o in options for n in o.needs if sent.get(n.name) != n.cap}
             cached = self._request_shape(options, leave, record, wait)
             if record:
+                if any(name in sent for name in record):
+                    self._shapes.clear()  # a cap changed: the shapes kept with the old one record it again
                 sent.update(record)
             else:
                 if len(self._shapes) >= _SHAPES_MAX:
