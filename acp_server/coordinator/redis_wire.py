@@ -436,12 +436,16 @@ class RedisWire:
         """Await ``flight``'s reply, give each request its own, and send what gathered meanwhile."""
         replies: Any = None
         down: _Down | None = None
+        unexpected: BaseException | None = None
         try:
             if isinstance(flight.request, BaseException):
                 raise flight.request
             replies = await self._reply("acquire", flight.request, flight.keys, flight.args)
         except _ERRORS as exc:
             down = self._failed(exc)
+        except BaseException as exc:  # not an answer of Redis: the call still lands, then it is raised
+            down = _Down(repr(exc))
+            unexpected = exc
         if flight.releases is not None:
             taken, unregister = flight.releases
             self._release_inflight -= 1
@@ -475,6 +479,8 @@ class RedisWire:
                 self._launch()
         if self._releases and self._flight is None:
             self._release_wake.set()  # no acquisition went out to take them along
+        if unexpected is not None:
+            raise unexpected
 
     def _enqueue_release(self, item: _Release) -> None:
         self._releases.append(item)
