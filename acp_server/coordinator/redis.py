@@ -66,7 +66,6 @@ BACKOFF_MAX_S: Final = 2.0
 _BACKOFF_MIN_S: Final = 0.05
 #: Leases renewed per ``renew.lua`` call.
 _RENEW_BATCH: Final = 200
-_ARRIVAL: Final = ARRIVAL
 
 
 class RedisCoordinator(RedisWire):
@@ -127,7 +126,7 @@ class RedisCoordinator(RedisWire):
     # --- calls ------------------------------------------------------------------------------------
 
     async def acquire(
-        self, lease: Lease, *options: Option, leave: Sequence[str] = (), _order: tuple[int, int] = _ARRIVAL,
+        self, lease: Lease, *options: Option, leave: Sequence[str] = (), _order: tuple[int, int] = ARRIVAL,
         _wait: bool = False,
     ) -> int:
         """See :meth:`~acp_server.coordinator.base.Coordinator.acquire` (``_order``: a waiter's place,
@@ -182,7 +181,7 @@ class RedisCoordinator(RedisWire):
 
     async def _shared_acquire(
         self, lease: Lease, options: Sequence[Option], leave: Sequence[str], *, token: int,
-        order: tuple[int, int] = _ARRIVAL, wait: bool = False,
+        order: tuple[int, int] = ARRIVAL, wait: bool = False,
     ) -> int:
         lease._attempts += 1
         attempt = lease._attempts
