@@ -218,6 +218,18 @@ async def test_acquire_that_leaves_a_set_publishes(scripts: Scripts, redis_serve
         assert message["type"] == "message" and message["channel"] == K.freed.encode()
 
 
+async def test_a_waiter_taking_the_last_seat_from_the_room_announces_nothing(scripts: Scripts) -> None:
+    await scripts.acquire("x", [{"n": [["seats", 1, 0]]}], names=["seats"])
+    assert (await scripts.acquire("y", [{"n": [["seats", 1, 0]]}], names=["seats"], replica="r2", wait=True))[0] == 0
+    async with scripts.client.pubsub(channels=[K.freed]) as ps:
+        await scripts.acquire("w", [_room(1)], names=CLS_NAMES)
+        assert await _announced(scripts, ps, scripts.release("x", ["seats"]))  # r2 waits
+        took = scripts.acquire("w", [_seat(1, [1, 2, 1, 0], seats=1)], names=CLS_NAMES, leave=["room", "room:c1"], attempt=2)
+        # w left the room, but the seats are full again: nothing anyone could take
+        assert not await _announced(scripts, ps, took)
+        assert await scripts.members("room") == set() and await scripts.members("seats") == {b"w"}
+
+
 async def test_one_call_serves_a_batch_in_order(scripts: Scripts) -> None:
     opt = [{"n": [["seats", 2, 0]]}]
     replies = await scripts.batch([scripts.request(x, opt, names=["seats"]) for x in "abc"])

@@ -18,7 +18,8 @@
 --   time).
 -- ARGV[1]   TTL in ms
 -- ARGV[2]   replica id
--- ARGV[3]   channel to publish on when sets are left (the "d" list below frees room for others)
+-- ARGV[3]   channel to publish on when sets are left (the "d" list below frees room for others, announced
+--           while a capped set of the option taken still has room)
 -- ARGV[4]   number of requests
 -- ARGV[5]   number of releases
 -- ARGV[6]   "1": the replica has no waiter any more, it leaves KEYS[3] first; "0": nothing to change
@@ -47,6 +48,8 @@ local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) * 1000 + math.floor(tonumber(now_t[2]) / 1000)
 local ttl = tonumber(ARGV[1])
 local purged = {}
+-- set once something is to be announced on ARGV[3]: one message per call, sent at its end
+local announce = false
 
 -- True when a replica other than the caller has a live entry in the waiting replicas.
 local function others_wait()
@@ -97,6 +100,13 @@ local function acquire(base, member, token, spec)
     return nil
   end
 
+  local function has_room(option)
+    for _, need in ipairs(option.n) do
+      if need[2] > 0 and live(need[1]) < need[2] then return true end
+    end
+    return false
+  end
+
   local function check(option)
     local soft_refusal = nil
     for _, need in ipairs(option.n) do
@@ -128,7 +138,9 @@ local function acquire(base, member, token, spec)
       end
       if token == '0' then token = tostring(redis.call('INCR', KEYS[1])) end
       redis.call('SET', KEYS[base + 1], token .. '|' .. ARGV[2], 'PX', ttl)
-      if left > 0 and others_wait() then redis.call('PUBLISH', ARGV[3], 'left') end
+      -- A waiter leaving the waiting room changes the class rule's view only for a seat that is
+      -- still free: with every capped set of its option full, nobody can take anything it left.
+      if left > 0 and not announce and has_room(option) and others_wait() then announce = true end
       return {number, tonumber(token), now}
     end
     if refusal[5] == 0 then return refusal end
@@ -152,7 +164,7 @@ for _ = 1, tonumber(ARGV[5]) do
   base = base + 2 + sets
   a = a + 4
 end
-if freed > 0 and others_wait() then redis.call('PUBLISH', ARGV[3], 'left') end
+if freed > 0 and others_wait() then announce = true end
 
 local replies = {}
 for n = 1, tonumber(ARGV[4]) do
@@ -164,4 +176,5 @@ for n = 1, tonumber(ARGV[4]) do
   base = base + 2 + sets
   a = a + 4
 end
+if announce then redis.call('PUBLISH', ARGV[3], 'left') end
 return replies
