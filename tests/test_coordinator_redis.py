@@ -4,6 +4,7 @@ acquires, outages (SIGSTOP) in both failure modes, re-assert, a replica killed w
 from __future__ import annotations
 
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -108,10 +109,26 @@ async def test_a_seat_freed_on_one_replica_wakes_a_waiter_on_another(redis_serve
             nursery.start_soon(wait)
             await trio.sleep(0.2)
             assert not got.is_set()
+            # b's refused attempt put it among the waiting replicas, so a's release is announced
+            assert await _waiting(redis_server) == {"r1"}
             a.release(holder)
             with trio.fail_after(5):
                 await got.wait()
         assert waiter.state == "held" and waiter.token > holder.token
+        # b has no waiter any more: it leaves the set, and releases are no longer announced
+        for _ in range(500):
+            if not await _waiting(redis_server):
+                break
+            await trio.sleep(0.01)
+        assert not await _waiting(redis_server)
+        b.release(waiter)
+        await b.flush()
+        assert await _count(redis_server, "seats") == 0
+
+
+async def _waiting(server: RedisServer) -> set[str]:
+    out = await trio.to_thread.run_sync(server.command, "ZRANGE", "{t}:waiting", "0", "-1")
+    return set(re.findall(r'"([^"]*)"', out.decode()))  # redis-cli --no-raw: 1) "r1"
 
 
 async def test_cancelled_acquires_leave_nothing_behind(redis_server: RedisServer) -> None:  # noqa: F811

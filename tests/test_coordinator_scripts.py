@@ -31,6 +31,7 @@ class Scripts:
         token: int = 0,
         leave: list[str] = (),  # type: ignore[assignment]
         attempt: int = 1,
+        wait: bool = False,
     ) -> tuple[list[str], list[Any]]:
         """One request: options [{"n": [[name, cap, soft]], "c": {...names...}}], names numbered 1.. in
         the order given."""
@@ -46,27 +47,43 @@ class Scripts:
         body: dict[str, Any] = {"o": spec_o}
         if leave:
             body["d"] = [ix[n] for n in leave]
+        if wait:
+            body["q"] = 1
         return keys, [lease, token, len(names), json.dumps(body)]
 
-    async def batch(self, requests: list[tuple[list[str], list[Any]]], *, ttl: int = 10_000) -> list[list[Any]]:
-        keys = [K.fence, K.caps]
-        args: list[Any] = [ttl, "r1", K.freed, len(requests)]
+    async def batch(
+        self, requests: list[tuple[list[str], list[Any]]], *, ttl: int = 10_000, replica: str = "r1",
+        releases: list[tuple[str, list[str], bool, int, int]] = (),  # type: ignore[assignment]
+    ) -> list[list[Any]]:
+        """One acquire.lua call: ``releases`` (lease, sets, full, tombstone ms, attempt) first."""
+        keys = [K.fence, K.caps, K.waiting]
+        args: list[Any] = [ttl, replica, K.freed, len(requests), len(releases), "0"]
+        for lease, names, full, tomb_ms, attempt in releases:
+            keys += [K.tomb(lease, attempt), K.lease(lease)] + [K.limit(n) for n in names]
+            args += [lease, "1" if full else "0", tomb_ms, len(names)]
         for k, a in requests:
             keys.extend(k)
             args.extend(a)
         return [list(r) for r in await self.s["acquire"](keys=keys, args=args)]
 
-    async def acquire(self, lease: str, options: list[dict[str, Any]], *, ttl: int = 10_000, **kw: Any) -> list[Any]:
-        return (await self.batch([self.request(lease, options, **kw)], ttl=ttl))[0]
+    async def acquire(
+        self, lease: str, options: list[dict[str, Any]], *, ttl: int = 10_000, replica: str = "r1", **kw: Any
+    ) -> list[Any]:
+        return (await self.batch([self.request(lease, options, **kw)], ttl=ttl, replica=replica))[0]
 
-    async def release(self, lease: str, names: list[str], *, full: bool = True, tomb_ms: int = 0, attempt: int = 1) -> int:
-        keys = [K.tomb(lease, attempt), K.lease(lease)] + [K.limit(n) for n in names]
-        args = [K.freed, 1, lease, "1" if full else "0", tomb_ms, len(names)]
+    async def release(
+        self, lease: str, names: list[str], *, full: bool = True, tomb_ms: int = 0, attempt: int = 1,
+        replica: str = "r1", unregister: bool = False,
+    ) -> int:
+        keys = [K.waiting, K.tomb(lease, attempt), K.lease(lease)] + [K.limit(n) for n in names]
+        args = [K.freed, replica, "1" if unregister else "0", 1, lease, "1" if full else "0", tomb_ms, len(names)]
         return int(await self.s["release"](keys=keys, args=args))
 
-    async def renew(self, leases: list[tuple[str, list[str]]], *, ttl: int = 10_000, replica: str = "r1") -> list[int]:
-        keys = [K.replicas]
-        args: list[Any] = [replica, ttl, len(leases)]
+    async def renew(
+        self, leases: list[tuple[str, list[str]]], *, ttl: int = 10_000, replica: str = "r1", waiting: bool = False
+    ) -> list[int]:
+        keys = [K.replicas, K.waiting]
+        args: list[Any] = [replica, ttl, len(leases), "1" if waiting else "0"]
         for lease, names in leases:
             keys.append(K.lease(lease))
             keys.extend(K.limit(n) for n in names)
@@ -188,6 +205,9 @@ async def test_class_rule_an_arrival_queues_behind_a_waiter_of_its_class(scripts
 
 
 async def test_acquire_that_leaves_a_set_publishes(scripts: Scripts, redis_server: RedisServer) -> None:  # noqa: F811
+    # another replica waits (its attempt was refused): a set left is announced to it
+    await scripts.acquire("x", [{"n": [["seats", 0, 0]]}], names=["seats"])
+    assert (await scripts.acquire("y", [{"n": [["seats", 1, 0]]}], names=["seats"], replica="r2", wait=True))[0] == 0
     async with scripts.client.pubsub(channels=[K.freed], ignore_subscribe_messages=True) as ps:
         await scripts.acquire("w", [_room(1)], names=CLS_NAMES)
         await scripts.acquire("w", [_seat(1, [1, 2, 1, 0])], names=CLS_NAMES, leave=["room", "room:c1"], attempt=2)
@@ -196,6 +216,18 @@ async def test_acquire_that_leaves_a_set_publishes(scripts: Scripts, redis_serve
             while message is None:  # None: a subscribe confirmation, filtered out
                 message = await ps.get_message()
         assert message["type"] == "message" and message["channel"] == K.freed.encode()
+
+
+async def test_a_waiter_taking_the_last_seat_from_the_room_announces_nothing(scripts: Scripts) -> None:
+    await scripts.acquire("x", [{"n": [["seats", 1, 0]]}], names=["seats"])
+    assert (await scripts.acquire("y", [{"n": [["seats", 1, 0]]}], names=["seats"], replica="r2", wait=True))[0] == 0
+    async with scripts.client.pubsub(channels=[K.freed]) as ps:
+        await scripts.acquire("w", [_room(1)], names=CLS_NAMES)
+        assert await _announced(scripts, ps, scripts.release("x", ["seats"]))  # r2 waits
+        took = scripts.acquire("w", [_seat(1, [1, 2, 1, 0], seats=1)], names=CLS_NAMES, leave=["room", "room:c1"], attempt=2)
+        # w left the room, but the seats are full again: nothing anyone could take
+        assert not await _announced(scripts, ps, took)
+        assert await scripts.members("room") == set() and await scripts.members("seats") == {b"w"}
 
 
 async def test_one_call_serves_a_batch_in_order(scripts: Scripts) -> None:
@@ -208,10 +240,25 @@ async def test_one_call_serves_a_batch_in_order(scripts: Scripts) -> None:
 
 async def test_a_batched_release_frees_every_lease(scripts: Scripts) -> None:
     await scripts.batch([scripts.request(x, [{"n": [["seats", 5, 0]]}], names=["seats"]) for x in "ab"])
-    keys = [K.tomb("a", 1), K.lease("a"), K.limit("seats"), K.tomb("b", 1), K.lease("b"), K.limit("seats")]
-    args = [K.freed, 2, "a", "1", 0, 1, "b", "1", 0, 1]
+    keys = [K.waiting, K.tomb("a", 1), K.lease("a"), K.limit("seats"), K.tomb("b", 1), K.lease("b"), K.limit("seats")]
+    args = [K.freed, "r1", "0", 2, "a", "1", 0, 1, "b", "1", 0, 1]
     assert await scripts.s["release"](keys=keys, args=args) == 2
     assert await scripts.members("seats") == set()
+
+
+async def test_releases_in_an_acquire_call_go_before_its_requests(scripts: Scripts) -> None:
+    seat = [{"n": [["seats", 1, 0]]}]
+    await scripts.acquire("a", seat, names=["seats"])
+    # a's release and b's acquisition in one call: b gets the seat a leaves
+    replies = await scripts.batch([scripts.request("b", seat, names=["seats"])], releases=[("a", ["seats"], True, 0, 1)])
+    assert replies[0][0] == 1
+    assert await scripts.members("seats") == {b"b"}
+    assert await scripts.client.get(K.lease("a")) is None
+    # a release with a tombstone refuses that attempt's acquisition in the same call
+    replies = await scripts.batch(
+        [scripts.request("c", seat, names=["seats"], attempt=2)], releases=[("c", ["seats"], True, 5000, 2)]
+    )
+    assert replies == [[-1]]
 
 
 # --- release.lua -----------------------------------------------------------------------------------
@@ -239,6 +286,59 @@ async def test_a_release_racing_its_acquire_leaves_a_tombstone(scripts: Scripts)
     assert await scripts.acquire("a", [{"n": [["seats", 1, 0]]}], names=["seats"], attempt=3) == [-1]
     assert await scripts.client.pttl(K.tomb("a", 3)) > 0
     assert await scripts.members("seats") == set()
+
+
+async def _announced(scripts: Scripts, ps: Any, step: Any) -> bool:
+    """Whether ``step`` (a script call) published on the channel: a marker published after it is read,
+    and whatever came before it."""
+    await step
+    await scripts.client.publish(K.freed, "mark")
+    seen = []
+    with trio.fail_after(5):
+        while not seen or seen[-1] != b"mark":
+            message = await ps.get_message(ignore_subscribe_messages=True)
+            if message is not None:
+                seen.append(message["data"])
+    return b"left" in seen
+
+
+async def test_a_release_is_announced_only_while_another_replica_waits(scripts: Scripts) -> None:
+    seat = [{"n": [["seats", 1, 0]]}]
+    async with scripts.client.pubsub(channels=[K.freed]) as ps:
+        await scripts.acquire("a", seat, names=["seats"])
+        # nobody waits: the room freed is announced to nobody
+        assert not await _announced(scripts, ps, scripts.release("a", ["seats"]))
+        await scripts.acquire("a", seat, names=["seats"], attempt=2)
+        # an arrival refused (not a waiter) does not wait in Redis' eyes
+        assert (await scripts.acquire("b", seat, names=["seats"], replica="r2"))[0] == 0
+        assert await scripts.client.zcard(K.waiting) == 0
+        # a waiter's attempt refused on r2: r2 waits from the same step on, r1's release is announced
+        assert (await scripts.acquire("b", seat, names=["seats"], replica="r2", attempt=2, wait=True))[0] == 0
+        assert await scripts.client.zscore(K.waiting, "r2") is not None
+        assert await _announced(scripts, ps, scripts.release("a", ["seats"]))
+        # the same from a release that an acquire call applies first
+        await scripts.acquire("a", seat, names=["seats"], attempt=5)
+        assert await _announced(scripts, ps, scripts.batch([], releases=[("a", ["seats"], True, 0, 5)]))
+        # r2's own release is not announced to r2 (it wakes its waiters itself)
+        await scripts.acquire("c", seat, names=["seats"], replica="r2")
+        assert not await _announced(scripts, ps, scripts.release("c", ["seats"], replica="r2"))
+        # r2 leaves (no waiter any more): releases go quiet again
+        await scripts.acquire("a", seat, names=["seats"], attempt=3)
+        await scripts.release("z", [], replica="r2", unregister=True)
+        assert await scripts.client.zcard(K.waiting) == 0
+        assert not await _announced(scripts, ps, scripts.release("a", ["seats"]))
+        # an entry expires with the TTL (a replica that died waiting)
+        await scripts.acquire("a", seat, names=["seats"], attempt=4)
+        assert (await scripts.acquire("d", seat, names=["seats"], replica="r3", ttl=100, wait=True))[0] == 0
+        await trio.sleep(0.2)
+        assert not await _announced(scripts, ps, scripts.release("a", ["seats"]))
+
+
+async def test_renew_keeps_a_waiting_replica_in_the_waiting_set(scripts: Scripts) -> None:
+    now, *_ = await scripts.renew([], replica="r2", ttl=10_000, waiting=True)
+    assert await scripts.client.zscore(K.waiting, "r2") >= now + 10_000
+    await scripts.renew([], replica="r3", ttl=10_000)
+    assert await scripts.client.zscore(K.waiting, "r3") is None
 
 
 # --- renew.lua -------------------------------------------------------------------------------------

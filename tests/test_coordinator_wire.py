@@ -74,3 +74,29 @@ async def test_a_release_queue_longer_than_a_batch_is_drained_after_an_outage(re
             await coord.flush()
         assert await _count(redis_server, "seats") == 0
         assert coord.statistics().releases_queued == 0
+
+
+async def _evalsha_calls(server: RedisServer) -> int:
+    out = (await trio.to_thread.run_sync(server.command, "INFO", "commandstats")).decode()
+    stat = next(line for line in out.splitlines() if line.startswith("cmdstat_evalsha:"))
+    return int(stat.split("calls=")[1].split(",")[0])
+
+
+async def test_a_release_queued_before_an_acquisition_is_applied_by_its_call(redis_server: RedisServer) -> None:  # noqa: F811
+    one = Option((Need("one", 1),))
+    async with RedisCoordinator(redis_server.url, prefix="w", timeout_ms=2000, lease_ttl_s=60.0).running() as coord:
+        first = coord.new_lease()
+        await coord.acquire(first, one)
+        before = await _evalsha_calls(redis_server)
+        coord.release(first)
+        second = coord.new_lease()
+        await coord.acquire(second, one)  # the only seat: there because first's release went first
+        assert await _evalsha_calls(redis_server) - before == 1  # one call did both
+        assert second.state == "held" and second.token > first.token
+        await coord.flush()
+        assert coord.statistics().releases_queued == 0
+        # with no acquisition after it, a release goes out on its own
+        coord.release(second)
+        with trio.fail_after(5):
+            await coord.flush()
+        assert await _count(redis_server, "one") == 0

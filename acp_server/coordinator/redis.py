@@ -53,7 +53,7 @@ from .base import (
 )
 from .local import LocalCoordinator, default_replica_id
 from .readout import cluster_statistics, read_cluster
-from .redis_wire import _ERRORS, RedisWire, _Down, _Release, redis_now_ms
+from .redis_wire import _ERRORS, ARRIVAL, RedisWire, _Down, _Release, redis_now_ms
 from .scripts import Keys
 from .waiters import PASS_CHUNK, WaitQueue
 
@@ -66,8 +66,6 @@ BACKOFF_MAX_S: Final = 2.0
 _BACKOFF_MIN_S: Final = 0.05
 #: Leases renewed per ``renew.lua`` call.
 _RENEW_BATCH: Final = 200
-#: The batch order of an acquisition that is not a waiter's: after every waiter of the same call.
-_ARRIVAL: Final = (1 << 30, 0)
 
 
 class RedisCoordinator(RedisWire):
@@ -102,6 +100,8 @@ class RedisCoordinator(RedisWire):
         self._leases: dict[str, Lease] = {}
         self._local = LocalCoordinator(self._replica_id, replicas=max(1, expected_replicas))
         self._queue = WaitQueue()
+        #: waiters' attempts sent and not answered yet: until they are, this replica stays in {p}:waiting
+        self._wait_inflight = 0
         self._live = 1
         self._acquired = self._refused = self._released = self._lost = 0
         self._reasserted = 0
@@ -126,10 +126,12 @@ class RedisCoordinator(RedisWire):
     # --- calls ------------------------------------------------------------------------------------
 
     async def acquire(
-        self, lease: Lease, *options: Option, leave: Sequence[str] = (), _order: tuple[int, int] = _ARRIVAL
+        self, lease: Lease, *options: Option, leave: Sequence[str] = (), _order: tuple[int, int] = ARRIVAL,
+        _wait: bool = False,
     ) -> int:
         """See :meth:`~acp_server.coordinator.base.Coordinator.acquire` (``_order``: a waiter's place,
-        so a pass's attempts reach the script in queue order)."""
+        so a pass's attempts reach the script in queue order; ``_wait``: a waiter's attempt, whose refusal
+        puts this replica in ``{p}:waiting`` so that rooms freed elsewhere are announced)."""
         if not lease.active:
             raise RuntimeError(f"{lease!r} is over; take a new lease")
         if not options:
@@ -158,7 +160,7 @@ class RedisCoordinator(RedisWire):
             if not leaving.is_set():
                 raise self._unavailable()
             lease._leaving = None
-        return await self._shared_acquire(lease, options, leave, token=lease.token, order=_order)
+        return await self._shared_acquire(lease, options, leave, token=lease.token, order=_order, wait=_wait)
 
     def _local_acquire(self, lease: Lease, options: Sequence[Option], leave: Sequence[str]) -> int:
         self._local.replicas = self._expected or self._live
@@ -179,13 +181,14 @@ class RedisCoordinator(RedisWire):
 
     async def _shared_acquire(
         self, lease: Lease, options: Sequence[Option], leave: Sequence[str], *, token: int,
-        order: tuple[int, int] = _ARRIVAL,
+        order: tuple[int, int] = ARRIVAL, wait: bool = False,
     ) -> int:
         lease._attempts += 1
         attempt = lease._attempts
-        names, keys, args = self._acquire_request(lease, options, leave, attempt, token)
+        names, keys, args = self._acquire_request(lease, options, leave, attempt, token, wait)
         was_new = lease.state == "new"
         lease._inflight += 1
+        self._wait_inflight += wait
         # Shielded and bounded by the timeout: a cancel is seen once the answer is known, so what the
         # call took is given back exactly (a call torn mid-way would leave its outcome unknown).
         with trio.CancelScope(shield=True):
@@ -198,6 +201,7 @@ class RedisCoordinator(RedisWire):
                 result = None
             finally:
                 lease._inflight -= 1
+                self._wait_inflight -= wait
         if result is None:
             await trio.lowlevel.checkpoint_if_cancelled()
             if self._failure == "local" and was_new:
@@ -206,6 +210,8 @@ class RedisCoordinator(RedisWire):
         code = int(result[0])
         if code <= 0:
             self._refused += 1
+            if wait and code == 0:
+                self._waiting_sent = True  # the script put this replica in {p}:waiting
             await trio.lowlevel.checkpoint_if_cancelled()
             if code == -1:
                 raise LimitRefused("tombstone", 0, 0)  # a release of this lease came first
@@ -226,6 +232,8 @@ class RedisCoordinator(RedisWire):
         lease._changes += 1
         lease.token = int(result[1])
         lease.where = "shared"
+        if leave and len(self._queue):
+            self._queue.wake()  # a room left: a class may borrow now (no announcement to this replica)
         if lease.state == "new":
             lease.state = "held"
             lease.acquired_at = trio.current_time()
@@ -254,19 +262,32 @@ class RedisCoordinator(RedisWire):
 
     async def wait_acquire(self, lease: Lease, option: Option, *, rank: int = 1, leave: Sequence[str] = ()) -> None:
         """See :meth:`~acp_server.coordinator.base.Coordinator.wait_acquire`."""
-        if not len(self._queue):
-            try:
-                await self.acquire(lease, option, leave=leave)
-                return
-            except LimitRefused as exc:
-                if exc.name == "tombstone":
-                    raise RuntimeError(f"{lease!r} was released") from None
-            except CoordinatorUnavailable:
-                pass  # an accepted prompt waits: the dispatcher tries again once Redis answers
-        await self._queue.wait(lease, option, rank, leave)
+        try:
+            if not len(self._queue):
+                try:
+                    await self.acquire(lease, option, leave=leave, _wait=True)
+                    return
+                except LimitRefused as exc:
+                    if exc.name == "tombstone":
+                        raise RuntimeError(f"{lease!r} was released") from None
+                except CoordinatorUnavailable:
+                    pass  # an accepted prompt waits: the dispatcher tries again once Redis answers
+            await self._queue.wait(lease, option, rank, leave)
+        finally:
+            self._check_waiting()
 
     async def _attempt(self, lease: Lease, option: Option, leave: Sequence[str], order: tuple[int, int]) -> None:
-        await self.acquire(lease, option, leave=leave, _order=order)
+        await self.acquire(lease, option, leave=leave, _order=order, _wait=True)
+
+    def _may_unregister(self) -> bool:
+        return not len(self._queue) and not self._wait_inflight
+
+    def _check_waiting(self) -> None:
+        """Once this replica has no waiter (and none's attempt is on its way), it leaves
+        ``{p}:waiting`` with the next release call: releases elsewhere stop announcing themselves."""
+        if self._waiting_sent and self._may_unregister():
+            self._unregister = True
+            self._release_wake.set()
 
     # --- leave and release ------------------------------------------------------------------------
 
@@ -335,11 +356,15 @@ class RedisCoordinator(RedisWire):
         lost: list[Lease] = []
         start = trio.current_time()
         batches = [leases[i : i + _RENEW_BATCH] for i in range(0, max(1, len(leases)), _RENEW_BATCH)]
+        # With waiters here, the entry in {p}:waiting is kept alive (a waiter refused long ago).
+        waiting = bool(len(self._queue))
+        if waiting:
+            self._waiting_sent = True
         calls = []
         changes: list[list[int]] = []
         for batch in batches:
-            keys = [self.keys.replicas]
-            args: list[str | int] = [self._replica_id, self._ttl_ms, len(batch)]
+            keys = [self.keys.replicas, self.keys.waiting]
+            args: list[str | int] = [self._replica_id, self._ttl_ms, len(batch), "1" if waiting else "0"]
             seen = []
             for lease in batch:
                 names = list(lease.holds)
@@ -424,6 +449,7 @@ class RedisCoordinator(RedisWire):
         self._up = True  # calls may go out; nothing new is admitted until the re-assert is done
         try:
             self._caps_sent.clear()  # Redis may have restarted empty
+            self._shapes.clear()
             # Releases first: a compensation queued for a lease id must not undo its re-take.
             await self._drain_releases()
             await self._reassert()
@@ -431,6 +457,8 @@ class RedisCoordinator(RedisWire):
             return False
         self._down_event = trio.Event()
         self._up_event.set()
+        self._waiting_sent = True  # not known after an outage: left at the next release if no waiter
+        self._check_waiting()
         log.warning("coordinator %s answers; %d leases re-asserted", self.url, self._reasserted)
         try:
             # The other replicas' subscriptions hear it and try their reconnect now rather than at
@@ -481,6 +509,7 @@ class RedisCoordinator(RedisWire):
             await self._queue.woken(self._recheck_s)
             if len(self._queue) and self._up:
                 await self._queue.run_pass(self._attempt, chunk_size=PASS_CHUNK)
+                self._check_waiting()
 
     # --- idempotency, statistics ------------------------------------------------------------------
 
@@ -571,7 +600,7 @@ class RedisCoordinator(RedisWire):
                         except _Down:
                             self._up = False
                     for task in (
-                        self._acquire_batcher, self._monitor, self._renewer, self._releaser,
+                        self._monitor, self._renewer, self._releaser,
                         self._subscriber, self._dispatcher,
                     ):
                         nursery.start_soon(task)

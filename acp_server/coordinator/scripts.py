@@ -11,8 +11,9 @@ atomic on a single Redis and on Redis Cluster alike. The scripts take every key 
 | ``{p}:fence`` | counter | the last fencing token drawn |
 | ``{p}:caps`` | hash | limit set key -> its cap as last asserted |
 | ``{p}:replicas`` | sorted set | replica id -> its last renewal (ms) |
+| ``{p}:waiting`` | sorted set | replica id -> until when (ms) it has a waiter refused in Redis |
 | ``{p}:idem:<session>:<key>`` | string | an idempotency claim (``claim.lua``) |
-| ``{p}:freed`` | channel | a message each time a lease leaves a limit |
+| ``{p}:freed`` | channel | a message each time a lease leaves a limit while another replica waits |
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def script_source(name: str) -> str:
 class Keys:
     """The key names of one prefix."""
 
-    __slots__ = ("caps", "fence", "freed", "prefix", "replicas", "_tag")
+    __slots__ = ("caps", "fence", "freed", "prefix", "replicas", "waiting", "_tag")
 
     def __init__(self, prefix: str) -> None:
         if not prefix or any(c in prefix for c in "{}"):
@@ -53,6 +54,7 @@ class Keys:
         self.caps = f"{self._tag}:caps"
         self.replicas = f"{self._tag}:replicas"
         self.freed = f"{self._tag}:freed"
+        self.waiting = f"{self._tag}:waiting"
 
     def limit(self, name: str) -> str:
         """The sorted set of limit ``name``."""

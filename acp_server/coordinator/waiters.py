@@ -63,8 +63,10 @@ class WaitQueue:
         return len(self._waiters)
 
     def wake(self) -> None:
-        """Ask for a pass (idempotent until the pass starts)."""
-        self._wake.set()
+        """Ask for a pass (idempotent until the pass starts); nothing while nobody waits (a new waiter
+        asks for its own)."""
+        if self._waiters:
+            self._wake.set()
 
     async def woken(self, timeout_s: float) -> None:
         """Wait for :meth:`wake`, or ``timeout_s`` (the re-check); then clear the flag."""

@@ -1,19 +1,30 @@
 -- acquire.lua: leases join the limit sets of one of their options, each all or nothing, after a check
 -- of every cap. One call serves a batch of requests (the acquisitions of one turn of a replica's event
--- loop), applied in order, so a later request in the batch sees what an earlier one took.
+-- loop), applied in order, so a later request in the batch sees what an earlier one took; the releases
+-- queued on the replica meanwhile go first, exactly as release.lua applies them, so the room they free
+-- is there for the requests.
 --
 -- KEYS[1]   the fencing counter ({p}:fence): one INCR per new holder, so tokens only grow.
 -- KEYS[2]   the caps hash ({p}:caps): limit set key -> its cap as last asserted, 0 for a count (for
 --           `acp-server cluster`).
--- then, per request in ARGV order:
+-- KEYS[3]   the waiting replicas ({p}:waiting): sorted set, member = replica id, score = expiry (ms): a
+--           replica with a waiter refused here, so a set left is announced on the channel only while
+--           another replica than the caller is in it.
+-- then, per release in ARGV order, its keys as in release.lua (tombstone, record, sets to leave); then,
+-- per request in ARGV order:
 --   its tombstone ({p}:tomb:<lease>:<attempt>): left by a release that raced this attempt; refuse.
 --   its lease record ({p}:lease:<lease>) = "<fencing token>|<replica>", expiring with the lease.
 --   the limit sets it names ({p}:l:<name>): sorted sets, member = lease id, score = expiry (ms, Redis
 --   time).
 -- ARGV[1]   TTL in ms
 -- ARGV[2]   replica id
--- ARGV[3]   channel to publish on when sets are left (the "d" list below frees room for others)
--- ARGV[4]   number of requests; then per request four values:
+-- ARGV[3]   channel to publish on when sets are left (the "d" list below frees room for others, announced
+--           while a capped set of the option taken still has room)
+-- ARGV[4]   number of requests
+-- ARGV[5]   number of releases
+-- ARGV[6]   "1": the replica has no waiter any more, it leaves KEYS[3] first; "0": nothing to change
+-- then per release four values, as in release.lua (lease id, "1" for the whole lease, tombstone TTL in
+-- ms, number of sets); then per request four values:
 --   lease id; fencing token to keep ("0": draw a new one); how many limit sets follow its record in
 --   KEYS; the spec, JSON: {"o": [option, ...], "d": [set, ...]}. Sets are numbered 1.. among the
 --   request's own limit sets. option = {"n": [[set, cap, soft], ...], "c": rule}; cap 0 counts without
@@ -21,7 +32,8 @@
 --   seats) = {"r": rank (0-based), "s": [seats per rank], "k": [seat set per rank], "w": [room set per
 --   rank]}. "d": sets the lease leaves when it gets an option (a waiter leaving the waiting room).
 --   "a": [[set, cap], ...] to record in the caps hash, whatever the outcome (a replica records each cap
---   once per connection, not on every call).
+--   once per connection, not on every call). "q": 1 when the request is a waiter's attempt: refused, it
+--   enters (or stays in) KEYS[3] until now + TTL, in the same step as the refusal.
 --
 -- Returns one reply per request: {option (1-based), token, now} on success; {0, set, count, cap, soft,
 -- now} on refusal (the first full hard cap, else the last soft refusal); {-1} when tombstoned.
@@ -29,12 +41,22 @@
 -- Invariant: no set ever gains a member while it holds `cap` live members (live: expiry > now; expired
 -- members are purged before counting), a lease joins every set of one option or none, a tombstoned
 -- attempt joins nothing, a class at or above its share of the seats takes a seat only when no class
--- below its share has a waiter, and an arrival (a lease not in the waiting room) never takes a seat
--- while a waiter of its own class waits.
+-- below its share has a waiter, an arrival (a lease not in the waiting room) never takes a seat
+-- while a waiter of its own class waits, and a waiter's refusal is never later than its replica's
+-- entry in KEYS[3] (so every room freed after it is announced while that replica waits).
 local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) * 1000 + math.floor(tonumber(now_t[2]) / 1000)
 local ttl = tonumber(ARGV[1])
 local purged = {}
+-- set once something is to be announced on ARGV[3]: one message per call, sent at its end
+local announce = false
+
+-- True when a replica other than the caller has a live entry in the waiting replicas.
+local function others_wait()
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  local n = redis.call('ZCARD', KEYS[3])
+  return n > 1 or (n == 1 and redis.call('ZSCORE', KEYS[3], ARGV[2]) == false)
+end
 
 local function acquire(base, member, token, spec)
   -- base: KEYS index of the request's tombstone; its record is base + 1, its set i is base + 1 + i.
@@ -78,6 +100,13 @@ local function acquire(base, member, token, spec)
     return nil
   end
 
+  local function has_room(option)
+    for _, need in ipairs(option.n) do
+      if need[2] > 0 and live(need[1]) < need[2] then return true end
+    end
+    return false
+  end
+
   local function check(option)
     local soft_refusal = nil
     for _, need in ipairs(option.n) do
@@ -109,7 +138,9 @@ local function acquire(base, member, token, spec)
       end
       if token == '0' then token = tostring(redis.call('INCR', KEYS[1])) end
       redis.call('SET', KEYS[base + 1], token .. '|' .. ARGV[2], 'PX', ttl)
-      if left > 0 then redis.call('PUBLISH', ARGV[3], 'left') end
+      -- A waiter leaving the waiting room changes the class rule's view only for a seat that is
+      -- still free: with every capped set of its option full, nobody can take anything it left.
+      if left > 0 and not announce and has_room(option) and others_wait() then announce = true end
       return {number, tonumber(token), now}
     end
     if refusal[5] == 0 then return refusal end
@@ -117,13 +148,33 @@ local function acquire(base, member, token, spec)
   return refusal
 end
 
-local replies = {}
-local base = 3
-local a = 5
-for n = 1, tonumber(ARGV[4]) do
-  local sets = tonumber(ARGV[a + 2])
-  replies[n] = acquire(base, ARGV[a], ARGV[a + 1], cjson.decode(ARGV[a + 3]))
+local base = 4
+local a = 7
+if ARGV[6] == '1' then redis.call('ZREM', KEYS[3], ARGV[2]) end
+local freed = 0
+for _ = 1, tonumber(ARGV[5]) do
+  local member = ARGV[a]
+  local sets = tonumber(ARGV[a + 3])
+  for i = base + 2, base + 1 + sets do
+    freed = freed + redis.call('ZREM', KEYS[i], member)
+  end
+  if ARGV[a + 1] == '1' then redis.call('DEL', KEYS[base + 1]) end
+  local tomb = tonumber(ARGV[a + 2])
+  if tomb > 0 then redis.call('SET', KEYS[base], '1', 'PX', tomb) end
   base = base + 2 + sets
   a = a + 4
 end
+if freed > 0 and others_wait() then announce = true end
+
+local replies = {}
+for n = 1, tonumber(ARGV[4]) do
+  local sets = tonumber(ARGV[a + 2])
+  local spec = cjson.decode(ARGV[a + 3])
+  local reply = acquire(base, ARGV[a], ARGV[a + 1], spec)
+  if spec.q and reply[1] == 0 then redis.call('ZADD', KEYS[3], now + ttl, ARGV[2]) end
+  replies[n] = reply
+  base = base + 2 + sets
+  a = a + 4
+end
+if announce then redis.call('PUBLISH', ARGV[3], 'left') end
 return replies

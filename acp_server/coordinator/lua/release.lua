@@ -1,10 +1,14 @@
 -- release.lua: leases leave limit sets; each the whole lease, or some sets (a backend permit returned).
 -- One call serves a batch of releases (those queued on a replica since its last call).
 --
--- KEYS, per release in ARGV order: its tombstone ({p}:tomb:<lease>:<attempt>), its record
+-- KEYS[1]   the waiting replicas ({p}:waiting, see acquire.lua): a set left is announced only while a
+--   replica other than the caller is in it.
+-- KEYS[2..] per release in ARGV order: its tombstone ({p}:tomb:<lease>:<attempt>), its record
 --   ({p}:lease:<lease>), then the limit sets to leave ({p}:l:<name>).
 -- ARGV[1]   channel to publish on when a set was left
--- ARGV[2]   number of releases; then per release four values:
+-- ARGV[2]   replica id (the caller)
+-- ARGV[3]   "1": the caller has no waiter any more, it leaves KEYS[1]; "0": nothing to change there
+-- ARGV[4]   number of releases; then per release four values:
 --   lease id; "1" when the whole lease ends (its record is deleted), "0" when only these sets are left;
 --   tombstone TTL in ms (0: none; set when an acquire of this attempt may still be on its way: one that
 --   got no answer may still run on the server, and must not win afterwards); how many sets follow.
@@ -12,11 +16,15 @@
 -- Returns how many sets were left, over the batch.
 --
 -- Invariant: idempotent (leaving a set twice leaves it once; a second full release changes nothing),
--- and after a release with a tombstone that attempt joins no set until the tombstone expires.
+-- after a release with a tombstone that attempt joins no set until the tombstone expires, and a set
+-- left while another replica waits is announced.
+if ARGV[3] == '1' then
+  redis.call('ZREM', KEYS[1], ARGV[2])
+end
 local left = 0
-local k = 1
-local a = 3
-for n = 1, tonumber(ARGV[2]) do
+local k = 2
+local a = 5
+for n = 1, tonumber(ARGV[4]) do
   local member = ARGV[a]
   local sets = tonumber(ARGV[a + 3])
   for i = k + 2, k + 1 + sets do
@@ -33,6 +41,11 @@ for n = 1, tonumber(ARGV[2]) do
   a = a + 4
 end
 if left > 0 then
-  redis.call('PUBLISH', ARGV[1], 'left')
+  local t = redis.call('TIME')
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+  local waiting = redis.call('ZCARD', KEYS[1])
+  if waiting > 1 or (waiting == 1 and redis.call('ZSCORE', KEYS[1], ARGV[2]) == false) then
+    redis.call('PUBLISH', ARGV[1], 'left')
+  end
 end
 return left

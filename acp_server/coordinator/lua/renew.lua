@@ -1,11 +1,13 @@
 -- renew.lua: a replica's heartbeat and the renewal of every lease it holds, in one call.
 --
 -- KEYS[1]   the replica registry ({p}:replicas): sorted set, member = replica id, score = last renew (ms)
--- KEYS[2..] per lease, in ARGV order: its record ({p}:lease:<lease>), then each limit set it is in
+-- KEYS[2]   the waiting replicas ({p}:waiting, see acquire.lua)
+-- KEYS[3..] per lease, in ARGV order: its record ({p}:lease:<lease>), then each limit set it is in
 -- ARGV[1]   replica id
 -- ARGV[2]   TTL in ms
 -- ARGV[3]   number of leases
--- ARGV[4..] per lease: its id, then how many limit sets follow its record in KEYS
+-- ARGV[4]   "1": the replica has waiters, its entry in KEYS[2] is extended to now + TTL; "0": unchanged
+-- ARGV[5..] per lease: its id, then how many limit sets follow its record in KEYS
 --
 -- Returns {now, live replicas, lost lease number (1-based), ...}: live replicas renewed within one TTL.
 --
@@ -19,8 +21,11 @@ local expiry = now + ttl
 redis.call('ZADD', KEYS[1], now, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 100 * ttl)
 local out = {now, redis.call('ZCOUNT', KEYS[1], now - ttl, '+inf')}
-local k = 2
-local a = 4
+if ARGV[4] == '1' then
+  redis.call('ZADD', KEYS[2], expiry, ARGV[1])
+end
+local k = 3
+local a = 5
 for number = 1, tonumber(ARGV[3]) do
   local member = ARGV[a]
   local n = tonumber(ARGV[a + 1])
