@@ -44,7 +44,7 @@ class Totals:
     latencies: list[float] = field(default_factory=list)
     rounds: list[dict[str, float]] = field(default_factory=list)
 
-    def add(self, prompts: int, seconds: float, cpu_s: float, latencies: list[float]) -> None:
+    def add(self, prompts: int, seconds: float, cpu_s: float, latencies: list[float], client_cpu_s: float) -> None:
         self.prompts += prompts
         self.seconds += seconds
         self.cpu_s += cpu_s
@@ -53,6 +53,9 @@ class Totals:
             {
                 "prompts_per_s": round(prompts / seconds, 1),
                 "cpu_us_per_prompt": round(cpu_s * 1e6 / prompts, 1),
+                # The SDK client's own CPU (this process): the workload's bottleneck, and it grows with
+                # every message the agent sends it, handled or not.
+                "client_cpu_us_per_prompt": round(client_cpu_s * 1e6 / prompts, 1),
             }
         )
 
@@ -73,12 +76,12 @@ class _EchoClient:
 
 async def _timed(
     pid: int, jobs: list[Callable[[], Awaitable[list[float]]]]
-) -> tuple[int, float, float, list[float]]:
-    cpu0, started = cpu_seconds(pid), time.perf_counter()
+) -> tuple[int, float, float, list[float], float]:
+    cpu0, started, client0 = cpu_seconds(pid), time.perf_counter(), time.process_time()
     per_job = await asyncio.gather(*(job() for job in jobs))
     seconds, cpu_s = time.perf_counter() - started, cpu_seconds(pid) - cpu0
     latencies = [lat for lats in per_job for lat in lats]
-    return len(latencies), seconds, cpu_s, latencies
+    return len(latencies), seconds, cpu_s, latencies, time.process_time() - client0
 
 
 async def _one_agent(name: str, argv: list[str], sizes: AbSizes, seq: Totals, conc: Totals) -> None:
