@@ -4,7 +4,8 @@ Modelled on hypercorn's trio TCP server: the reader turns bytes into events and 
 synchronous part at once, in arrival order; requests that must wait run as tasks. Everything queued
 for the peer leaves joined: in one write as the scheduling pass ends, or through the one writer task. The shell knows no ACP method: it
 gets a :class:`~acp_server.jsonrpc.Dispatcher` and a context for its handlers. The output side (the
-queue, the writer, eviction of a slow consumer) is its base class, :class:`~.outbox.Outbox`.
+queue, the writer, eviction of a slow consumer) is :class:`~.outbox.Outbox`, the base of its
+base :class:`~.refusals.RefusalGuard`.
 
 Bounds: at most ``max_inflight_requests`` requests run at once, later ones wait unstarted; reading
 pauses (backpressure through the transport, no error) only when four times that many wait. A request
@@ -26,25 +27,14 @@ request of ours open, nothing ``holds`` says it keeps, such as an attached sessi
 for ``idle_timeout_s``. Both are kept by one timer for the whole run (:mod:`.deadlines`), not by a
 task per connection: a socket costs one heap entry, and a wake-up per timeout period.
 
-Refusal timing: given a :class:`~.timing.LatencyHistogram`, the shell records how long each overload
-refusal (an :class:`~acp_server.errors.OverloadError`: ``prompt_queue_full``, ``capacity_exceeded``,
-``admission_deferred``, ``capacity_unavailable``) took from the moment the reader handed its request to
-dispatch to the moment the writer's ``send_all`` carrying the error returned. The request is stamped
-when it is read; the answer path pays only for errors (a type check), results pay nothing more.
-Refusals inside a batch are answered in the batch's array and not timed.
-
-Refusal budget: each overload refusal also spends from the peer's own budget
-(:mod:`.refusal_budget`); a peer that spends it by re-sending what it was told to hold off has its
-next requests wait unstarted until the refill pays the debt (its notifications, ``session/cancel``,
-still run at once), and once long in debt it is sent ``_acp_server/evicted {reason:
-"ignored_retry_after"}`` and closed. Accepted requests pay nothing.
+Overload refusals (timed, counted, charged to the peer's refusal budget) are answered through
+the base class :class:`~.refusals.RefusalGuard`.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 from collections.abc import Callable, Coroutine
 from functools import partial
@@ -54,7 +44,7 @@ from typing import Any
 import msgspec
 import trio
 
-from ..errors import InvalidRequestError, OverloadError, RequestCancelledError
+from ..errors import InvalidRequestError, RequestCancelledError
 from ..jsonrpc import (
     NEED_DATA,
     Batch,
@@ -72,8 +62,9 @@ from ..jsonrpc import (
 from ..logtext import clip
 from ..types.acp import CancelRequestParams
 from .deadlines import Deadline, deadlines
-from .outbox import RELIABLE_WATERMARK_BYTES, Outbox
+from .outbox import RELIABLE_WATERMARK_BYTES
 from .refusal_budget import RefusalBudget, RefusalBudgetSettings
+from .refusals import RefusalGuard
 from .timing import LatencyHistogram
 
 __all__ = ["RELIABLE_WATERMARK_BYTES", "ConnectionShell"]
@@ -132,7 +123,7 @@ class _BatchReplies:
             self.parts = []
 
 
-class ConnectionShell(Outbox):
+class ConnectionShell(RefusalGuard):
     """Serve one JSON-RPC connection on a trio stream.
 
     Its attributes are slots (a server holds one per connection: an instance dict of this many keys
@@ -162,7 +153,6 @@ class ConnectionShell(Outbox):
 
     __slots__ = (
         "__dict__",
-        "_budget_settings",
         "_deadline",
         "_finished_unanswered",
         "_first_message_timeout_s",
@@ -177,10 +167,7 @@ class ConnectionShell(Outbox):
         "_opened",
         "_outbound",
         "_reading",
-        "_refusal_kinds",
-        "_resume_at",
         "_room",
-        "_run_cap",
         "_slots",
         "_slots_gone",
         "_waiting",
@@ -190,7 +177,6 @@ class ConnectionShell(Outbox):
         "drain_timeout_s",
         "max_inflight",
         "peer_id",
-        "refusal_budget",
         "transport",
     )
 
@@ -451,55 +437,6 @@ class ConnectionShell(Outbox):
                 return
             deadline = now + idle
         self._deadline = deadlines().at(deadline, self._idle_due)
-
-    def _reply_error(self, data: bytes, slot: _Slot, reply: Callable[[bytes], None]) -> None:
-        """Queue an error answer; an overload refusal is timed until its bytes are written, and spends
-        from the peer's refusal budget (evicted once it is spent)."""
-        error = getattr(data, "error", None)
-        if not isinstance(error, OverloadError):
-            reply(data)
-            return
-        if self._refusal_kinds is not None:
-            self._refusal_kinds[error.kind] = self._refusal_kinds.get(error.kind, 0) + 1
-        if self._refusal_latency is not None and reply == self.reply and not self.evicted:
-            self._refusals_queued.append(slot.read_ns)
-        reply(data)
-        if self._budget_settings is not None:
-            self._spend(error)
-
-    def _spend(self, error: OverloadError) -> None:
-        """Charge one hold-off refusal to this peer's budget (made at its first refusal): in debt, its
-        requests wait unstarted for a while; long in debt, the peer is evicted."""
-        now = trio.current_time()
-        budget = self.refusal_budget
-        if budget is None:
-            assert self._budget_settings is not None
-            budget = self.refusal_budget = RefusalBudget(self._budget_settings, now)
-        pause = budget.charge(error, now)
-        if not pause:
-            return
-        if pause < math.inf:
-            self._pause_requests(now + pause)
-        elif not self.evicted:
-            log.warning("%s: evicting a peer that ignored retryAfterMs: %s", self.name, budget.evicted_params())
-            self.evicted = True
-            self._enqueue(Connection.send_notification("_acp_server/evicted", budget.evicted_params()))
-            self.close()
-
-    def _pause_requests(self, until: float) -> None:
-        """Start none of the peer's requests before ``until`` (its refusal budget is in debt): they wait
-        unstarted, as past ``max_inflight_requests``; its notifications (``session/cancel``) still run."""
-        self._resume_at = max(self._resume_at, until)
-        if self._run_cap and self._handlers is not None and not self._closed:
-            self._run_cap = 0
-            self._handlers.start_soon(self._resume_requests)
-
-    async def _resume_requests(self) -> None:
-        while trio.current_time() < self._resume_at:  # noqa: ASYNC110 - the deadline moves on with each refusal
-            await trio.sleep_until(self._resume_at)
-        self._run_cap = self.max_inflight
-        self._resume_at = 0.0
-        self._start_waiting()
 
     def _received(self, data: bytes | bytearray) -> bool:
         """Dispatch what ``data`` completes; ``False``: the connection must close (a line too large)."""
