@@ -16,6 +16,7 @@ stream ends, and nobody else waits (the bridge never waits on a live send).
 from __future__ import annotations
 
 import itertools
+import re
 import secrets
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -180,19 +181,61 @@ def _update_frames(line: bytes) -> list[tuple[int | None, bytes]] | None:
     return [(event_id, encode_frame(event))]
 
 
+#: the text the bridge's own ``session/update`` lines begin with (``fanout.encode_update``), up to the session id
+_UPDATE_HEAD = b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"'
+#: what follows the update's JSON in those lines: the event id and the originating client id
+_UPDATE_TAIL = re.compile(rb',"_meta":\{"eventId":([1-9][0-9]{0,15})(?:,"originatorClientId":"([A-Za-z0-9._:-]{1,128})")?\}\}\}\n?')
+_SESSION_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+#: a turn state line, up to its state (``fanout.turn_state``): only the terminal ones become frames
+_TURN_HEAD = re.compile(rb'\{"jsonrpc":"2\.0","method":"_acp_server/turn_state","params":\{"sessionId":"[^"\\]*",'
+                        rb'"promptId":"[^"\\]*","state":"([a-z_]+)"')
+_TERMINAL = frozenset((b"completed", b"cancelled", b"failed"))
+
+
+def _bridge_update_frame(line: bytes) -> list[tuple[int | None, bytes]] | None:
+    """The frame of a ``session/update`` line in the bridge's own layout (:func:`~acp_server.bridge.fanout.encode_update`:
+    session id, the update's JSON, then ``_meta`` with the event id and maybe the originating client id),
+    cut from the line's bytes without decoding it; ``None`` for any other line. The frame is the one
+    :func:`_update_frames` writes, byte for byte (a test holds them equal)."""
+    if not line.startswith(_UPDATE_HEAD) or b"\r" in line:
+        return None
+    start = len(_UPDATE_HEAD)
+    end = line.find(b'","update":', start)
+    tail = line.rfind(b',"_meta":{"eventId":')
+    if end < 0 or tail < end:
+        return None
+    session_id = line[start:end]
+    match = _UPDATE_TAIL.fullmatch(line, tail)
+    if match is None or not _SESSION_ID.fullmatch(session_id):
+        return None
+    event_id = int(match[1])
+    originator = match[2]
+    extra = b',"originatorClientId":"%s"' % originator if originator is not None else b""
+    frame = b'id: %d\nevent: session_update\ndata: {"v":1,"type":"session_update","data":{"sessionId":"%s","update":%s},' \
+        b'"_meta":{"eventId":%d},"id":%d%s}\n\n' % (event_id, session_id, line[end + 11:tail], event_id, event_id, extra)
+    return [(event_id, frame)]
+
+
 _last_line: tuple[bytes, list[tuple[int | None, bytes]]] = (b"", [])
 
 
 def frames_of(line: bytes) -> list[tuple[int | None, bytes]]:
     """The encoded SSE frames of one bridge line, each with the event id it carries. The bridge sends
     one line object to every subscriber of a session, so the last line's frames are kept: a fan-out to
-    N subscribers translates and encodes once."""
+    N subscribers translates and encodes once. A turn state that is not terminal has no frame, which
+    its first bytes tell."""
     global _last_line
     if _last_line[0] is line:
         return _last_line[1]
-    frames = _update_frames(line)
+    frames = _bridge_update_frame(line)
     if frames is None:
-        frames = [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
+        turn = _TURN_HEAD.match(line)
+        if turn is not None and turn[1] not in _TERMINAL:
+            frames = []
+        else:
+            frames = _update_frames(line)
+            if frames is None:
+                frames = [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
     _last_line = (line, frames)
     return frames
 

@@ -22,25 +22,50 @@ scope, no checkpoint: the bytes are queued whole, so order and atomicity hold), 
 timer is one task per connection whose deadline moves (hypercorn starts a new task at the end of
 every request and cancels it at the start of the next). It also tells the flusher when waiting for a
 burst to end is useless: on plain HTTP/1.1 (not a WebSocket, not HTTP/2) a response's writes, and an
-SSE chunk, are all queued in one scheduling pass, so they leave in the next one.
+SSE chunk, are all queued in one scheduling pass, so they leave in the next one. Its HTTP/1.1 protocol
+is :class:`~.lean.LeanH11Protocol` (plain requests with less work each; everything else as hypercorn).
 """
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
 from typing import Any, cast
 
 import trio
-from hypercorn.events import Event, RawData, Updated
+from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.ws_stream import WSStream
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
-__all__ = ["BatchedTCPServer", "BatchedWrites", "TlsBatchedWrites"]
+__all__ = ["BatchedTCPServer", "BatchedWrites", "HeldWrite", "TlsBatchedWrites"]
 
 #: the most scheduling passes the flusher waits for a burst to end: it writes after the first pass that
 #: queued nothing more (a WebSocket burst queues one frame per pass)
 _JOIN_PASSES = 32
+
+
+class HeldWrite:
+    """A write queued in order whose bytes are settled later: by :meth:`BatchedWrites.settle`, or by
+    ``render`` when the flusher takes it first (an HTTP/1.1 head that waits to learn its body's length).
+
+    Args:
+        render: the bytes, when nothing settled them before the flusher took them.
+    """
+
+    __slots__ = ("data", "render")
+
+    def __init__(self, render: Callable[[], bytes]) -> None:
+        self.render = render
+        self.data: bytes | None = None
+
+    def take(self) -> bytes:
+        """The settled bytes (rendered now if there are none yet)."""
+        if self.data is None:
+            self.data = self.render()
+        return self.data
 
 
 class BatchedWrites(trio.abc.HalfCloseableStream):
@@ -57,7 +82,7 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         # hypercorn reads the addresses from it
         self.socket = socket if socket is not None else cast(trio.SocketStream, stream).socket
         self.limit = limit
-        self._out: list[bytes] = []
+        self._out: list[bytes | HeldWrite] = []
         self._nbytes = 0
         self._wake = trio.Event()
         self._room = trio.Event()
@@ -81,6 +106,22 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         self._queue(data)
         return True
 
+    def hold(self, held: HeldWrite) -> None:
+        """Queue ``held``: its bytes are settled before it is written, and count from then."""
+        self._out.append(held)
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        self._wake.set()
+
+    async def settle(self, held: HeldWrite, data: bytes) -> None:
+        """Give ``held`` (queued, not taken yet) its bytes; waits as :meth:`send_all` past the bound."""
+        held.data = data
+        self._nbytes += len(data)
+        while self._nbytes > self.limit and self._error is None:
+            self._room = trio.Event()
+            await self._room.wait()
+        if self._error is not None:
+            raise trio.BrokenResourceError("the connection broke") from self._error
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         if self._error is not None:
             raise trio.BrokenResourceError("the connection broke") from self._error
@@ -102,10 +143,10 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 if len(self._out) == queued:
                     break
-            data = b"".join(self._out)
-            self._out = []
+            out, self._out = self._out, []
+            data = b"".join([part if isinstance(part, bytes) else self._take(part) for part in out])
             try:
-                await self.stream.send_all(data)
+                await self._send(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 self._error = exc
                 self._room.set()
@@ -115,6 +156,28 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
             self._room.set()
             if not self._out:
                 self._idle.set()
+
+    def _take(self, held: HeldWrite) -> bytes:
+        settled = held.data is not None
+        data = held.take()
+        if not settled:
+            self._nbytes += len(data)  # counted now, as it is written
+        return data
+
+    async def _send(self, data: bytes) -> None:
+        """Write ``data``: on a plain socket what the kernel takes at once is written without a
+        scheduling pass (the rest, and any TLS stream, through ``send_all``)."""
+        if type(self.stream) is trio.SocketStream:
+            fd = self.stream.socket.fileno()  # -1 once closed: never a stale descriptor number
+            if fd >= 0:
+                try:
+                    sent = os.write(fd, data)
+                except BlockingIOError:
+                    sent = 0
+                if sent == len(data):
+                    return
+                data = data[sent:]
+        await self.stream.send_all(data)
 
     async def _drain(self) -> None:
         with trio.move_on_after(1.0):
@@ -186,6 +249,26 @@ class BatchedTCPServer(TCPServer):
         self._idle_scope = trio.CancelScope(deadline=trio.current_time() + config.keep_alive_timeout)
         self._idle_started = False
 
+    @property
+    def protocol(self) -> ProtocolWrapper:
+        """hypercorn's protocol wrapper, whose HTTP/1.1 protocol is a :class:`~.lean.LeanH11Protocol`."""
+        return self._protocol
+
+    @protocol.setter
+    def protocol(self, wrapper: ProtocolWrapper) -> None:
+        # hypercorn's ``run`` builds the wrapper, which builds an ``H11Protocol`` for any connection that
+        # did not choose h2: the same arguments make the lean one
+        if type(wrapper.protocol) is H11Protocol:
+            from .lean import LeanH11Protocol
+
+            lean = LeanH11Protocol(
+                wrapper.app, wrapper.config, wrapper.context, wrapper.task_group, wrapper.state, wrapper.ssl,
+                wrapper.client, wrapper.server, wrapper.send,
+            )
+            lean.batched = self.batched
+            wrapper.protocol = lean
+        self._protocol = wrapper
+
     async def protocol_send(self, event: Event) -> None:
         """Queue a write at once when it fits; move the keep-alive deadline in place."""
         if isinstance(event, RawData):
@@ -197,6 +280,21 @@ class BatchedTCPServer(TCPServer):
             self._idle_scope.deadline = trio.current_time() + self.config.keep_alive_timeout if event.idle else math.inf
             return
         await super().protocol_send(event)
+
+    async def _read_data(self) -> None:
+        """hypercorn's read loop; without a ``read_timeout`` it makes no deadline scope per read."""
+        if self.config.read_timeout is not None:
+            await super()._read_data()
+            return
+        while True:
+            try:
+                data = await self.stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                break
+            await self.protocol.handle(RawData(bytes(data)))
+            if not data:
+                break
+        await self.protocol.handle(Closed())
 
     async def _idle_timeout(self) -> None:
         """Close the connection once it has been idle for ``keep_alive_timeout`` seconds."""

@@ -1,0 +1,374 @@
+"""A plain HTTP/1.1 request cycle with less per-request work: hypercorn's H11 protocol, one stream class swapped.
+
+hypercorn serves each request through ``HTTPStream``: the ASGI app in a new task fed by a memory
+channel (two checkpoints per message, both sides), and every response event (``http.response.start``,
+each body, the end) through h11's writer, which validates and rewrites the headers again for each
+response and frames a body of unknown length as chunks. :class:`LeanH11Protocol` keeps hypercorn's
+H11 protocol (h11 still parses every request, and answers a malformed one) and serves a plain request
+with :class:`LeanStream` instead:
+
+- the app still runs in a task of its own per request, but reads its messages from a deque: a body
+  that is already in is handed over without a checkpoint, and the end of the body rides on the last
+  body message (``more_body: False``) instead of a message of its own;
+- the response is written by the stream, not by h11: ``http.response.start`` is held until the first
+  body message, so that a whole response (head, ``content-length``, body) leaves as one write; a body
+  sent in parts is chunked, as h11 does; header names and values are checked with h11's own grammar
+  (a malformed one raises, as h11's writer does) and ``date`` is formatted once per second;
+- at the end of a response the connection is recycled with a fresh h11 connection that takes over
+  the unparsed bytes (a pipelined request), exactly where hypercorn calls ``start_next_cycle``; a
+  request that asked to close (``Connection: close``), one whose body was not read to its end, the
+  last of ``keep_alive_max_requests``, or an app that failed mid-response closes the connection, as
+  hypercorn does.
+
+Anything else keeps hypercorn's own stream: a WebSocket upgrade, ``h2c``, HTTP/1.0, ``HEAD``,
+``Expect: 100-continue``, ``server_names`` or raw headers in the config. Backpressure is hypercorn's:
+a body whose messages the app does not read stops the reader at ``max_app_queue_size`` messages, and
+writes go through the server's ``protocol_send`` (:class:`~.wire.BatchedTCPServer`'s bound).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from time import time
+from typing import Any
+from urllib.parse import unquote
+
+import h11
+import trio
+from hypercorn.events import Closed, RawData, Updated
+from hypercorn.protocol.events import Body, EndBody, StreamClosed
+from hypercorn.protocol.h11 import H11Protocol
+
+from .wire import BatchedWrites, HeldWrite
+
+__all__ = ["LeanH11Protocol", "LeanStream"]
+
+#: RFC 9110's field-name (a token) and field-value (no control characters but tab), as h11 checks them
+_FIELD_NAME = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
+_FIELD_VALUE = re.compile(rb"[^\x00-\x08\x0a-\x1f\x7f]*")
+#: statuses whose response has no body (and no framing header)
+_NO_BODY = frozenset((204, 304))
+
+
+class _Date:
+    """hypercorn's per-response headers (``date``, ``server``, ``alt-svc``), built once per second."""
+
+    __slots__ = ("headers", "key")
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int] = (-1, 0)
+        self.headers = b""
+
+    def get(self, config: Any) -> bytes:
+        key = (int(time()), id(config))
+        if key != self.key:
+            self.key = key
+            self.headers = b"".join(b"%s: %s\r\n" % pair for pair in config.response_headers("h11"))
+        return self.headers
+
+
+_date = _Date()
+
+
+#: what :func:`_head` reports of the app's headers
+_LENGTH, _CHUNKED, _CONNECTION, _CLOSE = 1, 2, 4, 8
+
+
+def _head(status: int, headers: list[tuple[bytes, bytes]]) -> tuple[list[bytes], int]:
+    """The status line and header lines, and which framing and connection headers the app gave
+    (:data:`_LENGTH`, ...); raises ``ValueError`` for a header h11 would refuse."""
+    lines = [b"HTTP/1.1 %d \r\n" % status]
+    seen = 0
+    for name, value in headers:
+        name, value = bytes(name).strip(), bytes(value).strip()
+        if not _FIELD_NAME.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
+            raise ValueError(f"illegal response header {name!r}: {value!r}")
+        lines.append(b"%s: %s\r\n" % (name, value))
+        lower = name.lower()
+        if lower in _FRAMING:
+            seen |= _FRAMING[lower]
+            if lower == b"connection" and b"close" in _tokens(value):
+                seen |= _CLOSE
+    return lines, seen
+
+
+_FRAMING = {b"content-length": _LENGTH, b"transfer-encoding": _CHUNKED, b"connection": _CONNECTION}
+
+
+def _tokens(value: bytes) -> list[bytes]:
+    """A comma-separated header's tokens, lowercased."""
+    return [token.strip() for token in value.lower().split(b",")]
+
+
+class LeanStream:
+    """One plain HTTP/1.1 request served to the ASGI app (see the module docstring).
+
+    Args:
+        protocol: the connection's protocol (it writes and recycles the connection).
+        scope: the request's ASGI scope.
+        keep_alive: whether the request lets the connection serve another one after it.
+    """
+
+    def __init__(self, protocol: LeanH11Protocol, scope: dict[str, Any], *, keep_alive: bool) -> None:
+        self.protocol = protocol
+        self.scope = scope
+        self.keep_alive = keep_alive
+        self.closed = False
+        self.start_time = time()
+        self._log: Any = protocol.config.log
+        self._inbox: deque[dict[str, Any]] = deque()
+        self._ready = trio.Event()
+        self._room = trio.Event()
+        self._state = "request"  # then "held" (head queued), "body" (head settled), "done"
+        #: the queued head, until a body part settles it or the flusher takes it as it is
+        self._held: HeldWrite | None = None
+        self._status = 0
+        self._lines: list[bytes] = []
+        self._seen = 0
+        self._chunked = False
+        self._response: dict[str, Any] = {}
+
+    idle = False
+
+    # --- from the connection: the request body and the end of the connection -------------------------
+
+    async def handle(self, event: Any) -> None:
+        """A body part, the body's end, or the connection's end (``StreamClosed``)."""
+        if self.closed:
+            return
+        if isinstance(event, Body):
+            self._put({"type": "http.request", "body": bytes(event.data), "more_body": True})
+            while len(self._inbox) >= self.protocol.config.max_app_queue_size and not self.closed:
+                self._room = trio.Event()
+                await self._room.wait()
+        elif isinstance(event, EndBody):
+            last = self._inbox[-1] if self._inbox else None
+            if last is not None and last["type"] == "http.request":
+                last["more_body"] = False  # the end rides on the body part not read yet
+                self._ready.set()
+            else:
+                self._put({"type": "http.request", "body": b"", "more_body": False})
+        elif isinstance(event, StreamClosed):
+            self.closed = True
+            if self._state != "done":
+                await self._log.access(self.scope, None, time() - self.start_time)
+            self._put({"type": "http.disconnect"})
+            self._room.set()
+
+    def _put(self, message: dict[str, Any]) -> None:
+        self._inbox.append(message)
+        self._ready.set()
+
+    # --- the app's side -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run the app on this request (a task of the connection's task group), as hypercorn's ``_handle``."""
+        protocol = self.protocol
+        config: Any = protocol.config
+        app: Any = protocol.app
+        try:
+            await app(self.scope, self.receive, self.send, trio.to_thread.run_sync, trio.from_thread.run)
+        except trio.Cancelled:
+            raise
+        except BaseExceptionGroup as error:
+            _, others = error.split(trio.Cancelled)
+            if others is None:
+                raise
+            await config.log.exception("Error in ASGI Framework")
+        except Exception:
+            await config.log.exception("Error in ASGI Framework")
+        finally:
+            await self._app_done()
+
+    async def receive(self) -> dict[str, Any]:
+        """The next message of the request (no checkpoint when one is there already)."""
+        while not self._inbox:
+            self._ready = trio.Event()
+            await self._ready.wait()
+        message = self._inbox.popleft()
+        self._room.set()
+        return message
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """One ASGI message of the response (dropped once the connection is gone)."""
+        kind = message["type"]
+        if kind == "http.response.start" and self._state == "request":
+            self._start_head(int(message["status"]), message.get("headers", []))
+            self._response = message
+        elif kind == "http.response.body" and self._state in ("held", "body"):
+            body = bytes(message.get("body", b""))
+            more = bool(message.get("more_body", False))
+            if self.closed:
+                if not more:
+                    self._state = "done"
+                return
+            await self._write_body(body, more)
+        elif kind in ("http.response.push", "http.response.early_hint", "http.response.trailers"):
+            return  # HTTP/2 and /3 only: ignored on HTTP/1.1, as hypercorn does
+        else:
+            from hypercorn.utils import UnexpectedMessageError
+
+            raise UnexpectedMessageError(self._state, kind)  # type: ignore[arg-type]
+
+    def _start_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Check the head and queue it held: the first body part settles it, with the framing it
+        allows, if it comes before the flusher takes the head; else the head leaves as it is, its
+        body chunked (or as long as the app's ``content-length``)."""
+        protocol = self.protocol
+        lines, seen = _head(status, headers)  # a header h11 would refuse fails the app's send
+        lines.append(_date.get(protocol.config))
+        if seen & _CLOSE or protocol.keep_alive_requests >= protocol.config.keep_alive_max_requests:
+            self.keep_alive = False
+        if not self.keep_alive and not seen & _CONNECTION:
+            lines.append(b"connection: close\r\n")
+        self._status, self._lines, self._seen = status, lines, seen
+        self._held = HeldWrite(self._head_alone)
+        protocol.batched.hold(self._held)
+        self._state = "held"
+
+    def _framing(self, body: bytes, more: bool) -> bytes:
+        """The framing header of the head (none when the app framed it, or for a bodiless status)."""
+        if self._status in _NO_BODY or self._status < 200 or self._seen & (_LENGTH | _CHUNKED):
+            self._chunked = bool(self._seen & _CHUNKED)
+            return b""
+        if more:
+            self._chunked = True
+            return b"transfer-encoding: chunked\r\n"
+        return b"content-length: %d\r\n" % len(body)
+
+    def _head_alone(self) -> bytes:
+        """The held head as the flusher takes it before any body part: the body's length is unknown."""
+        self._state = "body"
+        return b"".join((*self._lines, self._framing(b"", True), b"\r\n"))
+
+    async def _write_body(self, body: bytes, more: bool) -> None:
+        protocol = self.protocol
+        held = self._held
+        if held is not None and held.data is None:  # the head is still queued: head and body leave as one
+            self._held = None
+            if self._status in _NO_BODY or self._status < 200:
+                body = b""
+            framing = self._framing(body, more)
+            self._state = "body"
+            await protocol.batched.settle(held, b"".join((*self._lines, framing, b"\r\n", self._frame(body, more))))
+        else:
+            self._held = None
+            data = self._frame(body, more)
+            if data:
+                await protocol.send(RawData(data=data))
+        if not more:
+            self._state = "done"
+            await self._log.access(self.scope, self._response, time() - self.start_time)
+            await protocol.lean_done(self)
+
+    def _frame(self, body: bytes, more: bool) -> bytes:
+        """A body part as it goes on the wire (a chunk when chunked; the last chunk at the end)."""
+        if not self._chunked:
+            return body
+        chunk = b"%x\r\n%s\r\n" % (len(body), body) if body else b""
+        return chunk if more else chunk + b"0\r\n\r\n"
+
+    async def _app_done(self) -> None:
+        """The app returned: a request it never answered gets a 500; a response it left unfinished
+        closes the connection (hypercorn's ``app_send(None)``)."""
+        if self.closed or self._state == "done":
+            return
+        protocol = self.protocol
+        held = self._held
+        lines, _ = _head(500, [(b"content-length", b"0"), (b"connection", b"close")])
+        error = b"".join((*lines, _date.get(protocol.config), b"\r\n"))
+        if held is not None and held.data is None:  # a head not sent yet: a 500 in its place
+            await protocol.batched.settle(held, error)
+        elif self._state == "request":
+            await protocol.send(RawData(data=error))
+        if held is not None or self._state == "request":
+            await self._log.access(self.scope, {"status": 500, "headers": []}, time() - self.start_time)
+        self._state = "done"
+        self.keep_alive = False
+        await protocol.lean_done(self)
+
+
+class LeanH11Protocol(H11Protocol):
+    """hypercorn's ``H11Protocol`` serving plain requests with :class:`LeanStream` (see the module docstring)."""
+
+    _headers: list[tuple[bytes, bytes]]
+    _plain = False
+    #: the connection's stream (the server sets it): where a held head is queued
+    batched: BatchedWrites
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        headers = list(event.headers)  # h11 lowercased the names and stripped the values
+        self._headers = headers
+        upgrade = expect = False
+        close = False
+        for name, value in headers:
+            if name == b"upgrade" or name == b"http2-settings":
+                upgrade = True
+            elif name == b"expect":
+                expect = True
+            elif name == b"connection" and b"close" in _tokens(value):
+                close = True
+        config = self.config
+        self._plain = not (
+            upgrade or expect or event.http_version != b"1.1" or event.method.upper() in (b"HEAD", b"PRI")
+            or config.server_names or config.h11_pass_raw_headers
+        )
+        self._close_asked = close
+        if not self._plain:
+            await super()._check_protocol(event)
+
+    async def _create_stream(self, request: h11.Request) -> None:
+        if not self._plain:
+            await super()._create_stream(request)
+            return
+        path, _, query_string = request.target.partition(b"?")
+        scope = {
+            "type": "http",
+            "http_version": "1.1",
+            "asgi": {"spec_version": "2.1", "version": "3.0"},
+            "method": request.method.decode("ascii").upper(),
+            "scheme": "https" if self.ssl else "http",
+            "path": unquote(path.decode("ascii")),
+            "raw_path": path,
+            "query_string": query_string,
+            "root_path": self.config.root_path,
+            "headers": self._headers,
+            "client": self.client,
+            "server": self.server,
+            "state": self.connection_state.copy(),
+            "extensions": {},
+        }
+        stream = LeanStream(self, scope, keep_alive=not self._close_asked)
+        self.stream = stream  # type: ignore[assignment]
+        self.task_group.spawn(stream.run)
+        self.keep_alive_requests += 1
+        await self.context.mark_request()
+
+    async def lean_done(self, stream: LeanStream) -> None:
+        """``stream``'s response is over: serve the next request with a fresh h11 connection (it takes
+        the bytes not parsed yet), or close when the request, the app or the bound says so."""
+        if self.stream is stream:  # type: ignore[comparison-overlap]
+            self.stream = None
+        stream.closed = True
+        stream._put({"type": "http.disconnect"})
+        stream._room.set()
+        old = self.connection
+        if stream.keep_alive and not self.context.terminated.is_set() and old.their_state is h11.DONE:
+            data, closed = old.trailing_data
+            fresh = h11.Connection(h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size)
+            if data:
+                fresh.receive_data(data)
+            if closed:
+                fresh.receive_data(b"")
+            self.connection = fresh
+            await self.can_read.set()
+            await self.send(Updated(idle=True))
+        else:
+            await self.can_read.set()
+            await self.send(Closed())
+
+    async def _send_error_response(self, status_code: int) -> None:
+        if isinstance(self.stream, LeanStream) and self.stream._state != "request":
+            return  # the app answered already: no second response on the wire
+        await super()._send_error_response(status_code)
