@@ -101,6 +101,77 @@ def _tokens(value: bytes) -> list[bytes]:
     return [token.strip() for token in value.lower().split(b",")]
 
 
+#: a request line this module parses itself (any other goes to h11): an upper-case method, a target of
+#: visible ASCII, HTTP/1.1
+_REQUEST_LINE = re.compile(rb"([A-Z]{1,20}) ([\x21-\x7e]+) HTTP/1\.1")
+#: a field line (no obs-fold: a line that starts with a space or tab does not match)
+_FIELD_LINE = re.compile(rb"([-!#$%&'*+.^_`|~0-9a-zA-Z]+):([^\x00-\x08\x0a-\x1f\x7f]*)")
+#: headers that send a request to h11 (its framing or its protocol is not a plain request's)
+_NOT_PLAIN = frozenset((b"transfer-encoding", b"upgrade", b"expect", b"http2-settings"))
+#: the largest plain request kept whole while its body comes in (a larger one goes to h11, which streams it)
+PARTIAL_MAX = 64 * 1024
+#: what :func:`simple_request` says of a plain head whose body is not all in yet
+MORE = "more"
+
+
+class SimpleRequest:
+    """A whole plain request, read at once (see :func:`simple_request`)."""
+
+    __slots__ = ("body", "headers", "keep_alive", "method", "target")
+
+    def __init__(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes, keep_alive: bool) -> None:
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+
+
+def simple_request(data: bytes, limit: int) -> SimpleRequest | str | None:
+    """``data`` as one whole plain HTTP/1.1 request, exactly (:data:`MORE`: a plain one whose body is
+    not all in yet and fits in :data:`PARTIAL_MAX`; ``None``: anything else, left to h11).
+
+    Plain: the request line of :data:`_REQUEST_LINE` (not ``HEAD``), a head within ``limit`` bytes,
+    field lines h11's grammar takes, exactly one ``Host``, at most one ``Content-Length`` (digits) and
+    no ``Transfer-Encoding``, ``Upgrade``, ``Expect`` or ``HTTP2-Settings``, and nothing after the body
+    (a pipelined request goes to h11). Names are lowercased and values stripped, as h11 gives them.
+    """
+    end = data.find(b"\r\n\r\n", 0, limit)
+    if end < 0:
+        return None
+    lines = data[:end].split(b"\r\n")
+    first = _REQUEST_LINE.fullmatch(lines[0])
+    if first is None or first[1] == b"HEAD":
+        return None
+    headers: list[tuple[bytes, bytes]] = []
+    hosts = 0
+    length = -1
+    keep_alive = True
+    for line in lines[1:]:
+        field = _FIELD_LINE.fullmatch(line)
+        if field is None:
+            return None
+        name = field[1].lower()
+        value = field[2].strip(b" \t")
+        if name == b"host":
+            hosts += 1
+        elif name == b"content-length":
+            if length >= 0 or not value.isdigit() or len(value) > 18:
+                return None
+            length = int(value)
+        elif name in _NOT_PLAIN:
+            return None
+        elif name == b"connection" and b"close" in _tokens(value):
+            keep_alive = False
+        headers.append((name, value))
+    body = data[end + 4:]
+    if hosts != 1 or len(body) > max(length, 0):
+        return None
+    if len(body) < length:
+        return MORE if end + 4 + length <= PARTIAL_MAX else None
+    return SimpleRequest(first[1], first[2], headers, body, keep_alive)
+
+
 class LeanStream:
     """One plain HTTP/1.1 request served to the ASGI app (see the module docstring).
 
@@ -126,6 +197,8 @@ class LeanStream:
         self._status = 0
         self._lines: list[bytes] = []
         self._seen = 0
+        #: read whole by :func:`simple_request`, without h11
+        self.fast = False
         self._chunked = False
         self._response: dict[str, Any] = {}
 
@@ -297,6 +370,74 @@ class LeanH11Protocol(H11Protocol):
     #: the connection's stream (the server sets it): where a held head is queued
     batched: BatchedWrites
 
+    #: the h11 connection has seen nothing since it was made: a whole plain request may skip it
+    _h11_fresh = True
+    #: the first bytes of a plain request whose body is not all in yet
+    _partial = b""
+
+    async def handle(self, event: Any) -> None:
+        """Bytes read: a whole plain request on a fresh connection is served without h11 (the first
+        part of one is kept until the rest is in); anything else goes through hypercorn's h11 loop."""
+        if isinstance(event, RawData):
+            data = event.data
+            if data:
+                while isinstance(self.stream, LeanStream) and self.stream.fast:
+                    await self.can_read.clear()  # the next request waits for this one's response (h11's PAUSED)
+                    await self.can_read.wait()
+                if self._h11_fresh and not self._plain_off:
+                    if self._partial:
+                        data, self._partial = self._partial + data, b""
+                    request = simple_request(data, self.config.h11_max_incomplete_size)
+                    if isinstance(request, SimpleRequest):
+                        await self._serve_simple(request)
+                        return
+                    if request is MORE:
+                        self._partial = data
+                        await self.send(Updated(idle=False))  # a request is coming in: no idle timeout
+                        return
+                    event = RawData(data=data)
+            elif self._partial:  # the end of input after part of a request: h11 tells it apart
+                partial, self._partial = self._partial, b""
+                self._h11_fresh = False
+                await super().handle(RawData(data=partial))
+            self._h11_fresh = False
+        await super().handle(event)
+
+    @property
+    def _plain_off(self) -> bool:
+        return bool(self.config.server_names or self.config.h11_pass_raw_headers)
+
+    async def _serve_simple(self, request: SimpleRequest) -> None:
+        await self.send(Updated(idle=False))
+        stream = self._open_stream(request.method, request.target, request.headers, keep_alive=request.keep_alive)
+        stream.fast = True
+        stream._put({"type": "http.request", "body": request.body, "more_body": False})
+        self.keep_alive_requests += 1
+        await self.context.mark_request()
+
+    def _open_stream(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], *, keep_alive: bool) -> LeanStream:
+        path, _, query_string = target.partition(b"?")
+        scope = {
+            "type": "http",
+            "http_version": "1.1",
+            "asgi": {"spec_version": "2.1", "version": "3.0"},
+            "method": method.decode("ascii").upper(),
+            "scheme": "https" if self.ssl else "http",
+            "path": unquote(path.decode("ascii")),
+            "raw_path": path,
+            "query_string": query_string,
+            "root_path": self.config.root_path,
+            "headers": headers,
+            "client": self.client,
+            "server": self.server,
+            "state": self.connection_state.copy(),
+            "extensions": {},
+        }
+        stream = LeanStream(self, scope, keep_alive=keep_alive)
+        self.stream = stream  # type: ignore[assignment]
+        self.task_group.spawn(stream.run)
+        return stream
+
     async def _check_protocol(self, event: h11.Request) -> None:
         headers = list(event.headers)  # h11 lowercased the names and stripped the values
         self._headers = headers
@@ -322,26 +463,7 @@ class LeanH11Protocol(H11Protocol):
         if not self._plain:
             await super()._create_stream(request)
             return
-        path, _, query_string = request.target.partition(b"?")
-        scope = {
-            "type": "http",
-            "http_version": "1.1",
-            "asgi": {"spec_version": "2.1", "version": "3.0"},
-            "method": request.method.decode("ascii").upper(),
-            "scheme": "https" if self.ssl else "http",
-            "path": unquote(path.decode("ascii")),
-            "raw_path": path,
-            "query_string": query_string,
-            "root_path": self.config.root_path,
-            "headers": self._headers,
-            "client": self.client,
-            "server": self.server,
-            "state": self.connection_state.copy(),
-            "extensions": {},
-        }
-        stream = LeanStream(self, scope, keep_alive=not self._close_asked)
-        self.stream = stream  # type: ignore[assignment]
-        self.task_group.spawn(stream.run)
+        self._open_stream(request.method, request.target, self._headers, keep_alive=not self._close_asked)
         self.keep_alive_requests += 1
         await self.context.mark_request()
 
@@ -354,7 +476,13 @@ class LeanH11Protocol(H11Protocol):
         stream._put({"type": "http.disconnect"})
         stream._room.set()
         old = self.connection
-        if stream.keep_alive and not self.context.terminated.is_set() and old.their_state is h11.DONE:
+        if stream.fast:  # h11 saw nothing of it
+            await self.can_read.set()
+            if stream.keep_alive and not self.context.terminated.is_set():
+                await self.send(Updated(idle=True))
+            else:
+                await self.send(Closed())
+        elif stream.keep_alive and not self.context.terminated.is_set() and old.their_state is h11.DONE:
             data, closed = old.trailing_data
             fresh = h11.Connection(h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size)
             if data:
@@ -362,6 +490,7 @@ class LeanH11Protocol(H11Protocol):
             if closed:
                 fresh.receive_data(b"")
             self.connection = fresh
+            self._h11_fresh = not data and not closed
             await self.can_read.set()
             await self.send(Updated(idle=True))
         else:
