@@ -284,3 +284,24 @@ def test_frames_of_a_line_are_the_envelopes_encoded(line: bytes) -> None:
         assert head == want.partition(b"data: ")[0]
         assert data.endswith(b"\n\n") and b"\n" not in data[:-2] and b"\r" not in data
         assert json.loads(data) == json.loads(want.partition(b"data: ")[2])
+
+
+async def test_an_idle_event_stream_gets_a_heartbeat_every_period(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``: heartbeat`` is written once a stream has had nothing for HEARTBEAT_S, and again after as long."""
+    from acp_server.transports.http import rest_stream
+
+    monkeypatch.setattr(rest_stream, "HEARTBEAT_S", 0.3)
+    with trio.fail_after(TIMEOUT_S):
+        async with http_server() as (_server, _n, url), httpx.AsyncClient(timeout=10) as c, trio.open_nursery() as nursery:
+            sid = (await c.post(url + "/session", json={"sessionScope": "thread"})).json()["sessionId"]
+            events = Events()
+            started = trio.current_time()
+            await nursery.start(events.run, c, f"{url}/session/{sid}/events")
+            beats = []
+            while len(beats) < 2:
+                await trio.sleep(0.02)
+                if events.raw.count(": heartbeat\n\n") > len(beats):
+                    beats.append(trio.current_time() - started)
+            assert events.raw.startswith("retry: 3000\n\n")
+            assert beats[0] >= 0.25 and beats[1] - beats[0] >= 0.25
+            nursery.cancel_scope.cancel()

@@ -110,26 +110,28 @@ _FIELD_LINE = re.compile(rb"([-!#$%&'*+.^_`|~0-9a-zA-Z]+):([^\x00-\x08\x0a-\x1f\
 _NOT_PLAIN = frozenset((b"transfer-encoding", b"upgrade", b"expect", b"http2-settings"))
 #: the largest plain request kept whole while its body comes in (a larger one goes to h11, which streams it)
 PARTIAL_MAX = 64 * 1024
-#: what :func:`simple_request` says of a plain head whose body is not all in yet
-MORE = "more"
 
 
 class SimpleRequest:
     """A whole plain request, read at once (see :func:`simple_request`)."""
 
-    __slots__ = ("body", "headers", "keep_alive", "method", "target")
+    __slots__ = ("body", "headers", "keep_alive", "method", "missing", "target")
 
-    def __init__(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes, keep_alive: bool) -> None:
+    def __init__(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes, keep_alive: bool, missing: int
+    ) -> None:
         self.method = method
         self.target = target
         self.headers = headers
         self.body = body
         self.keep_alive = keep_alive
+        #: the bytes of the body not in yet
+        self.missing = missing
 
 
-def simple_request(data: bytes, limit: int) -> SimpleRequest | str | None:
-    """``data`` as one whole plain HTTP/1.1 request, exactly (:data:`MORE`: a plain one whose body is
-    not all in yet and fits in :data:`PARTIAL_MAX`; ``None``: anything else, left to h11).
+def simple_request(data: bytes, limit: int) -> SimpleRequest | None:
+    """``data`` as one plain HTTP/1.1 request, exactly, or its beginning when what is missing is the end
+    of a body that fits in :data:`PARTIAL_MAX` (``missing`` says how much); ``None``: anything else, left to h11.
 
     Plain: the request line of :data:`_REQUEST_LINE` (not ``HEAD``), a head within ``limit`` bytes,
     field lines h11's grammar takes, exactly one ``Host``, at most one ``Content-Length`` (digits) and
@@ -167,9 +169,10 @@ def simple_request(data: bytes, limit: int) -> SimpleRequest | str | None:
     body = data[end + 4:]
     if hosts != 1 or len(body) > max(length, 0):
         return None
-    if len(body) < length:
-        return MORE if end + 4 + length <= PARTIAL_MAX else None
-    return SimpleRequest(first[1], first[2], headers, body, keep_alive)
+    missing = length - len(body)
+    if missing > 0 and end + 4 + length > PARTIAL_MAX:
+        return None
+    return SimpleRequest(first[1], first[2], headers, body, keep_alive, max(missing, 0))
 
 
 class LeanStream:
@@ -372,8 +375,9 @@ class LeanH11Protocol(H11Protocol):
 
     #: the h11 connection has seen nothing since it was made: a whole plain request may skip it
     _h11_fresh = True
-    #: the first bytes of a plain request whose body is not all in yet
+    #: the first bytes of a plain request whose body is not all in yet, and that request
     _partial = b""
+    _pending: SimpleRequest | None = None
 
     async def handle(self, event: Any) -> None:
         """Bytes read: a whole plain request on a fresh connection is served without h11 (the first
@@ -385,19 +389,27 @@ class LeanH11Protocol(H11Protocol):
                     await self.can_read.clear()  # the next request waits for this one's response (h11's PAUSED)
                     await self.can_read.wait()
                 if self._h11_fresh and not self._plain_off:
-                    if self._partial:
+                    request = self._pending
+                    if request is not None:  # the rest of its body
+                        self._pending = None
+                        if len(data) <= request.missing:
+                            request.body += data
+                            request.missing -= len(data)
+                        else:  # more than its body: a pipelined request, all of it for h11
+                            request = None
                         data, self._partial = self._partial + data, b""
-                    request = simple_request(data, self.config.h11_max_incomplete_size)
-                    if isinstance(request, SimpleRequest):
-                        await self._serve_simple(request)
-                        return
-                    if request is MORE:
-                        self._partial = data
+                    else:
+                        request = simple_request(data, self.config.h11_max_incomplete_size)
+                    if request is not None and request.missing:
+                        self._pending, self._partial = request, data
                         await self.send(Updated(idle=False))  # a request is coming in: no idle timeout
+                        return
+                    if request is not None:
+                        await self._serve_simple(request)
                         return
                     event = RawData(data=data)
             elif self._partial:  # the end of input after part of a request: h11 tells it apart
-                partial, self._partial = self._partial, b""
+                partial, self._partial, self._pending = self._partial, b"", None
                 self._h11_fresh = False
                 await super().handle(RawData(data=partial))
             self._h11_fresh = False

@@ -50,6 +50,8 @@ EVENT_TYPES = (
     "replay_complete",
 )
 
+#: the comment an idle stream is sent (proxies keep the connection open)
+HEARTBEAT = b": heartbeat\n\n"
 _TURN_STATE = "_acp_server/turn_state"
 _REPLAY_TRUNCATED = "_acp_server/replay_truncated"
 _encoder = msgspec.json.Encoder()
@@ -206,7 +208,7 @@ def _bridge_update_frame(line: bytes) -> list[tuple[int | None, bytes]] | None:
         return None
     session_id = line[start:end]
     match = _UPDATE_TAIL.fullmatch(line, tail)
-    if match is None or not _SESSION_ID.fullmatch(session_id):
+    if match is None or (session_id != _checked[0] and not _check_session(session_id)):
         return None
     event_id = int(match[1])
     originator = match[2]
@@ -217,6 +219,15 @@ def _bridge_update_frame(line: bytes) -> list[tuple[int | None, bytes]] | None:
 
 
 _last_line: tuple[bytes, list[tuple[int | None, bytes]]] = (b"", [])
+#: the last session id :func:`_bridge_update_frame` found plain (a session's lines come in runs)
+_checked: list[bytes] = [b"\x00"]
+
+
+def _check_session(session_id: bytes) -> bool:
+    if _SESSION_ID.fullmatch(session_id) is None:
+        return False
+    _checked[0] = session_id
+    return True
 
 
 def frames_of(line: bytes) -> list[tuple[int | None, bytes]]:
@@ -267,6 +278,9 @@ class SseSubscriber:
         self._room = trio.Event()
         #: the token the stream was opened with (evicted with it: :meth:`evict`)
         self.identity: Identity | None = None
+        #: when the stream's writer last took something (trio's clock): the heartbeat counts from it
+        self.taken_at = 0.0
+        self._beat = False
 
     @property
     def closed(self) -> bool:
@@ -330,7 +344,17 @@ class SseSubscriber:
     def send(self, data: bytes) -> None:
         """The bridge's live fan-out: translate and queue (never waits)."""
         for event_id, frame in frames_of(data):
-            self.push_frame(event_id, frame)
+            if event_id is not None:
+                self.last_event_id = event_id
+            self.push(frame)
+
+    def beat(self) -> bool:
+        """Have the writer send ``: heartbeat`` (unless frames come first); ``False`` once closed."""
+        if self._closed:
+            return False
+        self._beat = True
+        self._ready.set()
+        return True
 
     async def send_reliably(self, data: bytes) -> None:
         """A replayed line: waits while the queue is at half its bound instead of evicting."""
@@ -354,12 +378,18 @@ class SseSubscriber:
         raise trio.EndOfChannel
 
     async def take(self) -> list[bytes] | None:
-        """Every queued frame, once there is one (``None``: closed and drained)."""
+        """Every queued frame, once there is one, or a heartbeat (``None``: closed and drained)."""
         while not self.frames:
             if self._closed:
                 return None
+            if self._beat:
+                self._beat = False
+                self.taken_at = trio.current_time()
+                return [HEARTBEAT]
             self._ready = trio.Event()
             await self._ready.wait()
+        self._beat = False
+        self.taken_at = trio.current_time()
         frames = list(self.frames)
         self.frames.clear()
         self.nbytes = 0
