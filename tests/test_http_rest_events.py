@@ -297,7 +297,7 @@ async def test_an_idle_event_stream_gets_a_heartbeat_every_period(monkeypatch: p
             events = Events()
             started = trio.current_time()
             await nursery.start(events.run, c, f"{url}/session/{sid}/events")
-            beats = []
+            beats: list[float] = []
             while len(beats) < 2:
                 await trio.sleep(0.02)
                 if events.raw.count(": heartbeat\n\n") > len(beats):
