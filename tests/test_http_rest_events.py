@@ -305,3 +305,36 @@ async def test_an_idle_event_stream_gets_a_heartbeat_every_period(monkeypatch: p
             assert events.raw.startswith("retry: 3000\n\n")
             assert beats[0] >= 0.25 and beats[1] - beats[0] >= 0.25
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        encode_update("s1", 7, b'{"sessionUpdate":"agent_message_chunk","content":{"type":"text","text":"hi \\u00e9"}}'),
+        encode_update("3f2a-b_c.d:e", 123456, b'{"a":{"_meta":{"eventId":3}},"b":",\\"_meta\\":{\\"eventId\\":9}}"}', "cli-1"),
+        encode_update("s1", 1, b"[]"),
+    ],
+)
+def test_a_bridge_update_line_is_cut_into_the_frame_its_decoding_writes(line: bytes) -> None:
+    """A ``session/update`` line in the bridge's own layout becomes, cut from its bytes, exactly the
+    frame the Struct decoding writes (the same bytes, the same event id)."""
+    from acp_server.transports.http.rest_events import _bridge_update_frame, _update_frames
+
+    cut = _bridge_update_frame(line)
+    assert cut is not None and cut == _update_frames(line)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s\\"1","update":{},"_meta":{"eventId":2}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1","update":{},"_meta":{"eventId":02}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1","update":{},"_meta":{"eventId":2,"x":1}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1","update":{"a":\r1},"_meta":{"eventId":2}}}\n',
+    ],
+)
+def test_other_update_lines_are_not_cut(line: bytes) -> None:
+    """A line the bridge's layout does not describe exactly takes the decoding path."""
+    from acp_server.transports.http.rest_events import _bridge_update_frame
+
+    assert _bridge_update_frame(line) is None

@@ -192,6 +192,7 @@ _SESSION_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 _TURN_HEAD = re.compile(rb'\{"jsonrpc":"2\.0","method":"_acp_server/turn_state","params":\{"sessionId":"[^"\\]*",'
                         rb'"promptId":"[^"\\]*","state":"([a-z_]+)"')
 _TERMINAL = frozenset((b"completed", b"cancelled", b"failed"))
+_FRAME_HEAD = b'\nevent: session_update\ndata: {"v":1,"type":"session_update","data":{"sessionId":"'
 
 
 def _bridge_update_frame(line: bytes) -> list[tuple[int | None, bytes]] | None:
@@ -210,12 +211,12 @@ def _bridge_update_frame(line: bytes) -> list[tuple[int | None, bytes]] | None:
     match = _UPDATE_TAIL.fullmatch(line, tail)
     if match is None or (session_id != _checked[0] and not _check_session(session_id)):
         return None
-    event_id = int(match[1])
-    originator = match[2]
+    digits, originator = match[1], match[2]
     extra = b',"originatorClientId":"%s"' % originator if originator is not None else b""
-    frame = b'id: %d\nevent: session_update\ndata: {"v":1,"type":"session_update","data":{"sessionId":"%s","update":%s},' \
-        b'"_meta":{"eventId":%d},"id":%d%s}\n\n' % (event_id, session_id, line[end + 11:tail], event_id, event_id, extra)
-    return [(event_id, frame)]
+    # the line's ``sessionId":"...","update":{...}`` as it is, between the envelope's parts
+    frame = b"".join((b"id: ", digits, _FRAME_HEAD, line[start:tail], b'},"_meta":{"eventId":', digits, b'},"id":', digits,
+                      extra, b"}\n\n"))
+    return [(int(digits), frame)]
 
 
 _last_line: tuple[bytes, list[tuple[int | None, bytes]]] = (b"", [])
@@ -342,11 +343,20 @@ class SseSubscriber:
         self.push(frame)
 
     def send(self, data: bytes) -> None:
-        """The bridge's live fan-out: translate and queue (never waits)."""
-        for event_id, frame in frames_of(data):
+        """The bridge's live fan-out: translate and queue (never waits). A frame that finds the queue
+        below its warning mark is queued here; the others go through :meth:`push`."""
+        last = _last_line
+        for event_id, frame in last[1] if last[0] is data else frames_of(data):
             if event_id is not None:
                 self.last_event_id = event_id
-            self.push(frame)
+            size = self.nbytes + len(frame)
+            if self._closed or (len(self.frames) + 1) * 4 >= self.max_frames * 3 or size * 4 >= self.max_bytes * 3:
+                self.push(frame)
+                continue
+            self.frames_queued += 1
+            self.frames.append(frame)
+            self.nbytes = size
+            self._ready.set()
 
     def beat(self) -> bool:
         """Have the writer send ``: heartbeat`` (unless frames come first); ``False`` once closed."""
