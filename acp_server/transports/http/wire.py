@@ -19,8 +19,9 @@ scheme ``https``/``wss``.
 :class:`BatchedTCPServer` is hypercorn's ``TCPServer`` over such a stream with two per-request costs
 cut, its behaviour kept: a write that fits under the bound is queued at once (no lock, no cancel
 scope, no checkpoint: the bytes are queued whole, so order and atomicity hold), and the keep-alive
-timer is one task per connection whose deadline moves (hypercorn starts a new task at the end of
-every request and cancels it at the start of the next). It also tells the flusher when waiting for a
+timer is one task per connection that sleeps until the connection may have been idle long enough and
+then looks (hypercorn starts a new task at the end of every request and cancels it at the start of the
+next; a deadline moved per request costs trio a heap update each time). It also tells the flusher when waiting for a
 burst to end is useless: on plain HTTP/1.1 (not a WebSocket, not HTTP/2) a response's writes, and an
 SSE chunk, are all queued in one scheduling pass, so they leave in the next one. Its HTTP/1.1 protocol
 is :class:`~.lean.LeanH11Protocol` (plain requests with less work each; everything else as hypercorn).
@@ -28,7 +29,6 @@ is :class:`~.lean.LeanH11Protocol` (plain requests with less work each; everythi
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from typing import Any, cast
@@ -245,8 +245,10 @@ class BatchedTCPServer(TCPServer):
     def __init__(self, app: Any, config: Any, context: Any, state: Any, stream: BatchedWrites) -> None:
         super().__init__(app, config, context, state, stream)  # type: ignore[arg-type]
         self.batched = stream
-        #: the keep-alive timer: its deadline is ``inf`` while a request is served
-        self._idle_scope = trio.CancelScope(deadline=trio.current_time() + config.keep_alive_timeout)
+        #: the keep-alive timer's state: a request is being served, or since when the connection is idle
+        #: (the timer reads them when it fires, so a request moves no deadline)
+        self._busy = False
+        self._idle_since = trio.current_time()
         self._idle_started = False
 
     @property
@@ -277,7 +279,11 @@ class BatchedTCPServer(TCPServer):
             if self.batched.send_nowait(event.data):
                 return
         elif isinstance(event, Updated):
-            self._idle_scope.deadline = trio.current_time() + self.config.keep_alive_timeout if event.idle else math.inf
+            if event.idle:
+                self._busy = False
+                self._idle_since = trio.current_time()
+            else:
+                self._busy = True
             return
         await super().protocol_send(event)
 
@@ -302,7 +308,18 @@ class BatchedTCPServer(TCPServer):
             await super()._idle_timeout()
             return
         self._idle_started = True
-        with self._idle_scope:
-            await self.context.terminated.wait()
+        timeout = self.config.keep_alive_timeout
+        due = self._idle_since + timeout
+        terminated = self.context.terminated
+        while not terminated.is_set():
+            with trio.move_on_at(due):
+                await terminated.wait()
+            now = trio.current_time()
+            if self._busy:
+                due = now + timeout  # looked at again a whole period after now at the earliest
+            elif now < self._idle_since + timeout:
+                due = self._idle_since + timeout
+            else:
+                break
         with trio.CancelScope(shield=True):
             await self._initiate_server_close()
