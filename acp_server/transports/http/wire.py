@@ -89,6 +89,8 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         self._idle = trio.Event()
         self._idle.set()
         self._error: BaseException | None = None
+        #: the flusher is writing what it took (nothing may be written past it meanwhile)
+        self._writing = False
         #: whether the flusher waits for a burst to end (a WebSocket's or HTTP/2's writers queue over
         #: several passes; an HTTP/1.1 response or SSE chunk is queued whole in one)
         self.join = True
@@ -99,11 +101,39 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._wake.set()
 
+    def _write_now(self, data: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
+        """Write what the kernel takes of ``data`` at once, when nothing is queued or being written before
+        it, writes are not joined and the socket is plain; the rest (all of it otherwise) is returned."""
+        if self.join or self._out or self._writing or type(self.stream) is not trio.SocketStream:
+            return data
+        fd = self.stream.socket.fileno()  # -1 once closed: never a stale descriptor number
+        if fd < 0:
+            return data
+        try:
+            sent = os.write(fd, data)
+        except BlockingIOError:
+            return data
+        except OSError as exc:
+            self._fail(exc)
+            return b""
+        return data[sent:]
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._wake.set()
+        self._room.set()
+        self._idle.set()
+
     def send_nowait(self, data: bytes | bytearray | memoryview) -> bool:
-        """Queue ``data`` if that needs no wait (``False``: broken, or past ``limit``: use :meth:`send_all`)."""
+        """Write or queue ``data`` if that needs no wait (``False``: broken, or past ``limit``: use
+        :meth:`send_all`). On plain HTTP/1.1 (no joining) what the socket takes is written at once."""
         if self._error is not None or self._nbytes + len(data) > self.limit:
             return False
-        self._queue(data)
+        rest = self._write_now(data)
+        if self._error is not None:
+            return False
+        if rest:
+            self._queue(rest)
         return True
 
     def hold(self, held: HeldWrite) -> None:
@@ -114,8 +144,19 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
 
     async def settle(self, held: HeldWrite, data: bytes) -> None:
         """Give ``held`` (queued, not taken yet) its bytes; waits as :meth:`send_all` past the bound."""
-        held.data = data
-        self._nbytes += len(data)
+        if len(self._out) == 1 and self._out[0] is held and not self._writing:  # nothing before it
+            self._out = []
+            held.data = data
+            rest = self._write_now(data)
+            if self._error is not None:
+                raise trio.BrokenResourceError("the connection broke") from self._error
+            if not rest:
+                self._idle.set()
+                return
+            self._out, held.data = [held], bytes(rest)
+        else:
+            held.data = data
+        self._nbytes += len(held.data)
         while self._nbytes > self.limit and self._error is None:
             self._room = trio.Event()
             await self._room.wait()
@@ -138,6 +179,10 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
+            if self._error is not None:
+                return
+            if not self._out:  # written at once by its writer
+                continue
             for _ in range(_JOIN_PASSES if self.join else 0):
                 queued = len(self._out)
                 await trio.lowlevel.cancel_shielded_checkpoint()
@@ -145,13 +190,14 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
                     break
             out, self._out = self._out, []
             data = b"".join([part if isinstance(part, bytes) else self._take(part) for part in out])
+            self._writing = True
             try:
                 await self._send(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self._error = exc
-                self._room.set()
-                self._idle.set()
+                self._fail(exc)
                 return
+            finally:
+                self._writing = False
             self._nbytes -= len(data)
             self._room.set()
             if not self._out:
