@@ -137,7 +137,9 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         return True
 
     def hold(self, held: HeldWrite) -> None:
-        """Queue ``held``: its bytes are settled before it is written, and count from then."""
+        """Queue ``held``: its bytes are settled before it is written, and count from then (an HTTP/1.1
+        head: its writes need no joining)."""
+        self.join = False
         self._out.append(held)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._wake.set()
