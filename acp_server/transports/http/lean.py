@@ -202,6 +202,8 @@ class LeanStream:
         self._seen = 0
         #: read whole by :func:`simple_request`, without h11
         self.fast = False
+        #: served in the connection's reading task, which reads nothing more meanwhile
+        self.inline = False
         self._chunked = False
         self._response: dict[str, Any] = {}
 
@@ -258,7 +260,10 @@ class LeanStream:
             await self._app_done()
 
     async def receive(self) -> dict[str, Any]:
-        """The next message of the request (no checkpoint when one is there already)."""
+        """The next message of the request (no checkpoint when one is there already). An inline
+        request has nothing after its body that its reading task could bring: past it, it reads as gone."""
+        if self.inline and not self._inbox:
+            return {"type": "http.disconnect"}
         while not self._inbox:
             self._ready = trio.Event()
             await self._ready.wait()
@@ -365,6 +370,10 @@ class LeanStream:
         await protocol.lean_done(self)
 
 
+def _never(method: bytes, path: bytes) -> bool:
+    return False
+
+
 class LeanH11Protocol(H11Protocol):
     """hypercorn's ``H11Protocol`` serving plain requests with :class:`LeanStream` (see the module docstring)."""
 
@@ -421,13 +430,30 @@ class LeanH11Protocol(H11Protocol):
 
     async def _serve_simple(self, request: SimpleRequest) -> None:
         await self.send(Updated(idle=False))
-        stream = self._open_stream(request.method, request.target, request.headers, keep_alive=request.keep_alive)
+        inline = self._inline(request.method, request.target.partition(b"?")[0])
+        stream = self._open_stream(request.method, request.target, request.headers, keep_alive=request.keep_alive,
+                                   spawn=not inline)
         stream.fast = True
+        stream.inline = inline
         stream._put({"type": "http.request", "body": request.body, "more_body": False})
         self.keep_alive_requests += 1
         await self.context.mark_request()
+        if inline:
+            await stream.run()
 
-    def _open_stream(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], *, keep_alive: bool) -> LeanStream:
+    @property
+    def _inline(self) -> Any:
+        """The app's ``inline_request(method, path)`` (``False`` for every request without one)."""
+        rule = self.__dict__.get("_inline_rule")
+        if rule is None:
+            app = getattr(self.app, "app", None)  # hypercorn's wrapper holds the ASGI app
+            rule = getattr(app, "inline_request", None) or _never
+            self.__dict__["_inline_rule"] = rule
+        return rule
+
+    def _open_stream(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], *, keep_alive: bool, spawn: bool = True
+    ) -> LeanStream:
         path, _, query_string = target.partition(b"?")
         scope = {
             "type": "http",
@@ -447,7 +473,8 @@ class LeanH11Protocol(H11Protocol):
         }
         stream = LeanStream(self, scope, keep_alive=keep_alive)
         self.stream = stream  # type: ignore[assignment]
-        self.task_group.spawn(stream.run)
+        if spawn:
+            self.task_group.spawn(stream.run)
         return stream
 
     async def _check_protocol(self, event: h11.Request) -> None:
