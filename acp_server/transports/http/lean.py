@@ -340,7 +340,8 @@ class LeanStream:
                 await protocol.send(RawData(data=data))
         if not more:
             self._state = "done"
-            await self._log.access(self.scope, self._response, time() - self.start_time)
+            if self._log.access_logger is not None:  # (none by default: no coroutine per request for nothing)
+                await self._log.access(self.scope, self._response, time() - self.start_time)
             await protocol.lean_done(self)
 
     def _frame(self, body: bytes, more: bool) -> bytes:
@@ -516,7 +517,8 @@ class LeanH11Protocol(H11Protocol):
         stream._room.set()
         old = self.connection
         if stream.fast:  # h11 saw nothing of it
-            await self.can_read.set()
+            if not stream.inline:  # (an inline one's reader is the task answering: it waits for nothing)
+                await self.can_read.set()
             if stream.keep_alive and not self.context.terminated.is_set():
                 await self.send(Updated(idle=True))
             else:

@@ -242,8 +242,8 @@ def frames_of(line: bytes) -> list[tuple[int | None, bytes]]:
     frames = _bridge_update_frame(line)
     if frames is None:
         turn = _TURN_HEAD.match(line)
-        if turn is not None and turn[1] not in _TERMINAL:
-            frames = []
+        if turn is not None:
+            frames = [] if turn[1] not in _TERMINAL else [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
         else:
             frames = _update_frames(line)
             if frames is None:

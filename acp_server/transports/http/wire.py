@@ -235,7 +235,22 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         await self.stream.wait_send_all_might_not_block()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.stream.receive_some(max_bytes)
+        """Read what is there; a plain socket is read once it is readable (an HTTP/1.1 peer has
+        usually sent nothing yet when its connection is read again: no read is tried first to fail)."""
+        if type(self.stream) is not trio.SocketStream:
+            return await self.stream.receive_some(max_bytes)
+        sock = self.stream.socket
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            fd = sock.fileno()
+            if fd < 0:
+                raise trio.ClosedResourceError("the connection is closed")
+            try:
+                return os.read(fd, max_bytes or MAX_RECV)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"the connection broke: {exc}") from exc
 
     async def send_eof(self) -> None:
         await self._drain()
