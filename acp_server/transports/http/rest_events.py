@@ -183,11 +183,14 @@ def _update_frames(line: bytes) -> list[tuple[int | None, bytes]] | None:
     return [(event_id, encode_frame(event))]
 
 
-#: the text the bridge's own ``session/update`` lines begin with (``fanout.encode_update``), up to the session id
-_UPDATE_HEAD = b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"'
-#: what follows the update's JSON in those lines: the event id and the originating client id
-_UPDATE_TAIL = re.compile(rb',"_meta":\{"eventId":([1-9][0-9]{0,15})(?:,"originatorClientId":"([A-Za-z0-9._:-]{1,128})")?\}\}\}\n?')
-_SESSION_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+#: a ``session/update`` line as the bridge writes it (``fanout.encode_update``): 1, the session id (plain)
+#: and the update's JSON (the last ``_meta`` of the line is the bridge's: the update's own come before it;
+#: no carriage return, which JSON allows as whitespace and SSE reads as a line end); 2, the event id;
+#: 3, the originating client id's member
+_BRIDGE_UPDATE = re.compile(
+    rb'\{"jsonrpc":"2\.0","method":"session/update","params":\{"sessionId":"([A-Za-z0-9._:-]{1,128}","update":[^\r\n]*)'
+    rb',"_meta":\{"eventId":([1-9][0-9]{0,15})(,"originatorClientId":"[A-Za-z0-9._:-]{1,128}")?\}\}\}\n?'
+)
 #: a turn state line, up to its state (``fanout.turn_state``): only the terminal ones become frames
 _TURN_HEAD = re.compile(rb'\{"jsonrpc":"2\.0","method":"_acp_server/turn_state","params":\{"sessionId":"[^"\\]*",'
                         rb'"promptId":"[^"\\]*","state":"([a-z_]+)"')
@@ -200,35 +203,17 @@ def _bridge_update_frame(line: bytes) -> list[tuple[int | None, bytes]] | None:
     session id, the update's JSON, then ``_meta`` with the event id and maybe the originating client id),
     cut from the line's bytes without decoding it; ``None`` for any other line. The frame is the one
     :func:`_update_frames` writes, byte for byte (a test holds them equal)."""
-    if not line.startswith(_UPDATE_HEAD) or b"\r" in line:
+    match = _BRIDGE_UPDATE.fullmatch(line)
+    if match is None:
         return None
-    start = len(_UPDATE_HEAD)
-    end = line.find(b'","update":', start)
-    tail = line.rfind(b',"_meta":{"eventId":')
-    if end < 0 or tail < end:
-        return None
-    session_id = line[start:end]
-    match = _UPDATE_TAIL.fullmatch(line, tail)
-    if match is None or (session_id != _checked[0] and not _check_session(session_id)):
-        return None
-    digits, originator = match[1], match[2]
-    extra = b',"originatorClientId":"%s"' % originator if originator is not None else b""
+    digits = match[2]
     # the line's ``sessionId":"...","update":{...}`` as it is, between the envelope's parts
-    frame = b"".join((b"id: ", digits, _FRAME_HEAD, line[start:tail], b'},"_meta":{"eventId":', digits, b'},"id":', digits,
-                      extra, b"}\n\n"))
+    frame = b"".join((b"id: ", digits, _FRAME_HEAD, match[1], b'},"_meta":{"eventId":', digits, b'},"id":', digits,
+                      match[3] or b"", b"}\n\n"))
     return [(int(digits), frame)]
 
 
 _last_line: tuple[bytes, list[tuple[int | None, bytes]]] = (b"", [])
-#: the last session id :func:`_bridge_update_frame` found plain (a session's lines come in runs)
-_checked: list[bytes] = [b"\x00"]
-
-
-def _check_session(session_id: bytes) -> bool:
-    if _SESSION_ID.fullmatch(session_id) is None:
-        return False
-    _checked[0] = session_id
-    return True
 
 
 def frames_of(line: bytes) -> list[tuple[int | None, bytes]]:
