@@ -192,8 +192,9 @@ class LeanStream:
         self.start_time = time()
         self._log: Any = protocol.config.log
         self._inbox: deque[dict[str, Any]] = deque()
-        self._ready = trio.Event()
-        self._room = trio.Event()
+        #: what the app's ``receive`` and the reader's backpressure wait on (made when one waits)
+        self._ready: trio.Event | None = None
+        self._room: trio.Event | None = None
         self._state = "request"  # then "held" (head queued), "body" (head settled), "done"
         #: the queued head, until a body part settles it or the flusher takes it as it is
         self._held: HeldWrite | None = None
@@ -224,7 +225,7 @@ class LeanStream:
             last = self._inbox[-1] if self._inbox else None
             if last is not None and last["type"] == "http.request":
                 last["more_body"] = False  # the end rides on the body part not read yet
-                self._ready.set()
+                self._wake_app()
             else:
                 self._put({"type": "http.request", "body": b"", "more_body": False})
         elif isinstance(event, StreamClosed):
@@ -232,11 +233,19 @@ class LeanStream:
             if self._state != "done":
                 await self._log.access(self.scope, None, time() - self.start_time)
             self._put({"type": "http.disconnect"})
-            self._room.set()
+            self._wake_reader()
 
     def _put(self, message: dict[str, Any]) -> None:
         self._inbox.append(message)
-        self._ready.set()
+        self._wake_app()
+
+    def _wake_app(self) -> None:
+        if self._ready is not None:
+            self._ready.set()
+
+    def _wake_reader(self) -> None:
+        if self._room is not None:
+            self._room.set()
 
     # --- the app's side -------------------------------------------------------------------------------
 
@@ -268,7 +277,7 @@ class LeanStream:
             self._ready = trio.Event()
             await self._ready.wait()
         message = self._inbox.popleft()
-        self._room.set()
+        self._wake_reader()
         return message
 
     async def send(self, message: dict[str, Any]) -> None:
@@ -514,7 +523,7 @@ class LeanH11Protocol(H11Protocol):
             self.stream = None
         stream.closed = True
         stream._put({"type": "http.disconnect"})
-        stream._room.set()
+        stream._wake_reader()
         old = self.connection
         if stream.fast:  # h11 saw nothing of it
             if not stream.inline:  # (an inline one's reader is the task answering: it waits for nothing)

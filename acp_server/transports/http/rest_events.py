@@ -261,7 +261,12 @@ class SseSubscriber:
         self.frames_queued = 0
         self._closed = False
         self._ready = trio.Event()
+        #: the writer waits on ``_ready`` (a frame queued meanwhile sets it; others need not)
+        self._waiting = False
         self._room = trio.Event()
+        #: the queue lengths at which the reader is warned (75 % of either bound)
+        self._warn_frames = -(-max_frames * 3 // 4)
+        self._warn_bytes = -(-max_bytes * 3 // 4)
         #: the token the stream was opened with (evicted with it: :meth:`evict`)
         self.identity: Identity | None = None
         #: when the stream's writer last took something (trio's clock): the heartbeat counts from it
@@ -335,13 +340,15 @@ class SseSubscriber:
             if event_id is not None:
                 self.last_event_id = event_id
             size = self.nbytes + len(frame)
-            if self._closed or (len(self.frames) + 1) * 4 >= self.max_frames * 3 or size * 4 >= self.max_bytes * 3:
+            if self._closed or len(self.frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
                 self.push(frame)
                 continue
             self.frames_queued += 1
             self.frames.append(frame)
             self.nbytes = size
-            self._ready.set()
+            if self._waiting:
+                self._waiting = False
+                self._ready.set()
 
     def beat(self) -> bool:
         """Have the writer send ``: heartbeat`` (unless frames come first); ``False`` once closed."""
@@ -382,6 +389,7 @@ class SseSubscriber:
                 self.taken_at = trio.current_time()
                 return [HEARTBEAT]
             self._ready = trio.Event()
+            self._waiting = True
             await self._ready.wait()
         self._beat = False
         self.taken_at = trio.current_time()
