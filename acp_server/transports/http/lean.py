@@ -1,29 +1,38 @@
 """A plain HTTP/1.1 request cycle with less per-request work: hypercorn's H11 protocol, one stream class swapped.
 
-hypercorn serves each request through ``HTTPStream``: the ASGI app in a new task fed by a memory
-channel (two checkpoints per message, both sides), and every response event (``http.response.start``,
-each body, the end) through h11's writer, which validates and rewrites the headers again for each
-response and frames a body of unknown length as chunks. :class:`LeanH11Protocol` keeps hypercorn's
-H11 protocol (h11 still parses every request, and answers a malformed one) and serves a plain request
-with :class:`LeanStream` instead:
+hypercorn serves each request through h11 and ``HTTPStream``: h11 parses it into events, the ASGI
+app runs in a new task fed by a memory channel (two checkpoints per message, both sides), and every
+response event (``http.response.start``, each body, the end) goes through h11's writer, which
+validates and rewrites the headers again and frames a body of unknown length as chunks.
+:class:`LeanH11Protocol` is hypercorn's H11 protocol with three shortcuts, each for what is plain:
 
-- the app still runs in a task of its own per request, but reads its messages from a deque: a body
-  that is already in is handed over without a checkpoint, and the end of the body rides on the last
-  body message (``more_body: False``) instead of a message of its own;
-- the response is written by the stream, not by h11: ``http.response.start`` is held until the first
-  body message, so that a whole response (head, ``content-length``, body) leaves as one write; a body
-  sent in parts is chunked, as h11 does; header names and values are checked with h11's own grammar
-  (a malformed one raises, as h11's writer does) and ``date`` is formatted once per second;
-- at the end of a response the connection is recycled with a fresh h11 connection that takes over
-  the unparsed bytes (a pipelined request), exactly where hypercorn calls ``start_next_cycle``; a
-  request that asked to close (``Connection: close``), one whose body was not read to its end, the
-  last of ``keep_alive_max_requests``, or an app that failed mid-response closes the connection, as
-  hypercorn does.
+- **Reading**: a whole request on a connection whose h11 state is fresh is read by
+  :func:`simple_request` when it is plain (a strict request line and field grammar, HTTP/1.1, one
+  ``Host``, at most one digits-only ``Content-Length``, no ``Transfer-Encoding``, ``Upgrade``,
+  ``Expect`` or ``HTTP2-Settings``, not ``HEAD``, nothing pipelined after it; a small body that
+  comes after its head is waited for). Anything else goes to h11 as before, which also answers a
+  malformed request.
+- **The app**: :class:`LeanStream` hands it its messages from a deque (a body already in comes
+  without a checkpoint; the body's end rides on its last part). It runs in a task of its own, as in
+  hypercorn, unless the app's ``inline_request(method, path)`` says the request only reads its body
+  and answers (the REST API's ``POST`` and ``DELETE``): then it runs in the connection's reading
+  task, and its answer leaves a scheduling pass earlier.
+- **Writing**: the stream writes the response, not h11. ``http.response.start`` is queued held
+  (:class:`~.wire.HeldWrite`) and settled by the first body part when it comes before the queue is
+  written, so that a whole response (head, ``content-length``, body) is one write; otherwise the head
+  leaves as it is and the body is chunked, as h11 does. Header names and values are checked with
+  h11's grammar (a bad one fails the app's send), and ``date`` is formatted once per second.
+
+At the end of a response the connection serves the next request (h11 gets a fresh connection that
+takes the bytes not parsed yet, where hypercorn calls ``start_next_cycle``), or closes when the
+request asked to (``Connection: close``), its body was not read to its end, it was the last of
+``keep_alive_max_requests``, or the app failed mid-response, as hypercorn does. A request that comes
+while one read without h11 is served waits for its answer (h11's ``PAUSED``).
 
 Anything else keeps hypercorn's own stream: a WebSocket upgrade, ``h2c``, HTTP/1.0, ``HEAD``,
 ``Expect: 100-continue``, ``server_names`` or raw headers in the config. Backpressure is hypercorn's:
 a body whose messages the app does not read stops the reader at ``max_app_queue_size`` messages, and
-writes go through the server's ``protocol_send`` (:class:`~.wire.BatchedTCPServer`'s bound).
+writes go through the server's bound (:class:`~.wire.BatchedWrites`).
 """
 
 from __future__ import annotations

@@ -16,15 +16,18 @@ bounds the handshake itself): it shows hypercorn what it reads of an SSL stream 
 protocol, the socket under it), so that hypercorn speaks HTTP/2 when ``h2`` was chosen and names the
 scheme ``https``/``wss``.
 
-:class:`BatchedTCPServer` is hypercorn's ``TCPServer`` over such a stream with two per-request costs
-cut, its behaviour kept: a write that fits under the bound is queued at once (no lock, no cancel
-scope, no checkpoint: the bytes are queued whole, so order and atomicity hold), and the keep-alive
-timer is one task per connection that sleeps until the connection may have been idle long enough and
-then looks (hypercorn starts a new task at the end of every request and cancels it at the start of the
-next; a deadline moved per request costs trio a heap update each time). It also tells the flusher when waiting for a
-burst to end is useless: on plain HTTP/1.1 (not a WebSocket, not HTTP/2) a response's writes, and an
-SSE chunk, are all queued in one scheduling pass, so they leave in the next one. Its HTTP/1.1 protocol
-is :class:`~.lean.LeanH11Protocol` (plain requests with less work each; everything else as hypercorn).
+:class:`BatchedTCPServer` is hypercorn's ``TCPServer`` over such a stream with per-request costs cut,
+its behaviour kept: a write that fits under the bound is queued at once (no lock, no cancel scope, no
+checkpoint: the bytes are queued whole, so order and atomicity hold); the keep-alive timer is one task
+per connection that sleeps until the connection may have been idle long enough and then looks
+(hypercorn starts a new task at the end of every request and cancels it at the start of the next; a
+deadline moved per request costs trio a heap update each time); reads make no deadline scope when
+there is no ``read_timeout``. It also tells the stream when joining is useless: on plain HTTP/1.1 (not
+a WebSocket, not HTTP/2) a response, and an SSE chunk, is written whole by one writer, so a write that
+finds nothing queued before it goes to the socket at once from its writer's task (what the kernel does
+not take is queued for the flusher), and a plain socket is read once it is readable, without a read
+tried first to fail. Its HTTP/1.1 protocol is :class:`~.lean.LeanH11Protocol` (plain requests with less
+work each; everything else as hypercorn).
 """
 
 from __future__ import annotations
