@@ -323,7 +323,8 @@ class LeanStream:
             lines.append(b"connection: close\r\n")
         self._status, self._lines, self._seen = status, lines, seen
         self._held = HeldWrite(self._head_alone)
-        protocol.batched.hold(self._held)
+        # an inline request's app sends its body right after (it only answers): the head waits for it
+        protocol.batched.hold(self._held, wake=not self.inline)
         self._state = "held"
 
     def _framing(self, body: bytes, more: bool) -> bytes:
@@ -372,9 +373,11 @@ class LeanStream:
     async def _app_done(self) -> None:
         """The app returned: a request it never answered gets a 500; a response it left unfinished
         closes the connection (hypercorn's ``app_send(None)``)."""
-        if self.closed or self._state == "done":
-            return
         protocol = self.protocol
+        if self.closed or self._state == "done":
+            if self._held is not None:
+                protocol.batched.drop(self._held)  # a head nobody will settle
+            return
         held = self._held
         lines, _ = _head(500, [(b"content-length", b"0"), (b"connection", b"close")])
         error = b"".join((*lines, _date.get(protocol.config), b"\r\n"))

@@ -139,13 +139,22 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
             self._queue(rest)
         return True
 
-    def hold(self, held: HeldWrite) -> None:
+    def hold(self, held: HeldWrite, *, wake: bool = True) -> None:
         """Queue ``held``: its bytes are settled before it is written, and count from then (an HTTP/1.1
-        head: its writes need no joining)."""
+        head: its writes need no joining). ``wake=False``: the flusher is not told (the writer settles
+        it, which tells the flusher if it cannot write it at once)."""
         self.join = False
         self._out.append(held)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
-        self._wake.set()
+        if wake:
+            self._wake.set()
+
+    def drop(self, held: HeldWrite) -> None:
+        """Take ``held`` out of the queue if nothing settled it (its connection is gone)."""
+        if held.data is None and held in self._out:
+            self._out.remove(held)
+            if not self._out and not self._writing:
+                self._idle.set()
 
     async def settle(self, held: HeldWrite, data: bytes) -> None:
         """Give ``held`` (queued, not taken yet) its bytes; waits as :meth:`send_all` past the bound."""
@@ -161,6 +170,7 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
             self._out, held.data = [held], bytes(rest)
         else:
             held.data = data
+        self._wake.set()
         self._nbytes += len(held.data)
         while self._nbytes > self.limit and self._error is None:
             self._room = trio.Event()
