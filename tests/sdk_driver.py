@@ -411,6 +411,13 @@ async def agent_scenario(target: str) -> dict[str, Any]:
     async with connect(target, second, recorder2, 0) as conn:
         await conn.initialize(protocol_version=acp.PROTOCOL_VERSION, client_capabilities=schema.ClientCapabilities(), client_info=info)
         await conn.load_session(cwd=cwd, session_id=echo, mcp_servers=[])
+        # the SDK runs each notification's handler in a task of its own: replayed updates that came in the
+        # same read as the answer are handled just after it (wait until no more come)
+        for _ in range(100):
+            seen = len(second.updates)
+            await asyncio.sleep(0.02)
+            if len(second.updates) == seen:
+                break
         out["replayKinds"] = second.kinds()
         out["replayText"] = second.agent_text()
         mark = len(second.updates)

@@ -284,3 +284,57 @@ def test_frames_of_a_line_are_the_envelopes_encoded(line: bytes) -> None:
         assert head == want.partition(b"data: ")[0]
         assert data.endswith(b"\n\n") and b"\n" not in data[:-2] and b"\r" not in data
         assert json.loads(data) == json.loads(want.partition(b"data: ")[2])
+
+
+async def test_an_idle_event_stream_gets_a_heartbeat_every_period(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``: heartbeat`` is written once a stream has had nothing for HEARTBEAT_S, and again after as long."""
+    from acp_server.transports.http import rest_stream
+
+    monkeypatch.setattr(rest_stream, "HEARTBEAT_S", 0.3)
+    with trio.fail_after(TIMEOUT_S):
+        async with http_server() as (_server, _n, url), httpx.AsyncClient(timeout=10) as c, trio.open_nursery() as nursery:
+            sid = (await c.post(url + "/session", json={"sessionScope": "thread"})).json()["sessionId"]
+            events = Events()
+            started = trio.current_time()
+            await nursery.start(events.run, c, f"{url}/session/{sid}/events")
+            beats: list[float] = []
+            while len(beats) < 2:
+                await trio.sleep(0.02)
+                if events.raw.count(": heartbeat\n\n") > len(beats):
+                    beats.append(trio.current_time() - started)
+            assert events.raw.startswith("retry: 3000\n\n")
+            assert beats[0] >= 0.25 and beats[1] - beats[0] >= 0.25
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        encode_update("s1", 7, b'{"sessionUpdate":"agent_message_chunk","content":{"type":"text","text":"hi \\u00e9"}}'),
+        encode_update("3f2a-b_c.d:e", 123456, b'{"a":{"_meta":{"eventId":3}},"b":",\\"_meta\\":{\\"eventId\\":9}}"}', "cli-1"),
+        encode_update("s1", 1, b"[]"),
+    ],
+)
+def test_a_bridge_update_line_is_cut_into_the_frame_its_decoding_writes(line: bytes) -> None:
+    """A ``session/update`` line in the bridge's own layout becomes, cut from its bytes, exactly the
+    frame the Struct decoding writes (the same bytes, the same event id)."""
+    from acp_server.transports.http.rest_events import _bridge_update_frame, _update_frames
+
+    cut = _bridge_update_frame(line)
+    assert cut is not None and cut == _update_frames(line)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s\\"1","update":{},"_meta":{"eventId":2}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1","update":{},"_meta":{"eventId":02}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1","update":{},"_meta":{"eventId":2,"x":1}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1","update":{"a":\r1},"_meta":{"eventId":2}}}\n',
+    ],
+)
+def test_other_update_lines_are_not_cut(line: bytes) -> None:
+    """A line the bridge's layout does not describe exactly takes the decoding path."""
+    from acp_server.transports.http.rest_events import _bridge_update_frame
+
+    assert _bridge_update_frame(line) is None

@@ -77,6 +77,11 @@ class ForwardedFor:
         self.app = app
         self.proxies = proxies
 
+    def inline_request(self, method: bytes, path: bytes) -> bool:
+        """The wrapped app's answer (see :meth:`~.app.AcpHttpApp.inline_request`)."""
+        inline = getattr(self.app, "inline_request", None)
+        return bool(inline(method, path)) if inline is not None else False
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope.get("type") in ("http", "websocket"):
             scope = forwarded_scope(scope, self.proxies)

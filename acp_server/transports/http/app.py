@@ -170,6 +170,12 @@ class AcpHttpApp:
         #: ``None`` when it is ready; unset: always ready
         self.readiness: Callable[[], AcpError | None] | None = None
 
+    def inline_request(self, method: bytes, path: bytes) -> bool:
+        """Whether a whole request may be served in its connection's reading task (no task of its own;
+        see :mod:`.lean`): a REST ``POST`` or ``DELETE``, whose handler reads its body and answers,
+        and never waits on anything the same connection brings later (its client waits for the answer)."""
+        return method in (b"POST", b"DELETE") and self.rest is not None and self.rest.handles(path.decode("latin-1"))
+
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind in ("http", "websocket"):

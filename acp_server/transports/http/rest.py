@@ -307,7 +307,8 @@ class RestApi:
         path: str = scope["path"]
         method: str = scope["method"]
         headers = scope["headers"]
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        raw_query = scope.get("query_string", b"")
+        query = parse_qs(raw_query.decode("latin-1")) if raw_query else {}
         parts = path.strip("/").split("/")
 
         def need(*allowed: str) -> None:

@@ -16,6 +16,7 @@ stream ends, and nobody else waits (the bridge never waits on a live send).
 from __future__ import annotations
 
 import itertools
+import re
 import secrets
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,8 @@ EVENT_TYPES = (
     "replay_complete",
 )
 
+#: the comment an idle stream is sent (proxies keep the connection open)
+HEARTBEAT = b": heartbeat\n\n"
 _TURN_STATE = "_acp_server/turn_state"
 _REPLAY_TRUNCATED = "_acp_server/replay_truncated"
 _encoder = msgspec.json.Encoder()
@@ -180,19 +183,56 @@ def _update_frames(line: bytes) -> list[tuple[int | None, bytes]] | None:
     return [(event_id, encode_frame(event))]
 
 
+#: a ``session/update`` line as the bridge writes it (``fanout.encode_update``): 1, the session id (plain)
+#: and the update's JSON (the last ``_meta`` of the line is the bridge's: the update's own come before it;
+#: no carriage return, which JSON allows as whitespace and SSE reads as a line end); 2, the event id;
+#: 3, the originating client id's member
+_BRIDGE_UPDATE = re.compile(
+    rb'\{"jsonrpc":"2\.0","method":"session/update","params":\{"sessionId":"([A-Za-z0-9._:-]{1,128}","update":[^\r\n]*)'
+    rb',"_meta":\{"eventId":([1-9][0-9]{0,15})(,"originatorClientId":"[A-Za-z0-9._:-]{1,128}")?\}\}\}\n?'
+)
+#: a turn state line, up to its state (``fanout.turn_state``): only the terminal ones become frames
+_TURN_HEAD = re.compile(rb'\{"jsonrpc":"2\.0","method":"_acp_server/turn_state","params":\{"sessionId":"[^"\\]*",'
+                        rb'"promptId":"[^"\\]*","state":"([a-z_]+)"')
+_TERMINAL = frozenset((b"completed", b"cancelled", b"failed"))
+_FRAME_HEAD = b'\nevent: session_update\ndata: {"v":1,"type":"session_update","data":{"sessionId":"'
+
+
+def _bridge_update_frame(line: bytes) -> list[tuple[int | None, bytes]] | None:
+    """The frame of a ``session/update`` line in the bridge's own layout (:func:`~acp_server.bridge.fanout.encode_update`:
+    session id, the update's JSON, then ``_meta`` with the event id and maybe the originating client id),
+    cut from the line's bytes without decoding it; ``None`` for any other line. The frame is the one
+    :func:`_update_frames` writes, byte for byte (a test holds them equal)."""
+    match = _BRIDGE_UPDATE.fullmatch(line)
+    if match is None:
+        return None
+    digits = match[2]
+    # the line's ``sessionId":"...","update":{...}`` as it is, between the envelope's parts
+    frame = b"".join((b"id: ", digits, _FRAME_HEAD, match[1], b'},"_meta":{"eventId":', digits, b'},"id":', digits,
+                      match[3] or b"", b"}\n\n"))
+    return [(int(digits), frame)]
+
+
 _last_line: tuple[bytes, list[tuple[int | None, bytes]]] = (b"", [])
 
 
 def frames_of(line: bytes) -> list[tuple[int | None, bytes]]:
     """The encoded SSE frames of one bridge line, each with the event id it carries. The bridge sends
     one line object to every subscriber of a session, so the last line's frames are kept: a fan-out to
-    N subscribers translates and encodes once."""
+    N subscribers translates and encodes once. A turn state that is not terminal has no frame, which
+    its first bytes tell."""
     global _last_line
     if _last_line[0] is line:
         return _last_line[1]
-    frames = _update_frames(line)
+    frames = _bridge_update_frame(line)
     if frames is None:
-        frames = [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
+        turn = _TURN_HEAD.match(line)
+        if turn is not None:
+            frames = [] if turn[1] not in _TERMINAL else [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
+        else:
+            frames = _update_frames(line)
+            if frames is None:
+                frames = [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
     _last_line = (line, frames)
     return frames
 
@@ -221,9 +261,17 @@ class SseSubscriber:
         self.frames_queued = 0
         self._closed = False
         self._ready = trio.Event()
+        #: the writer waits on ``_ready`` (a frame queued meanwhile sets it; others need not)
+        self._waiting = False
         self._room = trio.Event()
+        #: the queue lengths at which the reader is warned (75 % of either bound)
+        self._warn_frames = -(-max_frames * 3 // 4)
+        self._warn_bytes = -(-max_bytes * 3 // 4)
         #: the token the stream was opened with (evicted with it: :meth:`evict`)
         self.identity: Identity | None = None
+        #: when the stream's writer last took something (trio's clock): the heartbeat counts from it
+        self.taken_at = 0.0
+        self._beat = False
 
     @property
     def closed(self) -> bool:
@@ -285,9 +333,30 @@ class SseSubscriber:
         self.push(frame)
 
     def send(self, data: bytes) -> None:
-        """The bridge's live fan-out: translate and queue (never waits)."""
-        for event_id, frame in frames_of(data):
-            self.push_frame(event_id, frame)
+        """The bridge's live fan-out: translate and queue (never waits). A frame that finds the queue
+        below its warning mark is queued here; the others go through :meth:`push`."""
+        last = _last_line
+        for event_id, frame in last[1] if last[0] is data else frames_of(data):
+            if event_id is not None:
+                self.last_event_id = event_id
+            size = self.nbytes + len(frame)
+            if self._closed or len(self.frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
+                self.push(frame)
+                continue
+            self.frames_queued += 1
+            self.frames.append(frame)
+            self.nbytes = size
+            if self._waiting:
+                self._waiting = False
+                self._ready.set()
+
+    def beat(self) -> bool:
+        """Have the writer send ``: heartbeat`` (unless frames come first); ``False`` once closed."""
+        if self._closed:
+            return False
+        self._beat = True
+        self._ready.set()
+        return True
 
     async def send_reliably(self, data: bytes) -> None:
         """A replayed line: waits while the queue is at half its bound instead of evicting."""
@@ -311,12 +380,19 @@ class SseSubscriber:
         raise trio.EndOfChannel
 
     async def take(self) -> list[bytes] | None:
-        """Every queued frame, once there is one (``None``: closed and drained)."""
+        """Every queued frame, once there is one, or a heartbeat (``None``: closed and drained)."""
         while not self.frames:
             if self._closed:
                 return None
+            if self._beat:
+                self._beat = False
+                self.taken_at = trio.current_time()
+                return [HEARTBEAT]
             self._ready = trio.Event()
+            self._waiting = True
             await self._ready.wait()
+        self._beat = False
+        self.taken_at = trio.current_time()
         frames = list(self.frames)
         self.frames.clear()
         self.nbytes = 0

@@ -85,6 +85,7 @@ async def serve_events(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch, receive, nursery.cancel_scope)
             nursery.start_soon(_pump, sub, send, nursery.cancel_scope)
+            nursery.start_soon(_heartbeat, sub)
             await _replay(bridge, session, sub, after, their_epoch is not None and their_epoch != epoch)
     finally:
         sub.close()
@@ -124,14 +125,24 @@ async def _watch(receive: Receive, scope: trio.CancelScope) -> None:
 
 
 async def _pump(sub: SseSubscriber, send: Send, scope: trio.CancelScope) -> None:
-    """Write the subscriber's frames, and ``: heartbeat`` when it has been idle for 15 s."""
+    """Write the subscriber's frames (and its heartbeats) as they come."""
     while True:
-        with trio.move_on_after(HEARTBEAT_S) as idle:
-            frames = await sub.take()
-        if idle.cancelled_caught:
-            await send({"type": "http.response.body", "body": b": heartbeat\n\n", "more_body": True})
-            continue
+        frames = await sub.take()
         if frames is None:
             scope.cancel()
             return
         await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
+
+
+async def _heartbeat(sub: SseSubscriber) -> None:
+    """Have ``: heartbeat`` written once the stream has had nothing for :data:`HEARTBEAT_S` seconds
+    (one timer beside the pump, so that a wake-up of the pump sets no deadline)."""
+    sub.taken_at = max(sub.taken_at, trio.current_time())
+    while True:
+        due = sub.taken_at + HEARTBEAT_S
+        if trio.current_time() < due:
+            await trio.sleep_until(due)
+        elif sub.beat():
+            await trio.sleep(HEARTBEAT_S)
+        else:
+            return

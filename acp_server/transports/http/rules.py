@@ -198,6 +198,8 @@ class HostRules:
     allow_origins: frozenset[str] = field(default_factory=frozenset)
     allow_hosts: frozenset[str] = field(default_factory=frozenset)
     scheme: str = "http"
+    #: ``Host`` values accepted so far (at most 64 kept): the check is a set lookup after the first
+    _accepted: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def _bound_names(self) -> set[str]:
         names = {"127.0.0.1", "localhost", "[::1]"}
@@ -215,6 +217,14 @@ class HostRules:
         """403 unless ``Host`` names this server: a loopback name, the bound address, or an allowed name."""
         if host is None:
             return ForbiddenHostError(host="")
+        if host in self._accepted:  # a client sends the same Host on every request
+            return None
+        refusal = self._check_host(host)
+        if refusal is None and len(self._accepted) < 64:
+            self._accepted.add(host)
+        return refusal
+
+    def _check_host(self, host: str) -> HttpError | None:
         name, port = _split_host(host.strip().lower())
         if name in self.allow_hosts and (port is None or (port.isdigit() and 0 < int(port) < 65536)):
             return None

@@ -16,31 +16,59 @@ bounds the handshake itself): it shows hypercorn what it reads of an SSL stream 
 protocol, the socket under it), so that hypercorn speaks HTTP/2 when ``h2`` was chosen and names the
 scheme ``https``/``wss``.
 
-:class:`BatchedTCPServer` is hypercorn's ``TCPServer`` over such a stream with two per-request costs
-cut, its behaviour kept: a write that fits under the bound is queued at once (no lock, no cancel
-scope, no checkpoint: the bytes are queued whole, so order and atomicity hold), and the keep-alive
-timer is one task per connection whose deadline moves (hypercorn starts a new task at the end of
-every request and cancels it at the start of the next). It also tells the flusher when waiting for a
-burst to end is useless: on plain HTTP/1.1 (not a WebSocket, not HTTP/2) a response's writes, and an
-SSE chunk, are all queued in one scheduling pass, so they leave in the next one.
+:class:`BatchedTCPServer` is hypercorn's ``TCPServer`` over such a stream with per-request costs cut,
+its behaviour kept: a write that fits under the bound is queued at once (no lock, no cancel scope, no
+checkpoint: the bytes are queued whole, so order and atomicity hold); the keep-alive timer is one task
+per connection that sleeps until the connection may have been idle long enough and then looks
+(hypercorn starts a new task at the end of every request and cancels it at the start of the next; a
+deadline moved per request costs trio a heap update each time); reads make no deadline scope when
+there is no ``read_timeout``. It also tells the stream when joining is useless: on plain HTTP/1.1 (not
+a WebSocket, not HTTP/2) a response, and an SSE chunk, is written whole by one writer, so a write that
+finds nothing queued before it goes to the socket at once from its writer's task (what the kernel does
+not take is queued for the flusher), and a plain socket is read once it is readable, without a read
+tried first to fail. Its HTTP/1.1 protocol is :class:`~.lean.LeanH11Protocol` (plain requests with less
+work each; everything else as hypercorn).
 """
 
 from __future__ import annotations
 
-import math
+import os
+from collections.abc import Callable
 from typing import Any, cast
 
 import trio
-from hypercorn.events import Event, RawData, Updated
+from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.ws_stream import WSStream
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
-__all__ = ["BatchedTCPServer", "BatchedWrites", "TlsBatchedWrites"]
+__all__ = ["BatchedTCPServer", "BatchedWrites", "HeldWrite", "TlsBatchedWrites"]
 
 #: the most scheduling passes the flusher waits for a burst to end: it writes after the first pass that
 #: queued nothing more (a WebSocket burst queues one frame per pass)
 _JOIN_PASSES = 32
+
+
+class HeldWrite:
+    """A write queued in order whose bytes are settled later: by :meth:`BatchedWrites.settle`, or by
+    ``render`` when the flusher takes it first (an HTTP/1.1 head that waits to learn its body's length).
+
+    Args:
+        render: the bytes, when nothing settled them before the flusher took them.
+    """
+
+    __slots__ = ("data", "render")
+
+    def __init__(self, render: Callable[[], bytes]) -> None:
+        self.render = render
+        self.data: bytes | None = None
+
+    def take(self) -> bytes:
+        """The settled bytes (rendered now if there are none yet)."""
+        if self.data is None:
+            self.data = self.render()
+        return self.data
 
 
 class BatchedWrites(trio.abc.HalfCloseableStream):
@@ -57,13 +85,15 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         # hypercorn reads the addresses from it
         self.socket = socket if socket is not None else cast(trio.SocketStream, stream).socket
         self.limit = limit
-        self._out: list[bytes] = []
+        self._out: list[bytes | HeldWrite] = []
         self._nbytes = 0
         self._wake = trio.Event()
         self._room = trio.Event()
         self._idle = trio.Event()
         self._idle.set()
         self._error: BaseException | None = None
+        #: the flusher is writing what it took (nothing may be written past it meanwhile)
+        self._writing = False
         #: whether the flusher waits for a burst to end (a WebSocket's or HTTP/2's writers queue over
         #: several passes; an HTTP/1.1 response or SSE chunk is queued whole in one)
         self.join = True
@@ -74,12 +104,79 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._wake.set()
 
+    def _write_now(self, data: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
+        """Write what the kernel takes of ``data`` at once, when nothing is queued or being written before
+        it, writes are not joined and the socket is plain; the rest (all of it otherwise) is returned."""
+        if self.join or self._out or self._writing or type(self.stream) is not trio.SocketStream:
+            return data
+        fd = self.stream.socket.fileno()  # -1 once closed: never a stale descriptor number
+        if fd < 0:
+            return data
+        try:
+            sent = os.write(fd, data)
+        except BlockingIOError:
+            return data
+        except OSError as exc:
+            self._fail(exc)
+            return b""
+        return data[sent:]
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._wake.set()
+        self._room.set()
+        self._idle.set()
+
     def send_nowait(self, data: bytes | bytearray | memoryview) -> bool:
-        """Queue ``data`` if that needs no wait (``False``: broken, or past ``limit``: use :meth:`send_all`)."""
+        """Write or queue ``data`` if that needs no wait (``False``: broken, or past ``limit``: use
+        :meth:`send_all`). On plain HTTP/1.1 (no joining) what the socket takes is written at once."""
         if self._error is not None or self._nbytes + len(data) > self.limit:
             return False
-        self._queue(data)
+        rest = self._write_now(data)
+        if self._error is not None:
+            return False
+        if rest:
+            self._queue(rest)
         return True
+
+    def hold(self, held: HeldWrite, *, wake: bool = True) -> None:
+        """Queue ``held``: its bytes are settled before it is written, and count from then (an HTTP/1.1
+        head: its writes need no joining). ``wake=False``: the flusher is not told (the writer settles
+        it, which tells the flusher if it cannot write it at once)."""
+        self.join = False
+        self._out.append(held)
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        if wake:
+            self._wake.set()
+
+    def drop(self, held: HeldWrite) -> None:
+        """Take ``held`` out of the queue if nothing settled it (its connection is gone)."""
+        if held.data is None and held in self._out:
+            self._out.remove(held)
+            if not self._out and not self._writing:
+                self._idle.set()
+
+    async def settle(self, held: HeldWrite, data: bytes) -> None:
+        """Give ``held`` (queued, not taken yet) its bytes; waits as :meth:`send_all` past the bound."""
+        if len(self._out) == 1 and self._out[0] is held and not self._writing:  # nothing before it
+            self._out = []
+            held.data = data
+            rest = self._write_now(data)
+            if self._error is not None:
+                raise trio.BrokenResourceError("the connection broke") from self._error
+            if not rest:
+                self._idle.set()
+                return
+            self._out, held.data = [held], bytes(rest)
+        else:
+            held.data = data
+        self._wake.set()
+        self._nbytes += len(held.data)
+        while self._nbytes > self.limit and self._error is None:
+            self._room = trio.Event()
+            await self._room.wait()
+        if self._error is not None:
+            raise trio.BrokenResourceError("the connection broke") from self._error
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         if self._error is not None:
@@ -97,24 +194,51 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
+            if self._error is not None:
+                return
+            if not self._out:  # written at once by its writer
+                continue
             for _ in range(_JOIN_PASSES if self.join else 0):
                 queued = len(self._out)
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 if len(self._out) == queued:
                     break
-            data = b"".join(self._out)
-            self._out = []
+            out, self._out = self._out, []
+            data = b"".join([part if isinstance(part, bytes) else self._take(part) for part in out])
+            self._writing = True
             try:
-                await self.stream.send_all(data)
+                await self._send(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self._error = exc
-                self._room.set()
-                self._idle.set()
+                self._fail(exc)
                 return
+            finally:
+                self._writing = False
             self._nbytes -= len(data)
             self._room.set()
             if not self._out:
                 self._idle.set()
+
+    def _take(self, held: HeldWrite) -> bytes:
+        settled = held.data is not None
+        data = held.take()
+        if not settled:
+            self._nbytes += len(data)  # counted now, as it is written
+        return data
+
+    async def _send(self, data: bytes) -> None:
+        """Write ``data``: on a plain socket what the kernel takes at once is written without a
+        scheduling pass (the rest, and any TLS stream, through ``send_all``)."""
+        if type(self.stream) is trio.SocketStream:
+            fd = self.stream.socket.fileno()  # -1 once closed: never a stale descriptor number
+            if fd >= 0:
+                try:
+                    sent = os.write(fd, data)
+                except BlockingIOError:
+                    sent = 0
+                if sent == len(data):
+                    return
+                data = data[sent:]
+        await self.stream.send_all(data)
 
     async def _drain(self) -> None:
         with trio.move_on_after(1.0):
@@ -124,7 +248,22 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         await self.stream.wait_send_all_might_not_block()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.stream.receive_some(max_bytes)
+        """Read what is there; a plain socket is read once it is readable (an HTTP/1.1 peer has
+        usually sent nothing yet when its connection is read again: no read is tried first to fail)."""
+        if type(self.stream) is not trio.SocketStream:
+            return await self.stream.receive_some(max_bytes)
+        sock = self.stream.socket
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            fd = sock.fileno()
+            if fd < 0:
+                raise trio.ClosedResourceError("the connection is closed")
+            try:
+                return os.read(fd, max_bytes or MAX_RECV)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"the connection broke: {exc}") from exc
 
     async def send_eof(self) -> None:
         await self._drain()
@@ -182,9 +321,31 @@ class BatchedTCPServer(TCPServer):
     def __init__(self, app: Any, config: Any, context: Any, state: Any, stream: BatchedWrites) -> None:
         super().__init__(app, config, context, state, stream)  # type: ignore[arg-type]
         self.batched = stream
-        #: the keep-alive timer: its deadline is ``inf`` while a request is served
-        self._idle_scope = trio.CancelScope(deadline=trio.current_time() + config.keep_alive_timeout)
+        #: the keep-alive timer's state: a request is being served, or since when the connection is idle
+        #: (the timer reads them when it fires, so a request moves no deadline)
+        self._busy = False
+        self._idle_since = trio.current_time()
         self._idle_started = False
+
+    @property
+    def protocol(self) -> ProtocolWrapper:
+        """hypercorn's protocol wrapper, whose HTTP/1.1 protocol is a :class:`~.lean.LeanH11Protocol`."""
+        return self._protocol
+
+    @protocol.setter
+    def protocol(self, wrapper: ProtocolWrapper) -> None:
+        # hypercorn's ``run`` builds the wrapper, which builds an ``H11Protocol`` for any connection that
+        # did not choose h2: the same arguments make the lean one
+        if type(wrapper.protocol) is H11Protocol:
+            from .lean import LeanH11Protocol
+
+            lean = LeanH11Protocol(
+                wrapper.app, wrapper.config, wrapper.context, wrapper.task_group, wrapper.state, wrapper.ssl,
+                wrapper.client, wrapper.server, wrapper.send,
+            )
+            lean.batched = self.batched
+            wrapper.protocol = lean
+        self._protocol = wrapper
 
     async def protocol_send(self, event: Event) -> None:
         """Queue a write at once when it fits; move the keep-alive deadline in place."""
@@ -194,9 +355,28 @@ class BatchedTCPServer(TCPServer):
             if self.batched.send_nowait(event.data):
                 return
         elif isinstance(event, Updated):
-            self._idle_scope.deadline = trio.current_time() + self.config.keep_alive_timeout if event.idle else math.inf
+            if event.idle:
+                self._busy = False
+                self._idle_since = trio.current_time()
+            else:
+                self._busy = True
             return
         await super().protocol_send(event)
+
+    async def _read_data(self) -> None:
+        """hypercorn's read loop; without a ``read_timeout`` it makes no deadline scope per read."""
+        if self.config.read_timeout is not None:
+            await super()._read_data()
+            return
+        while True:
+            try:
+                data = await self.stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                break
+            await self.protocol.handle(RawData(bytes(data)))
+            if not data:
+                break
+        await self.protocol.handle(Closed())
 
     async def _idle_timeout(self) -> None:
         """Close the connection once it has been idle for ``keep_alive_timeout`` seconds."""
@@ -204,7 +384,18 @@ class BatchedTCPServer(TCPServer):
             await super()._idle_timeout()
             return
         self._idle_started = True
-        with self._idle_scope:
-            await self.context.terminated.wait()
+        timeout = self.config.keep_alive_timeout
+        due = self._idle_since + timeout
+        terminated = self.context.terminated
+        while not terminated.is_set():
+            with trio.move_on_at(due):
+                await terminated.wait()
+            now = trio.current_time()
+            if self._busy:
+                due = now + timeout  # looked at again a whole period after now at the earliest
+            elif now < self._idle_since + timeout:
+                due = self._idle_since + timeout
+            else:
+                break
         with trio.CancelScope(shield=True):
             await self._initiate_server_close()

@@ -1,0 +1,565 @@
+"""A plain HTTP/1.1 request cycle with less per-request work: hypercorn's H11 protocol, one stream class swapped.
+
+hypercorn serves each request through h11 and ``HTTPStream``: h11 parses it into events, the ASGI
+app runs in a new task fed by a memory channel (two checkpoints per message, both sides), and every
+response event (``http.response.start``, each body, the end) goes through h11's writer, which
+validates and rewrites the headers again and frames a body of unknown length as chunks.
+:class:`LeanH11Protocol` is hypercorn's H11 protocol with three shortcuts, each for what is plain:
+
+- **Reading**: a whole request on a connection whose h11 state is fresh is read by
+  :func:`simple_request` when it is plain (a strict request line and field grammar, HTTP/1.1, one
+  ``Host``, at most one digits-only ``Content-Length``, no ``Transfer-Encoding``, ``Upgrade``,
+  ``Expect`` or ``HTTP2-Settings``, not ``HEAD``, nothing pipelined after it; a small body that
+  comes after its head is waited for). Anything else goes to h11 as before, which also answers a
+  malformed request.
+- **The app**: :class:`LeanStream` hands it its messages from a deque (a body already in comes
+  without a checkpoint; the body's end rides on its last part). It runs in a task of its own, as in
+  hypercorn, unless the app's ``inline_request(method, path)`` says the request only reads its body
+  and answers (the REST API's ``POST`` and ``DELETE``): then it runs in the connection's reading
+  task, and its answer leaves a scheduling pass earlier.
+- **Writing**: the stream writes the response, not h11. ``http.response.start`` is queued held
+  (:class:`~.wire.HeldWrite`) and settled by the first body part when it comes before the queue is
+  written, so that a whole response (head, ``content-length``, body) is one write; otherwise the head
+  leaves as it is and the body is chunked, as h11 does. Header names and values are checked with
+  h11's grammar (a bad one fails the app's send), and ``date`` is formatted once per second.
+
+At the end of a response the connection serves the next request (h11 gets a fresh connection that
+takes the bytes not parsed yet, where hypercorn calls ``start_next_cycle``), or closes when the
+request asked to (``Connection: close``), its body was not read to its end, it was the last of
+``keep_alive_max_requests``, or the app failed mid-response, as hypercorn does. A request that comes
+while one read without h11 is served waits for its answer (h11's ``PAUSED``).
+
+Anything else keeps hypercorn's own stream: a WebSocket upgrade, ``h2c``, HTTP/1.0, ``HEAD``,
+``Expect: 100-continue``, ``server_names`` or raw headers in the config. Backpressure is hypercorn's:
+a body whose messages the app does not read stops the reader at ``max_app_queue_size`` messages, and
+writes go through the server's bound (:class:`~.wire.BatchedWrites`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from time import time
+from typing import Any
+from urllib.parse import unquote
+
+import h11
+import trio
+from hypercorn.events import Closed, RawData, Updated
+from hypercorn.protocol.events import Body, EndBody, StreamClosed
+from hypercorn.protocol.h11 import H11Protocol
+
+from .wire import BatchedWrites, HeldWrite
+
+__all__ = ["LeanH11Protocol", "LeanStream"]
+
+#: RFC 9110's field-name (a token) and field-value (no control characters but tab), as h11 checks them
+_FIELD_NAME = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
+_FIELD_VALUE = re.compile(rb"[^\x00-\x08\x0a-\x1f\x7f]*")
+#: statuses whose response has no body (and no framing header)
+_NO_BODY = frozenset((204, 304))
+
+
+class _Date:
+    """hypercorn's per-response headers (``date``, ``server``, ``alt-svc``), built once per second."""
+
+    __slots__ = ("headers", "key")
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int] = (-1, 0)
+        self.headers = b""
+
+    def get(self, config: Any) -> bytes:
+        key = (int(time()), id(config))
+        if key != self.key:
+            self.key = key
+            self.headers = b"".join(b"%s: %s\r\n" % pair for pair in config.response_headers("h11"))
+        return self.headers
+
+
+_date = _Date()
+
+
+#: what :func:`_head` reports of the app's headers
+_LENGTH, _CHUNKED, _CONNECTION, _CLOSE = 1, 2, 4, 8
+
+
+def _head(status: int, headers: list[tuple[bytes, bytes]]) -> tuple[list[bytes], int]:
+    """The status line and header lines, and which framing and connection headers the app gave
+    (:data:`_LENGTH`, ...); raises ``ValueError`` for a header h11 would refuse."""
+    lines = [b"HTTP/1.1 %d \r\n" % status]
+    seen = 0
+    for name, value in headers:
+        name, value = bytes(name).strip(), bytes(value).strip()
+        if not _FIELD_NAME.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
+            raise ValueError(f"illegal response header {name!r}: {value!r}")
+        lines.append(b"%s: %s\r\n" % (name, value))
+        lower = name.lower()
+        if lower in _FRAMING:
+            seen |= _FRAMING[lower]
+            if lower == b"connection" and b"close" in _tokens(value):
+                seen |= _CLOSE
+    return lines, seen
+
+
+_FRAMING = {b"content-length": _LENGTH, b"transfer-encoding": _CHUNKED, b"connection": _CONNECTION}
+
+
+def _tokens(value: bytes) -> list[bytes]:
+    """A comma-separated header's tokens, lowercased."""
+    return [token.strip() for token in value.lower().split(b",")]
+
+
+#: a request line this module parses itself (any other goes to h11): an upper-case method, a target of
+#: visible ASCII, HTTP/1.1
+_REQUEST_LINE = re.compile(rb"([A-Z]{1,20}) ([\x21-\x7e]+) HTTP/1\.1")
+#: a field line (no obs-fold: a line that starts with a space or tab does not match)
+_FIELD_LINE = re.compile(rb"([-!#$%&'*+.^_`|~0-9a-zA-Z]+):([^\x00-\x08\x0a-\x1f\x7f]*)")
+#: headers that send a request to h11 (its framing or its protocol is not a plain request's)
+_NOT_PLAIN = frozenset((b"transfer-encoding", b"upgrade", b"expect", b"http2-settings"))
+#: the largest plain request kept whole while its body comes in (a larger one goes to h11, which streams it)
+PARTIAL_MAX = 64 * 1024
+
+
+class SimpleRequest:
+    """A whole plain request, read at once (see :func:`simple_request`)."""
+
+    __slots__ = ("body", "headers", "keep_alive", "method", "missing", "target")
+
+    def __init__(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes, keep_alive: bool, missing: int
+    ) -> None:
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        #: the bytes of the body not in yet
+        self.missing = missing
+
+
+def simple_request(data: bytes, limit: int) -> SimpleRequest | None:
+    """``data`` as one plain HTTP/1.1 request, exactly, or its beginning when what is missing is the end
+    of a body that fits in :data:`PARTIAL_MAX` (``missing`` says how much); ``None``: anything else, left to h11.
+
+    Plain: the request line of :data:`_REQUEST_LINE` (not ``HEAD``), a head within ``limit`` bytes,
+    field lines h11's grammar takes, exactly one ``Host``, at most one ``Content-Length`` (digits) and
+    no ``Transfer-Encoding``, ``Upgrade``, ``Expect`` or ``HTTP2-Settings``, and nothing after the body
+    (a pipelined request goes to h11). Names are lowercased and values stripped, as h11 gives them.
+    """
+    end = data.find(b"\r\n\r\n", 0, limit)
+    if end < 0:
+        return None
+    lines = data[:end].split(b"\r\n")
+    first = _REQUEST_LINE.fullmatch(lines[0])
+    if first is None or first[1] == b"HEAD":
+        return None
+    headers: list[tuple[bytes, bytes]] = []
+    hosts = 0
+    length = -1
+    keep_alive = True
+    for line in lines[1:]:
+        field = _FIELD_LINE.fullmatch(line)
+        if field is None:
+            return None
+        name = field[1].lower()
+        value = field[2].strip(b" \t")
+        if name == b"host":
+            hosts += 1
+        elif name == b"content-length":
+            if length >= 0 or not value.isdigit() or len(value) > 18:
+                return None
+            length = int(value)
+        elif name in _NOT_PLAIN:
+            return None
+        elif name == b"connection" and b"close" in _tokens(value):
+            keep_alive = False
+        headers.append((name, value))
+    body = data[end + 4:]
+    if hosts != 1 or len(body) > max(length, 0):
+        return None
+    missing = length - len(body)
+    if missing > 0 and end + 4 + length > PARTIAL_MAX:
+        return None
+    return SimpleRequest(first[1], first[2], headers, body, keep_alive, max(missing, 0))
+
+
+class LeanStream:
+    """One plain HTTP/1.1 request served to the ASGI app (see the module docstring).
+
+    Args:
+        protocol: the connection's protocol (it writes and recycles the connection).
+        scope: the request's ASGI scope.
+        keep_alive: whether the request lets the connection serve another one after it.
+    """
+
+    def __init__(self, protocol: LeanH11Protocol, scope: dict[str, Any], *, keep_alive: bool) -> None:
+        self.protocol = protocol
+        self.scope = scope
+        self.keep_alive = keep_alive
+        self.closed = False
+        self.start_time = time()
+        self._log: Any = protocol.config.log
+        self._inbox: deque[dict[str, Any]] = deque()
+        #: what the app's ``receive`` and the reader's backpressure wait on (made when one waits)
+        self._ready: trio.Event | None = None
+        self._room: trio.Event | None = None
+        self._state = "request"  # then "held" (head queued), "body" (head settled), "done"
+        #: the queued head, until a body part settles it or the flusher takes it as it is
+        self._held: HeldWrite | None = None
+        self._status = 0
+        self._lines: list[bytes] = []
+        self._seen = 0
+        #: read whole by :func:`simple_request`, without h11
+        self.fast = False
+        #: served in the connection's reading task, which reads nothing more meanwhile
+        self.inline = False
+        self._chunked = False
+        self._response: dict[str, Any] = {}
+
+    idle = False
+
+    # --- from the connection: the request body and the end of the connection -------------------------
+
+    async def handle(self, event: Any) -> None:
+        """A body part, the body's end, or the connection's end (``StreamClosed``)."""
+        if self.closed:
+            return
+        if isinstance(event, Body):
+            self._put({"type": "http.request", "body": bytes(event.data), "more_body": True})
+            while len(self._inbox) >= self.protocol.config.max_app_queue_size and not self.closed:
+                self._room = trio.Event()
+                await self._room.wait()
+        elif isinstance(event, EndBody):
+            last = self._inbox[-1] if self._inbox else None
+            if last is not None and last["type"] == "http.request":
+                last["more_body"] = False  # the end rides on the body part not read yet
+                self._wake_app()
+            else:
+                self._put({"type": "http.request", "body": b"", "more_body": False})
+        elif isinstance(event, StreamClosed):
+            self.closed = True
+            if self._state != "done":
+                await self._log.access(self.scope, None, time() - self.start_time)
+            self._put({"type": "http.disconnect"})
+            self._wake_reader()
+
+    def _put(self, message: dict[str, Any]) -> None:
+        self._inbox.append(message)
+        self._wake_app()
+
+    def _wake_app(self) -> None:
+        if self._ready is not None:
+            self._ready.set()
+
+    def _wake_reader(self) -> None:
+        if self._room is not None:
+            self._room.set()
+
+    # --- the app's side -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run the app on this request (a task of the connection's task group), as hypercorn's ``_handle``."""
+        protocol = self.protocol
+        config: Any = protocol.config
+        app: Any = protocol.app
+        try:
+            await app(self.scope, self.receive, self.send, trio.to_thread.run_sync, trio.from_thread.run)
+        except trio.Cancelled:
+            raise
+        except BaseExceptionGroup as error:
+            _, others = error.split(trio.Cancelled)
+            if others is None:
+                raise
+            await config.log.exception("Error in ASGI Framework")
+        except Exception:
+            await config.log.exception("Error in ASGI Framework")
+        finally:
+            await self._app_done()
+
+    async def receive(self) -> dict[str, Any]:
+        """The next message of the request (no checkpoint when one is there already). An inline
+        request has nothing after its body that its reading task could bring: past it, it reads as gone."""
+        if self.inline and not self._inbox:
+            return {"type": "http.disconnect"}
+        while not self._inbox:
+            self._ready = trio.Event()
+            await self._ready.wait()
+        message = self._inbox.popleft()
+        self._wake_reader()
+        return message
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """One ASGI message of the response (dropped once the connection is gone)."""
+        kind = message["type"]
+        if kind == "http.response.start" and self._state == "request":
+            self._start_head(int(message["status"]), message.get("headers", []))
+            self._response = message
+        elif kind == "http.response.body" and self._state in ("held", "body"):
+            body = bytes(message.get("body", b""))
+            more = bool(message.get("more_body", False))
+            if self.closed:
+                if not more:
+                    self._state = "done"
+                return
+            await self._write_body(body, more)
+        elif kind in ("http.response.push", "http.response.early_hint", "http.response.trailers"):
+            return  # HTTP/2 and /3 only: ignored on HTTP/1.1, as hypercorn does
+        else:
+            from hypercorn.utils import UnexpectedMessageError
+
+            raise UnexpectedMessageError(self._state, kind)  # type: ignore[arg-type]
+
+    def _start_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Check the head and queue it held: the first body part settles it, with the framing it
+        allows, if it comes before the flusher takes the head; else the head leaves as it is, its
+        body chunked (or as long as the app's ``content-length``)."""
+        protocol = self.protocol
+        lines, seen = _head(status, headers)  # a header h11 would refuse fails the app's send
+        lines.append(_date.get(protocol.config))
+        if seen & _CLOSE or protocol.keep_alive_requests >= protocol.config.keep_alive_max_requests:
+            self.keep_alive = False
+        if not self.keep_alive and not seen & _CONNECTION:
+            lines.append(b"connection: close\r\n")
+        self._status, self._lines, self._seen = status, lines, seen
+        self._held = HeldWrite(self._head_alone)
+        # an inline request's app sends its body right after (it only answers): the head waits for it
+        protocol.batched.hold(self._held, wake=not self.inline)
+        self._state = "held"
+
+    def _framing(self, body: bytes, more: bool) -> bytes:
+        """The framing header of the head (none when the app framed it, or for a bodiless status)."""
+        if self._status in _NO_BODY or self._status < 200 or self._seen & (_LENGTH | _CHUNKED):
+            self._chunked = bool(self._seen & _CHUNKED)
+            return b""
+        if more:
+            self._chunked = True
+            return b"transfer-encoding: chunked\r\n"
+        return b"content-length: %d\r\n" % len(body)
+
+    def _head_alone(self) -> bytes:
+        """The held head as the flusher takes it before any body part: the body's length is unknown."""
+        self._state = "body"
+        return b"".join((*self._lines, self._framing(b"", True), b"\r\n"))
+
+    async def _write_body(self, body: bytes, more: bool) -> None:
+        protocol = self.protocol
+        held = self._held
+        if held is not None and held.data is None:  # the head is still queued: head and body leave as one
+            self._held = None
+            if self._status in _NO_BODY or self._status < 200:
+                body = b""
+            framing = self._framing(body, more)
+            self._state = "body"
+            await protocol.batched.settle(held, b"".join((*self._lines, framing, b"\r\n", self._frame(body, more))))
+        else:
+            self._held = None
+            data = self._frame(body, more)
+            if data:
+                await protocol.send(RawData(data=data))
+        if not more:
+            self._state = "done"
+            if self._log.access_logger is not None:  # (none by default: no coroutine per request for nothing)
+                await self._log.access(self.scope, self._response, time() - self.start_time)
+            await protocol.lean_done(self)
+
+    def _frame(self, body: bytes, more: bool) -> bytes:
+        """A body part as it goes on the wire (a chunk when chunked; the last chunk at the end)."""
+        if not self._chunked:
+            return body
+        chunk = b"%x\r\n%s\r\n" % (len(body), body) if body else b""
+        return chunk if more else chunk + b"0\r\n\r\n"
+
+    async def _app_done(self) -> None:
+        """The app returned: a request it never answered gets a 500; a response it left unfinished
+        closes the connection (hypercorn's ``app_send(None)``)."""
+        protocol = self.protocol
+        if self.closed or self._state == "done":
+            if self._held is not None:
+                protocol.batched.drop(self._held)  # a head nobody will settle
+            return
+        held = self._held
+        lines, _ = _head(500, [(b"content-length", b"0"), (b"connection", b"close")])
+        error = b"".join((*lines, _date.get(protocol.config), b"\r\n"))
+        if held is not None and held.data is None:  # a head not sent yet: a 500 in its place
+            await protocol.batched.settle(held, error)
+        elif self._state == "request":
+            await protocol.send(RawData(data=error))
+        if held is not None or self._state == "request":
+            await self._log.access(self.scope, {"status": 500, "headers": []}, time() - self.start_time)
+        self._state = "done"
+        self.keep_alive = False
+        await protocol.lean_done(self)
+
+
+def _never(method: bytes, path: bytes) -> bool:
+    return False
+
+
+class LeanH11Protocol(H11Protocol):
+    """hypercorn's ``H11Protocol`` serving plain requests with :class:`LeanStream` (see the module docstring)."""
+
+    _headers: list[tuple[bytes, bytes]]
+    _plain = False
+    #: the connection's stream (the server sets it): where a held head is queued
+    batched: BatchedWrites
+
+    #: the h11 connection has seen nothing since it was made: a whole plain request may skip it
+    _h11_fresh = True
+    #: the first bytes of a plain request whose body is not all in yet, and that request
+    _partial = b""
+    _pending: SimpleRequest | None = None
+
+    async def handle(self, event: Any) -> None:
+        """Bytes read: a whole plain request on a fresh connection is served without h11 (the first
+        part of one is kept until the rest is in); anything else goes through hypercorn's h11 loop."""
+        if isinstance(event, RawData):
+            data = event.data
+            if data:
+                while isinstance(self.stream, LeanStream) and self.stream.fast:
+                    await self.can_read.clear()  # the next request waits for this one's response (h11's PAUSED)
+                    await self.can_read.wait()
+                if self._h11_fresh and not self._plain_off:
+                    request = self._pending
+                    if request is not None:  # the rest of its body
+                        self._pending = None
+                        if len(data) <= request.missing:
+                            request.body += data
+                            request.missing -= len(data)
+                        else:  # more than its body: a pipelined request, all of it for h11
+                            request = None
+                        data, self._partial = self._partial + data, b""
+                    else:
+                        request = simple_request(data, self.config.h11_max_incomplete_size)
+                    if request is not None and request.missing:
+                        self._pending, self._partial = request, data
+                        await self.send(Updated(idle=False))  # a request is coming in: no idle timeout
+                        return
+                    if request is not None:
+                        await self._serve_simple(request)
+                        return
+                    event = RawData(data=data)
+            elif self._partial:  # the end of input after part of a request: h11 tells it apart
+                partial, self._partial, self._pending = self._partial, b"", None
+                self._h11_fresh = False
+                await super().handle(RawData(data=partial))
+            self._h11_fresh = False
+        await super().handle(event)
+
+    @property
+    def _plain_off(self) -> bool:
+        return bool(self.config.server_names or self.config.h11_pass_raw_headers)
+
+    async def _serve_simple(self, request: SimpleRequest) -> None:
+        await self.send(Updated(idle=False))
+        inline = self._inline(request.method, request.target.partition(b"?")[0])
+        stream = self._open_stream(request.method, request.target, request.headers, keep_alive=request.keep_alive,
+                                   spawn=not inline)
+        stream.fast = True
+        stream.inline = inline
+        stream._put({"type": "http.request", "body": request.body, "more_body": False})
+        self.keep_alive_requests += 1
+        await self.context.mark_request()
+        if inline:
+            await stream.run()
+
+    @property
+    def _inline(self) -> Any:
+        """The app's ``inline_request(method, path)`` (``False`` for every request without one)."""
+        rule = self.__dict__.get("_inline_rule")
+        if rule is None:
+            app = getattr(self.app, "app", None)  # hypercorn's wrapper holds the ASGI app
+            rule = getattr(app, "inline_request", None) or _never
+            self.__dict__["_inline_rule"] = rule
+        return rule
+
+    def _open_stream(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], *, keep_alive: bool, spawn: bool = True
+    ) -> LeanStream:
+        path, _, query_string = target.partition(b"?")
+        scope = {
+            "type": "http",
+            "http_version": "1.1",
+            "asgi": {"spec_version": "2.1", "version": "3.0"},
+            "method": method.decode("ascii").upper(),
+            "scheme": "https" if self.ssl else "http",
+            "path": unquote(path.decode("ascii")),
+            "raw_path": path,
+            "query_string": query_string,
+            "root_path": self.config.root_path,
+            "headers": headers,
+            "client": self.client,
+            "server": self.server,
+            "state": self.connection_state.copy(),
+            "extensions": {},
+        }
+        stream = LeanStream(self, scope, keep_alive=keep_alive)
+        self.stream = stream  # type: ignore[assignment]
+        if spawn:
+            self.task_group.spawn(stream.run)
+        return stream
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        headers = list(event.headers)  # h11 lowercased the names and stripped the values
+        self._headers = headers
+        upgrade = expect = False
+        close = False
+        for name, value in headers:
+            if name == b"upgrade" or name == b"http2-settings":
+                upgrade = True
+            elif name == b"expect":
+                expect = True
+            elif name == b"connection" and b"close" in _tokens(value):
+                close = True
+        config = self.config
+        self._plain = not (
+            upgrade or expect or event.http_version != b"1.1" or event.method.upper() in (b"HEAD", b"PRI")
+            or config.server_names or config.h11_pass_raw_headers
+        )
+        self._close_asked = close
+        if not self._plain:
+            await super()._check_protocol(event)
+
+    async def _create_stream(self, request: h11.Request) -> None:
+        if not self._plain:
+            await super()._create_stream(request)
+            return
+        self._open_stream(request.method, request.target, self._headers, keep_alive=not self._close_asked)
+        self.keep_alive_requests += 1
+        await self.context.mark_request()
+
+    async def lean_done(self, stream: LeanStream) -> None:
+        """``stream``'s response is over: serve the next request with a fresh h11 connection (it takes
+        the bytes not parsed yet), or close when the request, the app or the bound says so."""
+        if self.stream is stream:  # type: ignore[comparison-overlap]
+            self.stream = None
+        stream.closed = True
+        stream._put({"type": "http.disconnect"})
+        stream._wake_reader()
+        old = self.connection
+        if stream.fast:  # h11 saw nothing of it
+            if not stream.inline:  # (an inline one's reader is the task answering: it waits for nothing)
+                await self.can_read.set()
+            if stream.keep_alive and not self.context.terminated.is_set():
+                await self.send(Updated(idle=True))
+            else:
+                await self.send(Closed())
+        elif stream.keep_alive and not self.context.terminated.is_set() and old.their_state is h11.DONE:
+            data, closed = old.trailing_data
+            fresh = h11.Connection(h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size)
+            if data:
+                fresh.receive_data(data)
+            if closed:
+                fresh.receive_data(b"")
+            self.connection = fresh
+            self._h11_fresh = not data and not closed
+            await self.can_read.set()
+            await self.send(Updated(idle=True))
+        else:
+            await self.can_read.set()
+            await self.send(Closed())
+
+    async def _send_error_response(self, status_code: int) -> None:
+        if isinstance(self.stream, LeanStream) and self.stream._state != "request":
+            return  # the app answered already: no second response on the wire
+        await super()._send_error_response(status_code)
