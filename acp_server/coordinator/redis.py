@@ -188,19 +188,19 @@ class RedisCoordinator(RedisClaims):
         was_new = lease.state == "new"
         lease._inflight += 1
         self._wait_inflight += wait
-        # Shielded and bounded by the timeout: a cancel is seen once the answer is known, so what the
-        # call took is given back exactly (a call torn mid-way would leave its outcome unknown).
-        with trio.CancelScope(shield=True):
-            try:
-                result = await self._batched_acquire(keys, args, order)
-            except _Down:
-                # No answer: the call may still run on the server. Its attempt gets a tombstone, and
-                # whatever it may have taken is given back.
-                self._enqueue_release(self._compensation(lease, options, attempt, was_new))
-                result = None
-            finally:
-                lease._inflight -= 1
-                self._wait_inflight -= wait
+        # A cancel is seen once the answer is known (_batched_acquire waits for it shielded, bounded by
+        # the timeout, and returns it), so what the call took is given back exactly at the checkpoints
+        # below (a call torn mid-way would leave its outcome unknown).
+        try:
+            result = await self._batched_acquire(keys, args, order)
+        except _Down:
+            # No answer: the call may still run on the server. Its attempt gets a tombstone, and
+            # whatever it may have taken is given back.
+            self._enqueue_release(self._compensation(lease, options, attempt, was_new))
+            result = None
+        finally:
+            lease._inflight -= 1
+            self._wait_inflight -= wait
         if result is None:
             await trio.lowlevel.checkpoint_if_cancelled()
             if self._failure == "local" and was_new:

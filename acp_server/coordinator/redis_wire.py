@@ -355,7 +355,9 @@ class RedisWire:
         likely to ask again in the same turn); a waiter's attempt waits one turn, so the attempts of
         one pass share a call, sorted into queue order. The task that sends a call (or is handed one sent
         for it) awaits its reply and gives every request of the call its own: no task in between.
-        Callers run shielded; every wait is bounded by the timeout.
+        A cancel is seen once the reply is known: the waits go on shielded (bounded by the timeout)
+        and the reply is returned, so the caller sees what the call took and gives it back exactly at
+        its next checkpoint (the scope stays cancelled). No scope is entered unless a cancel came.
 
         Raises:
             _Down: the call failed or timed out.
@@ -363,12 +365,23 @@ class RedisWire:
         item = _Pending(keys, args, order)
         pending = self._acquire_pending
         pending.append(item)
-        if self._flight is None and not self._gathering:
-            if order != ARRIVAL or len(pending) > 1 or self._gather_next:
-                self._gathering = True
-                await self._gather()
-            elif pending:
-                self._launch()
+        try:
+            if self._flight is None and not self._gathering:
+                if order != ARRIVAL or len(pending) > 1 or self._gather_next:
+                    self._gathering = True
+                    await self._gather()
+                elif pending:
+                    self._launch()
+            await self._follow(item)
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                await self._follow(item)
+        if item.error is not None:
+            raise item.error
+        return item.result
+
+    async def _follow(self, item: _Pending) -> None:
+        """Until ``item`` has its reply: send or land the calls it is handed, else wait for it."""
         while True:
             flight = item.own
             if flight is not None:
@@ -382,9 +395,6 @@ class RedisWire:
                 break  # (Event.wait on a set event would still yield a turn of the loop)
             else:
                 await item.done.wait()
-        if item.error is not None:
-            raise item.error
-        return item.result
 
     async def _gather(self) -> None:
         """Let the other tasks of this turn of the loop add their requests, then send them."""
@@ -440,7 +450,14 @@ class RedisWire:
         try:
             if isinstance(flight.request, BaseException):
                 raise flight.request
-            replies = await self._reply("acquire", flight.request, flight.keys, flight.args)
+            try:
+                replies = await flight.request
+            except (trio.Cancelled, coredis.exceptions.NoScriptError):
+                # A cancelled wait leaves the request and the line as they were: the reply is awaited
+                # again, shielded (bounded by the request's timeout), and every request of the call
+                # lands; a NOSCRIPT reply is answered by loading the script and sending the call again.
+                with trio.CancelScope(shield=True):
+                    replies = await self._reply("acquire", flight.request, flight.keys, flight.args)
         except _ERRORS as exc:
             down = self._failed(exc)
         except BaseException as exc:  # not an answer of Redis: the call still lands, then it is raised
