@@ -50,9 +50,9 @@ from .base import (
     new_lease_id,
 )
 from .local import LocalCoordinator, default_replica_id
-from .readout import cluster_statistics, read_cluster
+from .readout import cluster_statistics, read_cluster, redis_now_ms
 from .redis_claims import RedisClaims
-from .redis_wire import _ERRORS, ARRIVAL, _Down, _Release, redis_now_ms
+from .redis_wire import _ERRORS, ARRIVAL, _Down, _Release
 from .scripts import Keys
 from .waiters import PASS_CHUNK, WaitQueue
 

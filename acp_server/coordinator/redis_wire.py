@@ -32,7 +32,7 @@ from coredis.connection import BaseConnection
 from .base import CoordinatorUnavailable, FailureMode, Lease, Option
 from .scripts import SCRIPT_NAMES, Keys, script_source
 
-__all__ = ["SCRIPT_NAMES", "RedisWire", "redis_now_ms", "script_source"]
+__all__ = ["SCRIPT_NAMES", "RedisWire", "script_source"]
 
 log = logging.getLogger("acp_server.coordinator")
 
@@ -44,17 +44,6 @@ _PIPELINE: Final = 16
 _SHAPES_MAX: Final = 1024
 
 _ERRORS: Final = (coredis.exceptions.RedisError, OSError, trio.TooSlowError)
-
-
-_NOW_LUA: Final = "local t = redis.call('TIME') return t[1] * 1000 + math.floor(t[2] / 1000)"
-
-
-async def redis_now_ms(client: coredis.Redis[bytes]) -> int:
-    """Redis' clock in ms, the one lease expiries are scored in (coredis' ``time()`` drops the
-    microseconds' leading digits, so it is read through a script)."""
-    value = await client.eval(_NOW_LUA)
-    assert isinstance(value, int), value
-    return value
 
 
 class _Down(Exception):
@@ -355,9 +344,7 @@ class RedisWire:
         likely to ask again in the same turn); a waiter's attempt waits one turn, so the attempts of
         one pass share a call, sorted into queue order. The task that sends a call (or is handed one sent
         for it) awaits its reply and gives every request of the call its own: no task in between.
-        A cancel is seen once the reply is known: the waits go on shielded (bounded by the timeout)
-        and the reply is returned, so the caller sees what the call took and gives it back exactly at
-        its next checkpoint (the scope stays cancelled). No scope is entered unless a cancel came.
+        A cancel is seen once the reply is known: the waits go on shielded (bounded by the timeout).
 
         Raises:
             _Down: the call failed or timed out.
@@ -453,9 +440,7 @@ class RedisWire:
             try:
                 replies = await flight.request
             except (trio.Cancelled, coredis.exceptions.NoScriptError):
-                # A cancelled wait leaves the request and the line as they were: the reply is awaited
-                # again, shielded (bounded by the request's timeout), and every request of the call
-                # lands; a NOSCRIPT reply is answered by loading the script and sending the call again.
+                # A cancelled wait leaves the request and line intact: awaited again, shielded, it lands.
                 with trio.CancelScope(shield=True):
                     replies = await self._reply("acquire", flight.request, flight.keys, flight.args)
         except _ERRORS as exc:
