@@ -148,6 +148,37 @@ async def test_cancelled_acquires_leave_nothing_behind(redis_server: RedisServer
         assert await _count(redis_server, "seats") == 0
 
 
+async def test_cancelled_acquires_sharing_a_call_leave_nothing_behind(redis_server: RedisServer) -> None:  # noqa: F811
+    # Acquisitions gathered into one call, some of them cancelled while it is on its way (the task that
+    # sent it among them): every uncancelled one is answered (not refused as unavailable), the cancelled
+    # ones keep nothing, and Redis counts exactly the leases kept.
+    kept: list[Lease] = []
+
+    async def one(cancel: bool) -> None:
+        lease = coord.new_lease()
+        with trio.CancelScope() as scope:
+            if cancel:
+                scope.deadline = trio.current_time() + random.random() / 1000
+            await coord.acquire(lease, Option((Need("seats", 0), Need("pool:e", 0))))
+            kept.append(lease)
+        if not cancel:
+            assert lease in kept and lease.state == "held"
+
+    async with replicas(redis_server, 1) as (coord,):
+        for _ in range(scaled(200, 30)):
+            async with trio.open_nursery() as nursery:
+                for i in range(8):
+                    nursery.start_soon(one, i % 2 == 0)
+        assert coord.statistics().outages_total == 0
+        await coord.flush()
+        assert await _count(redis_server, "seats") == len(kept)
+        assert await _count(redis_server, "pool:e") == len(kept)
+        for lease in kept:
+            coord.release(lease)
+        await coord.flush()
+        assert await _count(redis_server, "seats") == 0
+
+
 async def test_outage_closed_refuses_new_and_keeps_running_leases(redis_server: RedisServer) -> None:  # noqa: F811
     async with replicas(redis_server, 1, lease_ttl_s=3.0, timeout_ms=100) as (coord,):
         running = coord.new_lease()

@@ -4,15 +4,26 @@ last renewal (``acp-server cluster``, ``_acp_server/stats``). Not atomic: a snap
 
 from __future__ import annotations
 
+from typing import Final
+
 import coredis
 import trio
 from coredis.retry import NoRetryPolicy
 
 from .base import ClusterStatistics, LimitCount, ReplicaInfo
-from .redis_wire import redis_now_ms
 from .scripts import Keys
 
-__all__ = ["cluster_statistics", "read_cluster"]
+__all__ = ["cluster_statistics", "read_cluster", "redis_now_ms"]
+
+_NOW_LUA: Final = "local t = redis.call('TIME') return t[1] * 1000 + math.floor(t[2] / 1000)"
+
+
+async def redis_now_ms(client: coredis.Redis[bytes]) -> int:
+    """Redis' clock in ms, the one lease expiries are scored in (coredis' ``time()`` drops the
+    microseconds' leading digits, so it is read through a script)."""
+    value = await client.eval(_NOW_LUA)
+    assert isinstance(value, int), value
+    return value
 
 
 def _text(value: str | bytes) -> str:

@@ -40,8 +40,6 @@ from coredis.retry import NoRetryPolicy
 
 from .base import (
     RECHECK_S,
-    ClaimResult,
-    ClusterStatistics,
     CoordinatorStatistics,
     CoordinatorUnavailable,
     FailureMode,
@@ -52,8 +50,9 @@ from .base import (
     new_lease_id,
 )
 from .local import LocalCoordinator, default_replica_id
-from .readout import cluster_statistics, read_cluster
-from .redis_wire import _ERRORS, ARRIVAL, RedisWire, _Down, _Release, redis_now_ms
+from .readout import cluster_statistics, read_cluster, redis_now_ms
+from .redis_claims import RedisClaims
+from .redis_wire import _ERRORS, ARRIVAL, _Down, _Release
 from .scripts import Keys
 from .waiters import PASS_CHUNK, WaitQueue
 
@@ -68,7 +67,7 @@ _BACKOFF_MIN_S: Final = 0.05
 _RENEW_BATCH: Final = 200
 
 
-class RedisCoordinator(RedisWire):
+class RedisCoordinator(RedisClaims):
     """Shared limits on one Redis. Use inside ``async with coordinator.running():``.
 
     Args:
@@ -189,19 +188,19 @@ class RedisCoordinator(RedisWire):
         was_new = lease.state == "new"
         lease._inflight += 1
         self._wait_inflight += wait
-        # Shielded and bounded by the timeout: a cancel is seen once the answer is known, so what the
-        # call took is given back exactly (a call torn mid-way would leave its outcome unknown).
-        with trio.CancelScope(shield=True):
-            try:
-                result = await self._batched_acquire(keys, args, order)
-            except _Down:
-                # No answer: the call may still run on the server. Its attempt gets a tombstone, and
-                # whatever it may have taken is given back.
-                self._enqueue_release(self._compensation(lease, options, attempt, was_new))
-                result = None
-            finally:
-                lease._inflight -= 1
-                self._wait_inflight -= wait
+        # A cancel is seen once the answer is known (_batched_acquire waits for it shielded, bounded by
+        # the timeout, and returns it), so what the call took is given back exactly at the checkpoints
+        # below (a call torn mid-way would leave its outcome unknown).
+        try:
+            result = await self._batched_acquire(keys, args, order)
+        except _Down:
+            # No answer: the call may still run on the server. Its attempt gets a tombstone, and
+            # whatever it may have taken is given back.
+            self._enqueue_release(self._compensation(lease, options, attempt, was_new))
+            result = None
+        finally:
+            lease._inflight -= 1
+            self._wait_inflight -= wait
         if result is None:
             await trio.lowlevel.checkpoint_if_cancelled()
             if self._failure == "local" and was_new:
@@ -511,54 +510,7 @@ class RedisCoordinator(RedisWire):
                 await self._queue.run_pass(self._attempt, chunk_size=PASS_CHUNK)
                 self._check_waiting()
 
-    # --- idempotency, statistics ------------------------------------------------------------------
-
-    async def claim(self, session_id: str, key: str, fingerprint: str, prompt_id: str, ttl_s: float) -> ClaimResult:
-        """See :meth:`~acp_server.coordinator.base.Coordinator.claim`."""
-        if not self._up:
-            if self._failure == "local":
-                return await self._local.claim(session_id, key, fingerprint, prompt_id, ttl_s)
-            raise self._unavailable()
-        ttl_ms = max(1, round(ttl_s * 1000))
-        try:
-            result = await self._call(
-                "claim", [self.keys.claim(session_id, key)], [fingerprint, self._replica_id, ttl_ms, prompt_id]
-            )
-        except _Down:
-            raise self._unavailable() from None
-        if int(result[0]) == 1:
-            return ClaimResult(
-                claimed=True, fingerprint=fingerprint, replica_id=self._replica_id, state="running",
-                prompt_id=prompt_id, ttl_ms=ttl_ms,
-            )
-        text = [v.decode() if isinstance(v, bytes) else str(v) for v in result[1:5]]
-        return ClaimResult(
-            claimed=False, fingerprint=text[0], replica_id=text[1], state=text[2], prompt_id=text[3],
-            ttl_ms=max(0, int(result[5])),
-        )
-
-    async def settle_claim(self, session_id: str, key: str, prompt_id: str, *, drop: bool) -> None:
-        """See :meth:`~acp_server.coordinator.base.Coordinator.settle_claim`."""
-        try:
-            await self._call(
-                "settle_claim", [self.keys.claim(session_id, key)], [self._replica_id, prompt_id, "drop" if drop else "done"]
-            )
-        except _Down:
-            pass  # the claim expires with its TTL
-        await self._local.settle_claim(session_id, key, prompt_id, drop=drop)
-
-    async def fence_valid(self, lease_id: str, token: int) -> bool:
-        """True when ``lease_id`` is live in Redis with fencing token ``token`` (for a downstream's check)."""
-        assert self._client is not None
-        with trio.fail_after(self._timeout_s):
-            value = await self._client.get(self.keys.lease(lease_id))
-        return value is not None and value.split(b"|", 1)[0] == str(token).encode()
-
-    async def cluster(self) -> ClusterStatistics:
-        """See :meth:`~acp_server.coordinator.base.Coordinator.cluster`."""
-        assert self._client is not None
-        with trio.fail_after(max(self._timeout_s, 2.0)):
-            return await cluster_statistics(self._client, self.keys, self._ttl_ms)
+    # --- statistics ------------------------------------------------------------------------------
 
     def statistics(self) -> CoordinatorStatistics:
         local = len(self._local.leases())

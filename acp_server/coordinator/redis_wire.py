@@ -32,7 +32,7 @@ from coredis.connection import BaseConnection
 from .base import CoordinatorUnavailable, FailureMode, Lease, Option
 from .scripts import SCRIPT_NAMES, Keys, script_source
 
-__all__ = ["SCRIPT_NAMES", "RedisWire", "redis_now_ms", "script_source"]
+__all__ = ["SCRIPT_NAMES", "RedisWire", "script_source"]
 
 log = logging.getLogger("acp_server.coordinator")
 
@@ -44,17 +44,6 @@ _PIPELINE: Final = 16
 _SHAPES_MAX: Final = 1024
 
 _ERRORS: Final = (coredis.exceptions.RedisError, OSError, trio.TooSlowError)
-
-
-_NOW_LUA: Final = "local t = redis.call('TIME') return t[1] * 1000 + math.floor(t[2] / 1000)"
-
-
-async def redis_now_ms(client: coredis.Redis[bytes]) -> int:
-    """Redis' clock in ms, the one lease expiries are scored in (coredis' ``time()`` drops the
-    microseconds' leading digits, so it is read through a script)."""
-    value = await client.eval(_NOW_LUA)
-    assert isinstance(value, int), value
-    return value
 
 
 class _Down(Exception):
@@ -355,7 +344,7 @@ class RedisWire:
         likely to ask again in the same turn); a waiter's attempt waits one turn, so the attempts of
         one pass share a call, sorted into queue order. The task that sends a call (or is handed one sent
         for it) awaits its reply and gives every request of the call its own: no task in between.
-        Callers run shielded; every wait is bounded by the timeout.
+        A cancel is seen once the reply is known: the waits go on shielded (bounded by the timeout).
 
         Raises:
             _Down: the call failed or timed out.
@@ -363,12 +352,23 @@ class RedisWire:
         item = _Pending(keys, args, order)
         pending = self._acquire_pending
         pending.append(item)
-        if self._flight is None and not self._gathering:
-            if order != ARRIVAL or len(pending) > 1 or self._gather_next:
-                self._gathering = True
-                await self._gather()
-            elif pending:
-                self._launch()
+        try:
+            if self._flight is None and not self._gathering:
+                if order != ARRIVAL or len(pending) > 1 or self._gather_next:
+                    self._gathering = True
+                    await self._gather()
+                elif pending:
+                    self._launch()
+            await self._follow(item)
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                await self._follow(item)
+        if item.error is not None:
+            raise item.error
+        return item.result
+
+    async def _follow(self, item: _Pending) -> None:
+        """Until ``item`` has its reply: send or land the calls it is handed, else wait for it."""
         while True:
             flight = item.own
             if flight is not None:
@@ -382,9 +382,6 @@ class RedisWire:
                 break  # (Event.wait on a set event would still yield a turn of the loop)
             else:
                 await item.done.wait()
-        if item.error is not None:
-            raise item.error
-        return item.result
 
     async def _gather(self) -> None:
         """Let the other tasks of this turn of the loop add their requests, then send them."""
@@ -440,7 +437,12 @@ class RedisWire:
         try:
             if isinstance(flight.request, BaseException):
                 raise flight.request
-            replies = await self._reply("acquire", flight.request, flight.keys, flight.args)
+            try:
+                replies = await flight.request
+            except (trio.Cancelled, coredis.exceptions.NoScriptError):
+                # A cancelled wait leaves the request and line intact: awaited again, shielded, it lands.
+                with trio.CancelScope(shield=True):
+                    replies = await self._reply("acquire", flight.request, flight.keys, flight.args)
         except _ERRORS as exc:
             down = self._failed(exc)
         except BaseException as exc:  # not an answer of Redis: the call still lands, then it is raised
