@@ -129,10 +129,16 @@ async def test_kill_9_during_prompts_leaves_one_outcome_per_seen_prompt(tmp_path
     """kill -9 while 200 prompts over 20 sessions run: after a restart the database passes
     integrity_check, every prompt the client saw an update or an answer for has exactly one terminal
     record (its stop reason when answered, else completed or server_restarted), nothing stays pending,
-    and each server_restarted prompt has one turn_state in its transcript."""
+    and each server_restarted prompt has one turn_state in its transcript.
+
+    A session runs its prompts one at a time and each echo turn holds for ``delay_ms`` after its chunk:
+    the kill comes once the client saw, in every session, two prompts answered and the third's chunk
+    (running), so each session still has eight turns (8 s) of work left: the kill lands with prompts
+    running and queued however late the client reads (it does not wait for a fraction of answers, which
+    a loaded machine could all deliver before the kill)."""
     state = tmp_path / "state"
-    sessions, per_session = 20, 10
-    args = serve_args(state, "--echo-delay-ms", "10", "--max-pending-prompts-per-session", "0")
+    sessions, per_session, answered_first, delay_ms = 20, 10, 2, 1000
+    args = serve_args(state, "--echo-delay-ms", str(delay_ms), "--max-pending-prompts-per-session", "0")
     with trio.fail_after(90):
         async with server_process(*args) as (server, (url,)), raw_clients() as open_raw:
             client = await open_raw(url)
@@ -154,19 +160,29 @@ async def test_kill_9_during_prompts_leaves_one_outcome_per_seen_prompt(tmp_path
                     if isinstance(m, dict) and m.get("id") in request_of and "result" in m
                 }
 
+            def chunked() -> set[tuple[int, int]]:
+                return {
+                    (int(text[1 : text.index("p")]), int(text[text.index("p") + 1 :]))
+                    for n in client.notifications
+                    if n["method"] == "session/update"
+                    and n["params"]["update"]["sessionUpdate"] == "agent_message_chunk"
+                    and (text := n["params"]["update"]["content"]["text"]).startswith("s")
+                }
+
+            def mid_flight() -> bool:
+                done, running = answered(), chunked()
+                return all(
+                    all((i, k) in done for k in range(answered_first)) and (i, answered_first) in running
+                    for i in range(sessions)
+                )
+
             total = sessions * per_session
-            await wait_for(client, lambda: len(answered()) >= total // 3)
+            await wait_for(client, mid_flight)
             server.proc.kill()  # SIGKILL, mid-flight
             await trio.to_thread.run_sync(server.proc.wait)
             await client.eof.wait()
             responses = answered()
-            updated = {
-                (int(text[1 : text.index("p")]), int(text[text.index("p") + 1 :]))
-                for n in client.notifications
-                if n["method"] == "session/update"
-                and n["params"]["update"]["sessionUpdate"] == "agent_message_chunk"
-                and (text := n["params"]["update"]["content"]["text"]).startswith("s")
-            }
+            updated = chunked()
         assert len(responses) < total, "every prompt finished before the kill: nothing was tested"
         saw = set(responses) | updated
 

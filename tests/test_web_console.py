@@ -112,24 +112,39 @@ def test_console_headers_and_routes(echo: ServerProcess) -> None:
     assert httpx.get(echo.http_url + "/", headers={"origin": "http://evil.example"}).status_code == 403
 
 
-def test_operations_view_reflects_a_load(page: Page, echo: ServerProcess) -> None:
-    page.goto(echo.http_url + "/")
-    expect(page.locator("#transports tr[data-key=ws] td").nth(1)).to_have_text("1")
-    expect(page.locator("#pools tr[data-key=echo] td").first).to_have_text("echo")
-    expect(page.locator("#cluster")).to_be_hidden()  # no coordinator: no cluster card
-    load = echo.load(6, text="one two three four five")
+def test_operations_view_reflects_a_load(page: Page, tmp_path: Path) -> None:
+    """The page shows a load while it runs (the pool's running and waiting prompts, its refusals and
+    their chart, the sessions), then the load gone.
+
+    The page reads one snapshot a second, so the load's turns do not end by themselves (each would take
+    10 minutes): one runs and one waits in the pool (``max_active = 1``, ``max_waiting = 1``) and the
+    other four are refused, whenever each arrives, until the test has seen all of it and cancels them.
+    Turns that end on a timer (400 ms) could all fall between two snapshots on a loaded machine."""
+    echo = _server(tmp_path, "--echo-delay-ms", "600000", "--max-pending-prompts-per-session", "1").start()
     try:
-        expect(page.locator("#n-pending")).not_to_have_text("0", timeout=10_000)
-        expect(page.locator("#pools tr[data-key=echo] td").nth(1)).to_have_text("1")
-        row = page.locator("#refusals tr[data-key=capacity_exceeded]")
-        expect(row).to_be_visible(timeout=10_000)
-        expect(page.locator("#refusal-chart polyline[data-kind=capacity_exceeded]")).to_have_count(1)
-        expect(page.locator("#session-rows tbody tr")).not_to_have_count(0)
+        page.goto(echo.http_url + "/")
+        expect(page.locator("#transports tr[data-key=ws] td").nth(1)).to_have_text("1")
+        expect(page.locator("#pools tr[data-key=echo] td").first).to_have_text("echo")
+        expect(page.locator("#cluster")).to_be_hidden()  # no coordinator: no cluster card
+        load = echo.load(6, text="one two three four five", hold=True)
+        try:
+            row = page.locator("#refusals tr[data-key=capacity_exceeded]")
+            # the load's process may take seconds to start on a loaded machine
+            expect(row.locator("td").nth(2)).to_have_text("4", timeout=30_000)
+            expect(page.locator("#n-pending")).to_have_text("2")
+            pool = page.locator("#pools tr[data-key=echo] td")
+            expect(pool.nth(1)).to_have_text("1")  # active
+            expect(pool.nth(2)).to_have_text("1")  # waiting
+            expect(page.locator("#refusal-chart polyline[data-kind=capacity_exceeded]")).to_have_count(1)
+            expect(page.locator("#session-rows tbody tr")).not_to_have_count(0)
+        finally:
+            out, _ = load.communicate("\n", timeout=60)  # cancels the running and the waiting prompt
+        assert sorted(out.split()) == ["cancelled"] * 2 + ["capacity_exceeded"] * 4, out
+        expect(page.locator("#n-pending")).to_have_text("0", timeout=10_000)
+        expect(page.locator("#pools tr[data-key=echo] td").nth(1)).to_have_text("0")
+        expect(row.locator("td").nth(2)).to_have_text("4")
     finally:
-        out, _ = load.communicate(timeout=60)
-    assert "capacity_exceeded" in out and "end_turn" in out
-    expect(row.locator("td").nth(2)).to_have_text(str(out.split().count("capacity_exceeded")))
-    expect(page.locator("#n-pending")).to_have_text("0", timeout=10_000)
+        echo.stop()
 
 
 def test_prompt_streams_the_answer_as_text(page: Page, echo: ServerProcess) -> None:

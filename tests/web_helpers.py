@@ -101,14 +101,23 @@ class ServerProcess:
         self.stop()
         self.start()
 
-    def load(self, prompts: int, *, session: str | None = None, text: str | None = None) -> subprocess.Popen[str]:
-        """Start ``tests.web_load`` against this server (the caller waits for it)."""
+    def load(
+        self, prompts: int, *, session: str | None = None, text: str | None = None, hold: bool = False
+    ) -> subprocess.Popen[str]:
+        """Start ``tests.web_load`` against this server (the caller waits for it).
+
+        With ``hold``, its unanswered prompts are cancelled once a line is written to its stdin (or
+        stdin is closed): ``communicate("\n")`` releases them.
+        """
         cmd = [sys.executable, "-m", "tests.web_load", "--connect", self.tcp_url, "--prompts", str(prompts)]
         if session is not None:
             cmd += ["--session", session]
         if text is not None:
             cmd += ["--text", text]
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        if hold:
+            cmd.append("--hold")
+        stdin = subprocess.PIPE if hold else None
+        return subprocess.Popen(cmd, cwd=ROOT, stdin=stdin, stdout=subprocess.PIPE, text=True)
 
 
 def launch(playwright: Any) -> Any:
