@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
@@ -75,4 +76,41 @@ async def test_without_direct_the_pump_writes_live_frames() -> None:
             sub.send(_line(1))
             await trio.testing.wait_all_tasks_blocked()
             assert taken == [frames_of(_line(1))[0][1]]
+            sub.close()
+
+
+_WORKING = (b'{"jsonrpc":"2.0","method":"_acp_server/turn_state","params":{"sessionId":"s1","promptId":"p1",'
+            b'"state":"working"}}\n')
+_COMPLETED = (b'{"jsonrpc":"2.0","method":"_acp_server/turn_state","params":{"sessionId":"s1","promptId":"p1",'
+              b'"state":"completed","_meta":{"eventId":9}}}\n')
+_ODD = b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1","update":{"a":\r1},"_meta":{"eventId":8}}}\n'
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        [_line(1), _line(2), encode_update("s1", 3, b"[]", "cli-1")],
+        [_WORKING, _line(1), _line(2), _COMPLETED],
+        [_line(1), _ODD, _COMPLETED],  # a line the bridge's layout does not describe: each line on its own
+        [_COMPLETED, _line(10)],
+    ],
+)
+async def test_lines_of_a_pass_are_written_as_their_frames_one_by_one_would_be(lines: list[bytes]) -> None:
+    """The run of a pass's lines, translated together, is byte for byte the frames of each line joined;
+    the stream's event id and frame count follow the last of them."""
+    want = b"".join(frame for line in lines for _, frame in frames_of(line))
+    ids = [i for line in lines for i, _ in frames_of(line) if i is not None]
+    count = sum(len(frames_of(line)) for line in lines)
+    sub = SseSubscriber("s1")
+    written: list[bytes] = []
+    sub.direct = lambda data: written.append(data) is None
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sub.take)
+            await trio.testing.wait_all_tasks_blocked()
+            for line in lines:
+                sub.send(line)
+            await trio.testing.wait_all_tasks_blocked()
+            assert b"".join(written) == want and len(written) == 1
+            assert sub.last_event_id == ids[-1] and sub.frames_queued == count
             sub.close()
