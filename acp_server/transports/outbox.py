@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from time import perf_counter_ns
 
 import trio
@@ -34,7 +35,7 @@ from ..jsonrpc import Connection
 from ..parking import ParkingSpot
 from .timing import LatencyHistogram
 
-__all__ = ["RELIABLE_WATERMARK_BYTES", "Outbox"]
+__all__ = ["RELIABLE_WATERMARK_BYTES", "Outbox", "at_pass_end"]
 
 log = logging.getLogger("acp_server.connection")
 
@@ -57,7 +58,7 @@ class _PassFlusher(trio.abc.Instrument):
     ``before_io_wait`` runs once per pass of trio's loop, after every task runnable in it took its step.
     """
 
-    __slots__ = ("dirty", "passes", "token")
+    __slots__ = ("dirty", "ending", "passes", "token")
 
     def __init__(self) -> None:
         #: outboxes that got output while their writer was parked, in the order they got it
@@ -65,8 +66,12 @@ class _PassFlusher(trio.abc.Instrument):
         #: passes ended so far (:meth:`Outbox.hold` marks the current one)
         self.passes = 0
         self.token = trio.lowlevel.current_trio_token()
+        #: callbacks for the end of the current pass (:func:`at_pass_end`)
+        self.ending: list[Callable[[], bool]] = []
 
     def before_io_wait(self, timeout: float) -> None:
+        if self.ending:
+            self._run_ending(timeout)
         passes = self.passes
         self.passes = passes + 1
         dirty = self.dirty
@@ -96,6 +101,21 @@ class _PassFlusher(trio.abc.Instrument):
                 log.debug("could not wake the run loop for a woken writer", exc_info=True)
 
 
+    def _run_ending(self, timeout: float) -> None:
+        ending, self.ending = self.ending, []
+        woke = False
+        for callback in ending:
+            try:
+                woke = callback() or woke
+            except BaseException:  # never out of an instrument
+                log.exception("a callback at the end of a pass failed")
+        if woke and timeout > 0:
+            try:
+                self.token.run_sync_soon(_noop)
+            except BaseException:  # the run is ending: nothing waits for the loop any more
+                log.debug("could not wake the run loop for a woken task", exc_info=True)
+
+
 _FLUSHER: RunVar[_PassFlusher] = RunVar("acp_server.outbox.flusher")
 
 
@@ -108,6 +128,13 @@ def _run_flusher() -> _PassFlusher:
         trio.lowlevel.add_instrument(flusher)
         _FLUSHER.set(flusher)
         return flusher
+
+
+def at_pass_end(callback: Callable[[], bool]) -> None:
+    """Have ``callback`` called once, from the run's flusher, as the current scheduling pass ends (before
+    the outboxes are written). It must not raise or wait; it returns whether it woke a task (a loop about
+    to sleep is then woken for it). Another transport's writes use it to leave without a task step."""
+    _run_flusher().ending.append(callback)
 
 
 def _writes_nowait(stream: object) -> bool:

@@ -363,6 +363,13 @@ class LeanStream:
                 await self._log.access(self.scope, self._response, time() - self.start_time)
             await protocol.lean_done(self)
 
+    def send_chunk_nowait(self, body: bytes) -> bool:
+        """Write one more part of a chunked body, past its head, if that needs no wait (what
+        ``send`` of ``more_body`` would write); ``False``: not done, use ``send``."""
+        if self._state != "body" or self.closed or not self._chunked or not body:
+            return False
+        return self.protocol.batched.send_nowait(b"%x\r\n%s\r\n" % (len(body), body))
+
     def _frame(self, body: bytes, more: bool) -> bytes:
         """A body part as it goes on the wire (a chunk when chunked; the last chunk at the end)."""
         if not self._chunked:

@@ -19,12 +19,14 @@ import itertools
 import re
 import secrets
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
 
 from ...types.acp import ClientCapabilities
+from ..outbox import at_pass_end
 
 if TYPE_CHECKING:
     from ...auth.tokens import Identity
@@ -272,6 +274,10 @@ class SseSubscriber:
         #: when the stream's writer last took something (trio's clock): the heartbeat counts from it
         self.taken_at = 0.0
         self._beat = False
+        #: writes a run of frames on the stream at once if that needs no wait (``False``: not written):
+        #: the bridge's live frames then leave as their pass ends, without a step of the writer
+        self.direct: Callable[[bytes], bool] | None = None
+        self._at_end = False
 
     @property
     def closed(self) -> bool:
@@ -348,7 +354,29 @@ class SseSubscriber:
             self.nbytes = size
             if self._waiting:
                 self._waiting = False
-                self._ready.set()
+                if self.direct is None:
+                    self._ready.set()
+                elif not self._at_end:
+                    self._at_end = True
+                    at_pass_end(self._write_at_end)
+
+    def _write_at_end(self) -> bool:
+        """As the pass that queued live frames ends: write them through :attr:`direct` while the writer
+        waits; what that cannot write wakes the writer. Whether it woke it."""
+        self._at_end = False
+        frames = self.frames
+        if self._ready.is_set() or not frames:
+            return False  # the writer was woken by another frame, or took them already
+        direct = self.direct
+        if direct is not None and not self._closed and direct(b"".join(frames) if len(frames) > 1 else frames[0]):
+            frames.clear()
+            self.nbytes = 0
+            self.taken_at = trio.current_time()
+            self._room.set()
+            self._waiting = True  # the writer still waits on ``_ready``
+            return False
+        self._ready.set()
+        return True
 
     def beat(self) -> bool:
         """Have the writer send ``: heartbeat`` (unless frames come first); ``False`` once closed."""

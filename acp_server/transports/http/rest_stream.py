@@ -79,6 +79,8 @@ async def serve_events(
              (_EPOCH_HEADER, epoch.encode()), *cors]
     await send({"type": "http.response.start", "status": 200, "headers": start})
     await send({"type": "http.response.body", "body": b"retry: 3000\n\n", "more_body": True})
+    # on plain HTTP/1.1 (lean.LeanStream) live frames are written as their pass ends, not by the pump
+    sub.direct = getattr(getattr(send, "__self__", None), "send_chunk_nowait", None)
     try:
         if auth is not None:
             auth.streams.add(sub)  # evicted with its token (SIGHUP revocation, expiry)
