@@ -30,14 +30,27 @@ SCRIPT_NAMES: Final = ("acquire", "release", "renew", "claim", "settle_claim")
 
 @functools.cache
 def script_source(name: str) -> str:
-    """The text of ``lua/<name>.lua`` (read once per process).
+    """The text of ``lua/<name>.lua`` (read once per process); the two scripts that apply releases get
+    ``lua/_releases.lua`` (the steps they share) between their leading comment and their code.
 
     Raises:
         ValueError: ``name`` is not one of :data:`SCRIPT_NAMES`.
     """
     if name not in SCRIPT_NAMES:
         raise ValueError(f"no such coordinator script: {name!r} (one of {', '.join(SCRIPT_NAMES)})")
-    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+    folder = resources.files(__package__).joinpath("lua")
+    text = folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    if name in _WITH_RELEASES:
+        # after the script's own leading comment (what it takes, returns and keeps), before its code
+        lines = text.splitlines(keepends=True)
+        head = next((i for i, line in enumerate(lines) if not line.startswith("--")), len(lines))
+        shared = folder.joinpath("_releases.lua").read_text(encoding="utf-8")
+        text = "".join(lines[:head]) + shared + "".join(lines[head:])
+    return text
+
+
+#: The scripts that apply releases, with ``lua/_releases.lua`` (the steps they share) in front of their code.
+_WITH_RELEASES: Final = frozenset({"acquire", "release"})
 
 
 class Keys:

@@ -2,7 +2,7 @@
 -- of every cap. One call serves a batch of requests (the acquisitions of one turn of a replica's event
 -- loop), applied in order, so a later request in the batch sees what an earlier one took; the releases
 -- queued on the replica meanwhile go first, exactly as release.lua applies them, so the room they free
--- is there for the requests.
+-- is there for the requests. (Loaded after _releases.lua: apply_releases, others_wait.)
 --
 -- KEYS[1]   the fencing counter ({p}:fence): one INCR per new holder, so tokens only grow.
 -- KEYS[2]   the caps hash ({p}:caps): limit set key -> its cap as last asserted, 0 for a count (for
@@ -50,13 +50,6 @@ local ttl = tonumber(ARGV[1])
 local purged = {}
 -- set once something is to be announced on ARGV[3]: one message per call, sent at its end
 local announce = false
-
--- True when a replica other than the caller has a live entry in the waiting replicas.
-local function others_wait()
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  local n = redis.call('ZCARD', KEYS[3])
-  return n > 1 or (n == 1 and redis.call('ZSCORE', KEYS[3], ARGV[2]) == false)
-end
 
 local function acquire(base, member, token, spec)
   -- base: KEYS index of the request's tombstone; its record is base + 1, its set i is base + 1 + i.
@@ -140,7 +133,7 @@ local function acquire(base, member, token, spec)
       redis.call('SET', KEYS[base + 1], token .. '|' .. ARGV[2], 'PX', ttl)
       -- A waiter leaving the waiting room changes the class rule's view only for a seat that is
       -- still free: with every capped set of its option full, nobody can take anything it left.
-      if left > 0 and not announce and has_room(option) and others_wait() then announce = true end
+      if left > 0 and not announce and has_room(option) and others_wait(KEYS[3], ARGV[2], now) then announce = true end
       return {number, tonumber(token), now}
     end
     if refusal[5] == 0 then return refusal end
@@ -151,20 +144,9 @@ end
 local base = 4
 local a = 7
 if ARGV[6] == '1' then redis.call('ZREM', KEYS[3], ARGV[2]) end
-local freed = 0
-for _ = 1, tonumber(ARGV[5]) do
-  local member = ARGV[a]
-  local sets = tonumber(ARGV[a + 3])
-  for i = base + 2, base + 1 + sets do
-    freed = freed + redis.call('ZREM', KEYS[i], member)
-  end
-  if ARGV[a + 1] == '1' then redis.call('DEL', KEYS[base + 1]) end
-  local tomb = tonumber(ARGV[a + 2])
-  if tomb > 0 then redis.call('SET', KEYS[base], '1', 'PX', tomb) end
-  base = base + 2 + sets
-  a = a + 4
-end
-if freed > 0 and others_wait() then announce = true end
+local freed
+freed, base, a = apply_releases(tonumber(ARGV[5]), base, a)
+if freed > 0 and others_wait(KEYS[3], ARGV[2], now) then announce = true end
 
 local replies = {}
 for n = 1, tonumber(ARGV[4]) do

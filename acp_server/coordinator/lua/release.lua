@@ -1,4 +1,5 @@
 -- release.lua: leases leave limit sets; each the whole lease, or some sets (a backend permit returned).
+-- (Loaded after _releases.lua: apply_releases, others_wait.)
 -- One call serves a batch of releases (those queued on a replica since its last call).
 --
 -- KEYS[1]   the waiting replicas ({p}:waiting, see acquire.lua): a set left is announced only while a
@@ -21,30 +22,10 @@
 if ARGV[3] == '1' then
   redis.call('ZREM', KEYS[1], ARGV[2])
 end
-local left = 0
-local k = 2
-local a = 5
-for n = 1, tonumber(ARGV[4]) do
-  local member = ARGV[a]
-  local sets = tonumber(ARGV[a + 3])
-  for i = k + 2, k + 1 + sets do
-    left = left + redis.call('ZREM', KEYS[i], member)
-  end
-  if ARGV[a + 1] == '1' then
-    redis.call('DEL', KEYS[k + 1])
-  end
-  local tomb = tonumber(ARGV[a + 2])
-  if tomb > 0 then
-    redis.call('SET', KEYS[k], '1', 'PX', tomb)
-  end
-  k = k + 2 + sets
-  a = a + 4
-end
+local left = apply_releases(tonumber(ARGV[4]), 2, 5)
 if left > 0 then
   local t = redis.call('TIME')
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-  local waiting = redis.call('ZCARD', KEYS[1])
-  if waiting > 1 or (waiting == 1 and redis.call('ZSCORE', KEYS[1], ARGV[2]) == false) then
+  if others_wait(KEYS[1], ARGV[2], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) then
     redis.call('PUBLISH', ARGV[1], 'left')
   end
 end
