@@ -211,12 +211,7 @@ class Outbox:
             return
         out = self._out
         if not out:
-            flusher = self._flusher
-            if flusher is not None:
-                flusher.dirty.append(self)
-                self._drained = False
-            else:
-                self._wake_writer(True)
+            self._first_out(True)
         out.append(data)
         self._out_bytes += len(data)
         if self._out_bytes > self.max_outbound_bytes:
@@ -245,14 +240,19 @@ class Outbox:
     def _enqueue(self, data: bytes) -> None:
         out = self._out
         if not out:
-            flusher = self._flusher
-            if flusher is not None:
-                flusher.dirty.append(self)
-                self._drained = False
-            else:
-                self._wake_writer(False)
+            self._first_out(False)
         out.append(data)
         self._out_bytes += len(data)
+
+    def _first_out(self, update: bool) -> None:
+        """The queue is about to become non-empty: mark it for the end of the pass (on a stream written
+        without waiting), else wake the writer (``update``: as :meth:`_wake_writer` takes it)."""
+        flusher = self._flusher
+        if flusher is not None:
+            flusher.dirty.append(self)
+            self._drained = False
+        else:
+            self._wake_writer(update)
 
     def _flush_now(self) -> bool:
         """At the end of a pass: write what is queued if the writer is idle; whether the writer was woken
