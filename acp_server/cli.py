@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
-import pathlib
+import importlib
 import sys
 from collections.abc import Sequence
-
-import trio
+from typing import TYPE_CHECKING, Any
 
 from . import __version__, cluster_cli
 from .auth import cli as auth_cli
-from .cli_config import backends_from, http_from, metrics_from, policy_from, server_config
 from .cli_flags import POLICY_FLAGS, add_serve_arguments, parse_listen
-from .client import cli as client_cli
-from .server import serve
+from .client import cli_flags as client_flags
+
+if TYPE_CHECKING:
+    from .cli_config import backends_from, http_from, metrics_from, policy_from, server_config
 
 __all__ = [
     "GC_THRESHOLD",
@@ -36,6 +35,27 @@ __all__ = [
     "tune_gc",
 ]
 
+#: Names this module re-exports from modules that load trio and the server: imported on first use
+#: (PEP 562), so that building the parser (``--help``, ``--version``, a usage error) imports neither.
+_LAZY = {
+    "backends_from": ".cli_config",
+    "http_from": ".cli_config",
+    "metrics_from": ".cli_config",
+    "policy_from": ".cli_config",
+    "server_config": ".cli_config",
+    "serve": ".server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module of a lazily re-exported name on first use and keep the name here."""
+    home = _LAZY.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __package__), name)
+    globals()[name] = value
+    return value
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line."""
@@ -48,7 +68,7 @@ def _build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     s = sub.add_parser("serve", help="serve ACP over stdio, TCP and Unix sockets", description="Serve ACP clients.")
     add_serve_arguments(s)
-    client_cli.add_commands(sub)  # prompt, sessions: after serve, which --help lists first
+    client_flags.add_commands(sub)  # prompt, sessions: after serve, which --help lists first
     auth_cli.add_commands(sub)  # token
     cluster_cli.add_commands(sub)
     c = sub.add_parser(
@@ -83,9 +103,15 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``acp-server`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
+
+    Each command imports what it runs only once it is chosen: parsing loads no trio.
+    """
     parser, serve_parser = _build()
     args = _parse(parser, argv)
-    if args.command in client_cli.COMMANDS:
+    if args.command in client_flags.COMMANDS:
+        from .client import cli as client_cli
+
         return client_cli.run(args)
     if args.command in auth_cli.COMMANDS:
         return auth_cli.run(args)
@@ -94,10 +120,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "cluster":
         return cluster_cli.run(args)
     if args.command == "doctor":
+        from .cli_config import server_config
         from .doctor import run_doctor  # only the doctor needs it
 
         doctor_parser = _subparser(parser, "doctor")
         return run_doctor(server_config(args, doctor_parser), args)
+    return _serve(args, serve_parser)
+
+
+def _serve(args: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> int:
+    """``acp-server serve``: trio, the server and what the flags ask for load here."""
+    import logging
+    import pathlib
+
+    import trio
+
+    from .cli_config import server_config
+
+    serve = globals().get("serve") or __getattr__("serve")  # the server's, or a probe's put here as cli.serve
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         stream=sys.stderr,
@@ -163,6 +203,8 @@ def _os_error(exc: BaseException) -> OSError | None:
 
 
 def _connect(url: str, token: str | None = None, ca_file: str | None = None) -> int:
+    import trio
+
     from .transports.relay import relay_stdio
 
     try:

@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 
 from . import cluster_cli
 from .admission import Limits
-from .admission.policy import PolicyLimits
+from .admission.policy_limits import PolicyLimits
 from .auth.hosts import add_access_flags
 from .auth.settings import add_serve_flags, positive_arg
-from .server import ListenAddress
+from .listen_address import ListenAddress
 
 __all__ = [
     "DEFAULT_LISTEN",

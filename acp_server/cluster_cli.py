@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import msgspec
-import trio
-
-from .config import ConfigError, FileConfig, load_config
-from .coordinator.settings import CoordinatorSettings, format_cluster
+if TYPE_CHECKING:  # imported where used: the flags alone (serve --help) need neither the config nor trio
+    from .config import FileConfig
+    from .coordinator.settings import CoordinatorSettings
 
 __all__ = ["add_commands", "add_flags", "run", "settings_from"]
 
@@ -100,6 +98,11 @@ def settings_from(
     args: argparse.Namespace, parser: argparse.ArgumentParser, file_config: FileConfig | None = None
 ) -> CoordinatorSettings:
     """The ``[coordinator]`` table of ``--config``, then the flags over it."""
+    import msgspec
+
+    from .config import ConfigError, FileConfig, load_config
+    from .coordinator.settings import CoordinatorSettings
+
     if file_config is None:
         file_config = FileConfig()
         if getattr(args, "config", None):
@@ -138,7 +141,11 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args, parser)
     if settings.url is None:
         parser.error("cluster needs --coordinator URL (or url in the [coordinator] table of --config)")
+    import msgspec
+    import trio
+
     from .coordinator.redis import read_cluster
+    from .coordinator.settings import format_cluster
 
     try:
         stats = trio.run(

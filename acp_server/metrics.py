@@ -32,7 +32,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from .transports.address import ListenAddress
+from .listen_address import ListenAddress
 from .transports.listeners import bind_tcp_socket
 
 if TYPE_CHECKING:

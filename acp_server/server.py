@@ -35,10 +35,10 @@ from .errors import AcpError
 from .handlers import NOTIFICATIONS, REQUESTS, ConnContext
 from .handlers.gate import credentials_upkeep, gated
 from .jsonrpc import Dispatcher
+from .listen_address import ListenAddress
 from .signals import ShutdownSignals, shutdown_signals
 from .statsfeed import StatsFeed
 from .transports import ConnectionGate, ConnectionShell, listener_url, serve_tcp, serve_unix, stdio_stream
-from .transports.address import ListenAddress
 from .transports.refusal_budget import DEFAULT_REFUSAL_BUDGET, RefusalBudgetSettings
 from .transports.timing import LatencyHistogram
 from .types.ext import LimitsCapability

@@ -1,16 +1,39 @@
-"""Admission control: the limits, the per-backend capacity pools and the admission policy engine. Knows nothing of JSON-RPC."""
+"""Admission control: the limits, the per-backend capacity pools and the admission policy engine. Knows nothing of JSON-RPC.
 
-from .limits import Limits, check_non_negative_int, check_positive_int
-from .policy import (
-    ClassStatistics,
-    PolicyEngine,
-    PolicyLimits,
-    PolicyStatistics,
-    Queued,
-    Seat,
-    WaitDeadlineExpired,
-)
-from .pool import CapacityManager, CapacityPool, Lease, Permit, PoolLimits, PoolStatistics
+The names below load with their module on first use (PEP 562), so the command line reads the
+defaults of :class:`Limits` and :class:`PolicyLimits` without importing the engine and trio.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .limits import Limits, check_non_negative_int, check_positive_int
+    from .policy import PolicyEngine, Queued, Seat, WaitDeadlineExpired
+    from .policy_limits import ClassStatistics, PolicyLimits, PolicyStatistics
+    from .pool import CapacityManager, CapacityPool, Lease, Permit, PoolLimits, PoolStatistics
+
+#: Each public name -> the module that defines it.
+_HOMES = {
+    "Limits": ".limits",
+    "check_non_negative_int": ".limits",
+    "check_positive_int": ".limits",
+    "ClassStatistics": ".policy_limits",
+    "PolicyEngine": ".policy",
+    "PolicyLimits": ".policy_limits",
+    "PolicyStatistics": ".policy_limits",
+    "Queued": ".policy",
+    "Seat": ".policy",
+    "WaitDeadlineExpired": ".policy",
+    "CapacityManager": ".pool",
+    "CapacityPool": ".pool",
+    "Lease": ".pool",
+    "Permit": ".pool",
+    "PoolLimits": ".pool",
+    "PoolStatistics": ".pool",
+}
 
 __all__ = [
     "CapacityManager",
@@ -30,3 +53,17 @@ __all__ = [
     "check_non_negative_int",
     "check_positive_int",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module of a public name on first use and keep the name here."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

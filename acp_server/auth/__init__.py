@@ -4,26 +4,61 @@ This room knows no ACP method beyond ``initialize``/``authenticate``: transports
 whether a credential holds (:class:`TokenStore`), what identity it grants (:class:`Identity`), whether a
 request may proceed now (:class:`RateLimiter`, :class:`AuthFailureLimiter`), and they write what
 happened to the :class:`AuditLog`.
+
+The names below load with their module on first use (PEP 562): the command line reads its flags from
+``auth.settings`` and ``auth.hosts`` without importing TLS and trio.
 """
 
-from .audit import AuditLog
-from .binds import RemoteBindError, check_remote_bind
-from .ratelimit import AuthFailureLimiter, RateLimiter, TokenBucket, is_local_address
-from .tls import ServerTls, TlsConfigError, TlsHandshakeError, accept_tls, client_context, tls_handler
-from .tokens import (
-    OWNER,
-    Identity,
-    ReloadResult,
-    TokenFileError,
-    TokenPermissionError,
-    TokenRecord,
-    TokenStore,
-    hash_secret,
-    new_secret,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .audit import AuditLog
+    from .binds import RemoteBindError, check_remote_bind
+    from .ratelimit import AuthFailureLimiter, RateLimiter, TokenBucket, is_local_address
+    from .tls import ServerTls, TlsConfigError, TlsHandshakeError, accept_tls, client_context, tls_handler
+    from .tokens import (
+        OWNER,
+        Identity,
+        ReloadResult,
+        TokenFileError,
+        TokenPermissionError,
+        TokenRecord,
+        TokenStore,
+        hash_secret,
+        new_secret,
+    )
 
 #: The id of the gateway's own auth method in ``initialize`` ``authMethods``.
 TOKEN_METHOD_ID = "acp-server-token"
+
+#: Each public name -> the module that defines it.
+_HOMES = {
+    "AuditLog": ".audit",
+    "RemoteBindError": ".binds",
+    "check_remote_bind": ".binds",
+    "AuthFailureLimiter": ".ratelimit",
+    "RateLimiter": ".ratelimit",
+    "TokenBucket": ".ratelimit",
+    "is_local_address": ".ratelimit",
+    "ServerTls": ".tls",
+    "TlsConfigError": ".tls",
+    "TlsHandshakeError": ".tls",
+    "accept_tls": ".tls",
+    "client_context": ".tls",
+    "tls_handler": ".tls",
+    "OWNER": ".tokens",
+    "Identity": ".tokens",
+    "ReloadResult": ".tokens",
+    "TokenFileError": ".tokens",
+    "TokenPermissionError": ".tokens",
+    "TokenRecord": ".tokens",
+    "TokenStore": ".tokens",
+    "hash_secret": ".tokens",
+    "new_secret": ".tokens",
+}
 
 __all__ = [
     "OWNER",
@@ -50,3 +85,17 @@ __all__ = [
     "new_secret",
     "tls_handler",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module of a public name on first use and keep the name here."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

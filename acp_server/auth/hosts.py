@@ -15,8 +15,6 @@ import ipaddress
 from collections.abc import Sequence
 from typing import Any
 
-from .http_rules import split_host
-
 __all__ = ["access_from", "add_access_flags", "cidr_arg", "host_arg"]
 
 
@@ -26,6 +24,8 @@ def host_arg(text: str) -> str:
     Raises:
         argparse.ArgumentTypeError: not a host name or address, or one with a port.
     """
+    from .http_rules import split_host  # the HTTP rules load when the flag is given, not for --help
+
     stripped = text.strip()
     parsed = split_host(stripped)
     if parsed is None or parsed[1] is not None or (":" in stripped and not stripped.startswith("[")):

@@ -15,15 +15,18 @@ import argparse
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from .audit import AuditLog
-from .tls import DEFAULT_HANDSHAKE_TIMEOUT_S, ServerTls, TlsConfigError
-from .tokens import TokenFileError, TokenStore
+if TYPE_CHECKING:  # settings_from imports them: the flags alone need neither TLS (trio) nor the tokens file
+    from .audit import AuditLog
+    from .tls import ServerTls
+    from .tokens import TokenStore
 
-__all__ = ["AuthSettings", "add_serve_flags", "positive_arg", "settings_from"]
+__all__ = ["DEFAULT_HANDSHAKE_TIMEOUT_S", "AuthSettings", "add_serve_flags", "positive_arg", "settings_from"]
 
 EXIT_FILE = 1
+#: ``--tls-handshake-timeout-s`` unless given.
+DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,10 @@ def settings_from(
         tls_table: the config's ``[tls]`` table (``cert``, ``key``, ``handshake_timeout_s``).
         tls_listeners: a ``tls://`` listener was asked for.
     """
+    from .audit import AuditLog
+    from .tls import ServerTls, TlsConfigError
+    from .tokens import TokenFileError, TokenStore
+
     tokens_path = args.auth_tokens or auth_table.tokens
     audit_log = args.audit_log or auth_table.audit_log
     rps = args.rate_limit_rps if args.rate_limit_rps is not None else auth_table.rate_limit_rps

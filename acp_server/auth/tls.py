@@ -21,6 +21,8 @@ from typing import Any
 
 import trio
 
+from .settings import DEFAULT_HANDSHAKE_TIMEOUT_S  # the flag's default, read by the parser without trio
+
 __all__ = [
     "DEFAULT_HANDSHAKE_TIMEOUT_S",
     "HTTP_ALPN",
@@ -37,8 +39,6 @@ __all__ = [
 
 log = logging.getLogger("acp_server.auth.tls")
 
-#: ``--tls-handshake-timeout-s`` unless given.
-DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
 #: The protocols an HTTPS listener offers, preferred first.
 HTTP_ALPN = ("h2", "http/1.1")
 

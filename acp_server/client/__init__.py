@@ -12,22 +12,54 @@ What it adds over raw ACP: a :class:`SessionClient` per session carrying the ser
 pending-prompt guard (:class:`PendingPromptLimitError`, nothing sent); retries of refusals for capacity
 within the caller's deadline, every attempt carrying one ``_meta.idempotencyKey``; and cancellation of
 one's own prompt with ``$/cancel_request`` (never ``session/cancel``, which ends everyone's).
+
+The names below load with their module on first use (PEP 562): ``acp-server --help`` reads the
+``prompt`` and ``sessions`` flags from :mod:`acp_server.client.cli_flags` without importing the client
+and trio.
 """
 
-from ..types.acp import PromptResult, SessionInfo
-from .client import Client, connect
-from .errors import (
-    ClientError,
-    ConnectionLostError,
-    PendingPromptLimitError,
-    ProtocolError,
-    RpcError,
-    is_retryable,
-)
-from .hooks import Hooks
-from .retry import Attempt, RetryPolicy, retrying
-from .session import PromptCall, SessionClient
-from .updates import Update, UpdateStream
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..types.acp import PromptResult, SessionInfo
+    from .client import Client, connect
+    from .errors import (
+        ClientError,
+        ConnectionLostError,
+        PendingPromptLimitError,
+        ProtocolError,
+        RpcError,
+        is_retryable,
+    )
+    from .hooks import Hooks
+    from .retry import Attempt, RetryPolicy, retrying
+    from .session import PromptCall, SessionClient
+    from .updates import Update, UpdateStream
+
+#: Each public name -> the module that defines it.
+_HOMES = {
+    "PromptResult": "..types.acp",
+    "SessionInfo": "..types.acp",
+    "Client": ".client",
+    "connect": ".client",
+    "ClientError": ".errors",
+    "ConnectionLostError": ".errors",
+    "PendingPromptLimitError": ".errors",
+    "ProtocolError": ".errors",
+    "RpcError": ".errors",
+    "is_retryable": ".errors",
+    "Hooks": ".hooks",
+    "Attempt": ".retry",
+    "RetryPolicy": ".retry",
+    "retrying": ".retry",
+    "PromptCall": ".session",
+    "SessionClient": ".session",
+    "Update": ".updates",
+    "UpdateStream": ".updates",
+}
 
 __all__ = [
     "Attempt",
@@ -49,3 +81,17 @@ __all__ = [
     "is_retryable",
     "retrying",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module of a public name on first use and keep the name here."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
