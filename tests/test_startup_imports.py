@@ -1,9 +1,11 @@
-"""``acp-server serve --stdio`` imports only what serving one stdio client needs.
+"""``acp-server serve --stdio`` imports only what serving one stdio client needs; parsing, no server.
 
 An editor spawns its agent at every project open, so start-up time is felt; most of it is imports. The
 server runs as a subprocess, as an editor starts it (``acp_server.cli.main(["serve", "--stdio"])``);
 an ``atexit`` hook of the wrapper writes ``sys.modules`` to a file when it exits, after it answered
 ``initialize``, opened a session and served a prompt, so the list covers everything that path loads.
+``acp-server --help`` (and ``serve --help``, ``--version``, a usage error) runs the same way and must
+load nothing but the parser: no trio, no server, no wire types.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import subprocess
 import sys
 from typing import IO, Any
 
+import pytest
+
 from .helpers import ROOT
 
 _WRAPPER = """
@@ -23,9 +27,11 @@ atexit.register(lambda: open(out, "w").write(json.dumps(sorted(sys.modules))))
 from acp_server.cli import main
 sys.exit(main(["serve", "--stdio", *sys.argv[2:]]))
 """
+#: The same, for any command line (``--help`` and a usage error leave through ``SystemExit``).
+_PARSE_WRAPPER = _WRAPPER.replace('["serve", "--stdio", *sys.argv[2:]]', "sys.argv[2:]")
 
 #: Modules of features ``serve --stdio`` does not use: the HTTP server and metrics, the SQLite store and
-#: its writer, Redis, the HTTP client, TOML (no --config).
+#: its writer, Redis, the HTTP client, TOML (no --config), our client SDK and its command line.
 UNUSED = (
     "hypercorn",
     "prometheus_client",
@@ -36,9 +42,39 @@ UNUSED = (
     "acp_server.metrics",
     "acp_server.store.session_store",
     "acp_server.store.writer",
+    "acp_server.client.client",
+    "acp_server.client.cli",
 )
 #: jsonrpcserver pulls in jsonschema (with referencing and attrs) and asyncio, ~40% of start-up.
 JSONRPCSERVER = ("jsonrpcserver", "jsonschema", "asyncio")
+#: What building the parser does not need: the event loop (trio ~130 ms, with outcome, sniffio, ssl),
+#: every feature's library, and our modules that load them or the wire types (msgspec's heavy users).
+#: msgspec itself stays: the flags' defaults are fields of ``Limits`` and ``PolicyLimits``.
+NOT_FOR_PARSING = (
+    *UNUSED,
+    *JSONRPCSERVER,
+    "trio",
+    "outcome",
+    "sniffio",
+    "ssl",
+    "attrs",
+    "acp_server.server",
+    "acp_server.cli_config",
+    "acp_server.config",
+    "acp_server.errors",
+    "acp_server.types",
+    "acp_server.jsonrpc",
+    "acp_server.bridge",
+    "acp_server.handlers",
+    "acp_server.backends",
+    "acp_server.transports",
+    "acp_server.coordinator",
+    "acp_server.store",
+    "acp_server.admission.policy",
+    "acp_server.admission.pool",
+    "acp_server.auth.tls",
+    "acp_server.auth.http_rules",
+)
 
 _REQUESTS = [
     {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1, "clientCapabilities": {}}},
@@ -107,3 +143,42 @@ def test_a_state_dir_loads_the_store(tmp_path: pathlib.Path) -> None:
     modules = _serve_stdio(tmp_path, "--state-dir", str(tmp_path / "state"))
     assert {"sqlite3", "acp_server.store.session_store"} <= modules
 
+
+
+def _parse_only(tmp_path: pathlib.Path, *argv: str) -> tuple[int, str, set[str]]:
+    """Run ``acp-server ARGV`` that exits while parsing; its exit code, stdout and the modules it had."""
+    out = tmp_path / "modules.json"
+    done = subprocess.run(
+        [sys.executable, "-c", _PARSE_WRAPPER, str(out), *argv],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=60,
+    )
+    modules: list[str] = json.loads(out.read_text())
+    return done.returncode, done.stdout.decode() + done.stderr.decode(), set(modules)
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "shown"),
+    [
+        (["--help"], 0, "serve"),
+        (["serve", "--help"], 0, "--max-running-prompts"),
+        (["doctor", "--help"], 0, "--listen"),
+        (["--version"], 0, "acp-server "),
+        (["serve", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["serve", "--listen", "ftp://x"], 2, "unknown scheme"),
+    ],
+)
+def test_parsing_loads_no_server(tmp_path: pathlib.Path, argv: list[str], code: int, shown: str) -> None:
+    returncode, output, modules = _parse_only(tmp_path, *argv)
+    assert (returncode, shown in output) == (code, True), output
+    assert "acp_server.cli_flags" in modules and "argparse" in modules  # the list is the parser's
+    assert _loaded(modules, NOT_FOR_PARSING) == []
+
+
+def test_the_check_of_parsing_sees_a_command_that_runs(tmp_path: pathlib.Path) -> None:
+    """A command that runs imports what it runs: the check above is not vacuous."""
+    returncode, output, modules = _parse_only(tmp_path, "cluster", "--coordinator", "redis://127.0.0.1:1/0")
+    assert returncode == 1, output
+    assert {"trio", "coredis", "acp_server.coordinator.redis"} <= modules

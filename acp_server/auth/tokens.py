@@ -24,7 +24,6 @@ import os
 import re
 import secrets
 import stat
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -299,6 +298,8 @@ def write_tokens(path: str, records: Iterable[TokenRecord]) -> None:
     Raises:
         TokenFileError: the directory cannot be written.
     """
+    import tempfile  # only writers need it: `acp-server --help` reads SCOPES from this module
+
     directory = os.path.dirname(os.path.abspath(path))
     text = render_tokens(records).encode("utf-8")
     try:
