@@ -4,8 +4,8 @@ An editor spawns its agent at every project open, so start-up time is felt; most
 server runs as a subprocess, as an editor starts it (``acp_server.cli.main(["serve", "--stdio"])``);
 an ``atexit`` hook of the wrapper writes ``sys.modules`` to a file when it exits, after it answered
 ``initialize``, opened a session and served a prompt, so the list covers everything that path loads.
-``acp-server --help`` (and ``serve --help``, ``--version``, a usage error) runs the same way and must
-load nothing but the parser: no trio, no server, no wire types.
+``acp-server --help`` (and ``serve --help``, ``--version``, any command's usage error) runs the same
+way and must load nothing but the parser: no trio, no server, no client, no wire types.
 """
 
 from __future__ import annotations
@@ -168,6 +168,10 @@ def _parse_only(tmp_path: pathlib.Path, *argv: str) -> tuple[int, str, set[str]]
         (["--version"], 0, "acp-server "),
         (["serve", "--bogus"], 2, "unrecognized arguments: --bogus"),
         (["serve", "--listen", "ftp://x"], 2, "unknown scheme"),
+        (["prompt", "--bogus", "hi"], 2, "unrecognized arguments: --bogus"),
+        (["prompt", "--connect", "ftp://x", "hi"], 2, "unknown scheme"),
+        (["token", "add", "--tenant", "t", "--file", "f", "--expires", "2000-01-01T00:00:00Z"], 2, "in the past"),
+        (["cluster", "--help"], 0, "--coordinator"),
     ],
 )
 def test_parsing_loads_no_server(tmp_path: pathlib.Path, argv: list[str], code: int, shown: str) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from .urls import parse_url
+
 __all__ = ["COMMANDS", "DEFAULT_ATTEMPTS", "DEFAULT_URL", "ENV_URL", "add_commands", "default_url"]
 
 #: The subcommands this module owns.
@@ -27,8 +29,6 @@ def default_url() -> str:
 
 
 def _url(text: str) -> str:
-    from .client import parse_url  # when a prompt or sessions command is parsed: it is about to connect
-
     try:
         parse_url(text)
     except ValueError as exc:

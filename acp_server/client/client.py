@@ -15,7 +15,6 @@ import subprocess
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgspec
 import trio
@@ -29,6 +28,7 @@ from .connection import RpcConnection
 from .errors import ProtocolError, RpcError
 from .hooks import Hooks
 from .session import SessionClient, client_id_of
+from .urls import parse_url
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "Client", "check_prompt_limit", "connect", "parse_url"]
 
@@ -39,45 +39,6 @@ DEFAULT_MAX_MESSAGE_BYTES = 50 * 1024 * 1024
 _STOP_GRACE_S = 2.0
 
 Target = str | Sequence[str] | trio.abc.Stream
-
-
-def parse_url(url: str) -> tuple[str, str, int]:
-    """``tcp://HOST:PORT`` -> ``("tcp", host, port)`` (``tls://`` -> ``("tls", host, port)``); ``unix:/path``
-    (or ``unix:///path``) -> ``("unix", path, 0)``; ``http(s)://HOST:PORT/acp`` and ``ws(s)://HOST:PORT/acp``
-    (ACP's remote transport) -> ``("http"|"https"|"ws"|"wss", url, port)``.
-
-    Raises:
-        ValueError: any other form (the message says what is accepted).
-    """
-    accepted = (
-        "tcp://HOST:PORT, tls://HOST:PORT, unix:/absolute/path, http(s)://HOST:PORT/acp or ws(s)://HOST:PORT/acp"
-    )
-    if url.startswith(("http://", "https://", "ws://", "wss://")):
-        parts = urlsplit(url)
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if not parts.hostname or not parts.path.strip("/"):
-            raise ValueError(f"{url!r} is not of the form {accepted} (the endpoint's path, e.g. /acp, is needed)")
-        return parts.scheme, url, port or (443 if parts.scheme in ("https", "wss") else 80)
-    if url.startswith("unix:"):
-        path = url[len("unix:") :]
-        if path.startswith("//"):
-            path = path[2:]
-        if not path.startswith("/"):
-            raise ValueError(f"{url!r}: a Unix socket needs an absolute path; accepted: {accepted}")
-        return "unix", path, 0
-    if url.startswith(("tcp://", "tls://")):
-        parts = urlsplit(url)
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if not parts.hostname or port is None or parts.path not in ("", "/"):
-            raise ValueError(f"{url!r} is not of the form {accepted}")
-        return parts.scheme, parts.hostname, port
-    raise ValueError(f"{url!r}: unknown scheme; accepted: {accepted}")
 
 
 def check_prompt_limit(value: Any, source: str) -> int | None:
