@@ -325,7 +325,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         default=None,  # None: not given, so the config file's turn_states stands
         metavar="on|off",
         help="send _acp_server/turn_state notifications to clients that do not say (initialize "
-        "_meta.turnStates overrides it per connection; default on)",
+        "_meta.turnStates overrides it per connection; default off: only clients that ask get them)",
     )
     _add_policy_flags(s)
     _add_http_flags(s)

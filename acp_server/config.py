@@ -2,7 +2,7 @@
 
     default_backend = "claude"
     max_connections = 1000            # sockets of every listener together (0: from the fd limit)
-    turn_states = true                # _acp_server/turn_state for clients that do not say (--turn-states)
+    turn_states = false               # _acp_server/turn_state for clients that do not ask (--turn-states)
     max_history_events = 10000        # recent events of a session kept in memory (older: from the store)
     drain_timeout_s = 30              # accepted requests may run this long after their input ends
     connection_idle_timeout_s = 300   # a socket holding nothing is closed after this long (0: off)
@@ -232,7 +232,9 @@ class FileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_backend: str | None = None
     #: ``--max-connections`` (0: from the fd limit)
     max_connections: Annotated[int, msgspec.Meta(ge=0)] | None = None
-    turn_states: bool = True
+    #: ``--turn-states``: send ``_acp_server/turn_state`` to clients whose ``initialize`` does not say
+    #: (an extension: by default only a client that asks, ``_meta.turnStates: true``, gets them)
+    turn_states: bool = False
     #: ``--max-history-events``
     max_history_events: Annotated[int, msgspec.Meta(ge=1)] | None = None
     #: ``--connection-idle-timeout-s`` (0: off)

@@ -86,7 +86,7 @@ class ServerConfig:
     #: sockets of every listener together (0: from the fd limit, see ``default_max_connections``)
     max_connections: int = 0
     #: send ``_acp_server/turn_state`` to connections whose ``initialize`` does not say (``--turn-states``)
-    turn_states: bool = True
+    turn_states: bool = False
     #: tokens, audit log, rate limit and TLS (``None``: none of them)
     auth: AuthSettings | None = None
     #: where the limits are shared with other replicas (``None`` or no URL: this process's own)
@@ -109,7 +109,8 @@ class Server:
         limits: every bound of this instance.
         backend: the agent behind the bridge (default: the echo agent).
         store: the durable store, already opened (default: none, every session in memory only).
-        turn_states: whether a connection gets turn states when its ``initialize`` does not say.
+        turn_states: whether a connection gets turn states when its ``initialize`` does not say
+            (default: no; ``_meta.turnStates`` decides per connection).
         auth: the token checks of ``--auth-tokens`` (default: none; every connection is the owner's).
         drain_timeout_s: after a connection's input ends, how long its accepted requests may still run.
         connection_idle_timeout_s: a socket holding nothing is closed after this long without input (0: never).
@@ -128,7 +129,7 @@ class Server:
         capacity: CapacityManager | None = None,
         store: SessionStore | None = None,
         policy: PolicyLimits | None = None,
-        turn_states: bool = True,
+        turn_states: bool = False,
         auth: Authenticator | None = None,
         shared: SharedAdmission | None = None,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,

@@ -183,7 +183,9 @@ def run_workload(sizes: dict[str, Any], marker: bool) -> dict[str, int]:
                     if sum(b'"end_turn"' in r for r in results) != len(batch):
                         raise RuntimeError("a pipelined prompt did not end its turn")
 
-            await call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+            # Asks for _acp_server/turn_state (sent only to a connection that asks): the guard covers
+            # their path too, and every prompt does the work the baseline counted.
+            await call("initialize", {"protocolVersion": 1, "clientCapabilities": {}, "_meta": {"turnStates": True}})
             new_session = {"cwd": "/tmp", "mcpServers": []}
             first = (await call("session/new", new_session))["sessionId"]
             many = [(await call("session/new", new_session))["sessionId"] for _ in range(sizes["pipelined_sessions"])]

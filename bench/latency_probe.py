@@ -19,7 +19,7 @@ read -> answer written, written -> client done, and whether a collection or a lo
 The clocks are the same (``time.perf_counter`` is ``CLOCK_MONOTONIC`` in both processes).
 
 Run: ``python bench/latency_probe.py [--words 1] [--sessions 8] [--prompts 150] [--rounds 2] [-- SERVE_ARGS]``
-(for example ``-- --turn-states off``). ``--serve`` is the probed server itself (what the client spawns).
+(for example ``-- --turn-states on``). ``--serve`` is the probed server itself (what the client spawns).
 """
 
 from __future__ import annotations

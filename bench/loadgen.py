@@ -149,9 +149,8 @@ class Wire:
                     return msgspec.json.decode(msg.result) if msg.result else None
 
     def handshake(self, *, turn_states: bool = True) -> dict[str, Any]:
-        params: dict[str, Any] = {"protocolVersion": 1, "clientCapabilities": {}}
-        if not turn_states:
-            params["_meta"] = {"turnStates": False}  # opt out of _acp_server/turn_state
+        # _acp_server/turn_state goes only to a connection that asks (the server's default): ask, or opt out
+        params: dict[str, Any] = {"protocolVersion": 1, "clientCapabilities": {}, "_meta": {"turnStates": turn_states}}
         result: dict[str, Any] = self.call("initialize", params)
         return result
 
@@ -749,7 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-turn-states",
         action="store_true",
-        help="opt out of _acp_server/turn_state at initialize (the figure without their cost)",
+        help="opt out of _acp_server/turn_state at initialize (the figure without their cost; "
+        "without it each connection asks for them)",
     )
     p.add_argument(
         "--retry-after",

@@ -163,8 +163,13 @@ class RawClient:
             raise RpcError(resp["error"])
         return resp["result"]
 
-    async def initialize(self) -> dict[str, Any]:
-        return await self.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})  # type: ignore[no-any-return]
+    async def initialize(self, *, turn_states: bool | None = True) -> dict[str, Any]:
+        """``initialize``, asking for ``_acp_server/turn_state`` (``_meta.turnStates``) unless told
+        otherwise: ``None`` sends no word, so the server's ``--turn-states`` (default off) decides."""
+        params: dict[str, Any] = {"protocolVersion": 1, "clientCapabilities": {}}
+        if turn_states is not None:
+            params["_meta"] = {"turnStates": turn_states}
+        return await self.call("initialize", params)  # type: ignore[no-any-return]
 
     async def new_session(self, cwd: str = "/tmp", **meta: Any) -> tuple[str, str]:
         params: dict[str, Any] = {"cwd": cwd, "mcpServers": []}

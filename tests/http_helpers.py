@@ -27,7 +27,8 @@ from acp_server.transports.http import HttpLimits, HttpOptions, serve_http
 from .helpers import assert_error_valid, running_server
 
 TIMEOUT_S = 20.0
-INIT = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {"protocolVersion": 1}}
+#: ``initialize`` as the ``/acp`` and WebSocket test peers send it: they ask for ``_acp_server/turn_state``
+INIT = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {"protocolVersion": 1, "_meta": {"turnStates": True}}}
 
 
 async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:

@@ -12,7 +12,7 @@ on trio. Usage::
     python tests/sdk_driver.py https://localhost:PORT/acp    # the same over TLS (wss:// too), and
     python tests/sdk_driver.py tls://localhost:PORT          # NDJSON over TLS: the CA in SSL_CERT_FILE
 
-The scenario: ``initialize`` -> ``session/new`` -> one prompt -> three concurrent prompts on the session
+The scenario: ``initialize`` (asking for turn states) -> ``session/new`` -> one prompt -> three concurrent prompts on the session
 -> a prompt cancelled with ``session/cancel`` while it runs -> one more prompt -> ``_acp_server/stats``.
 Every message the server sends is recorded by a stream observer and, at the end, validated against the
 SDK's pydantic models picked by its kind (the response to ``session/prompt`` against ``PromptResponse``,
@@ -314,6 +314,7 @@ async def scenario(target: str, delay_ms: int) -> dict[str, Any]:
             protocol_version=acp.PROTOCOL_VERSION,
             client_capabilities=schema.ClientCapabilities(),
             client_info=schema.Implementation(name="sdk-driver", version="0"),
+            turnStates=True,  # _meta.turnStates: the scenario validates every turn state it gets
         )
         out["protocolVersion"] = init.protocol_version
         out["agentName"] = init.agent_info.name if init.agent_info else None

@@ -248,7 +248,7 @@ def test_stdio_stdout_carries_protocol_lines_only() -> None:
                 if msg.get("id") == id:
                     return msg
 
-        assert "result" in call(1, "initialize", {"protocolVersion": 1})
+        assert "result" in call(1, "initialize", {"protocolVersion": 1, "_meta": {"turnStates": True}})
         session = call(2, "session/new", {"cwd": "/tmp", "mcpServers": []})["result"]
         prompt = {"sessionId": session["sessionId"], "prompt": [{"type": "text", "text": "only json here"}]}
         result = call(3, "session/prompt", prompt)["result"]
@@ -259,7 +259,8 @@ def test_stdio_stdout_carries_protocol_lines_only() -> None:
         assert server.proc.wait(10) == 0
         stdout = server.rest_of_stdout()
         stderr = server.rest_of_stderr()
-    # 4 answers, the echo's chunks ("only ", "json ", "here") and the prompt's 3 turn states, nothing else.
+    # 4 answers, the echo's chunks ("only ", "json ", "here") and the prompt's 3 turn states (asked for),
+    # nothing else.
     messages = [json.loads(line) for line in stdout]
     assert all(m["jsonrpc"] == "2.0" for m in messages)
     assert len(messages) == 4 + 3 + 3, stdout

@@ -72,7 +72,9 @@ async def policy_server(
 async def connect_as(server: Server, nursery: trio.Nursery, tenant: str) -> RawClient:
     """A connection initialized as ``tenant`` (``initialize`` ``_meta.tenantId``)."""
     client = await connect(server, nursery, initialize=False)
-    await client.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}, "_meta": {"tenantId": tenant}})
+    await client.call(
+        "initialize", {"protocolVersion": 1, "clientCapabilities": {}, "_meta": {"tenantId": tenant, "turnStates": True}}
+    )
     return client
 
 

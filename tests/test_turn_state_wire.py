@@ -76,6 +76,50 @@ async def test_a_connection_may_opt_out_of_turn_states() -> None:
         assert [t["state"] for t in later.turn_states] == ["completed"]
 
 
+async def test_only_a_connection_that_asks_gets_turn_states_by_default() -> None:
+    """Turn states are an extension: an ``initialize`` without ``_meta.turnStates`` gets none, live or
+    replayed (``session/load``), while one that asks gets all three and the replayed terminal one; the
+    server's ``turn_states`` (``--turn-states on``) gives them to the silent ones, and ``false`` still
+    wins for a connection that says so."""
+    async with serving(Limits(), FakeBackend()) as (server, nursery):
+        assert server.turn_states is False
+        silent = await connect(server, nursery, initialize=False)
+        await silent.initialize(turn_states=None)
+        asker = await connect(server, nursery)  # the test client asks (_meta.turnStates: true)
+        sid, _ = await silent.new_session()
+        await asker.call("session/resume", {"sessionId": sid, "cwd": "/tmp"})
+        assert (await silent.prompt(sid, "hello"))["stopReason"] == "end_turn"
+        await silent.call("_acp_server/stats")  # every notification before these answers has arrived
+        await asker.call("_acp_server/stats")
+        assert silent.turn_states == [] and silent.agent_text(sid) == "hello"
+        assert [t["state"] for t in asker.turn_states] == ["accepted", "running", "completed"]
+        load = {"sessionId": sid, "cwd": "/tmp", "mcpServers": []}
+        replayed_silent = await connect(server, nursery, initialize=False)
+        await replayed_silent.initialize(turn_states=None)
+        await replayed_silent.call("session/load", load)
+        assert replayed_silent.turn_states == [] and replayed_silent.agent_text(sid) == "hello"
+        replayed_asker = await connect(server, nursery)
+        await replayed_asker.call("session/load", load)
+        assert [t["state"] for t in replayed_asker.turn_states] == ["completed"]
+
+        server.turn_states = True  # what --turn-states on / turn_states = true set
+        loud = await connect(server, nursery, initialize=False)
+        await loud.initialize(turn_states=None)
+        quiet = await connect(server, nursery, initialize=False)
+        await quiet.initialize(turn_states=False)
+        for peer in (loud, quiet):
+            await peer.call("session/load", load)
+        assert [t["state"] for t in loud.turn_states] == ["completed"] and quiet.turn_states == []
+        assert (await loud.prompt(sid, "again"))["stopReason"] == "end_turn"
+        await loud.call("_acp_server/stats")
+        await quiet.call("_acp_server/stats")
+        assert [t["state"] for t in loud.turn_states] == ["completed", "accepted", "running", "completed"]
+        assert quiet.turn_states == [] and quiet.agent_text(sid) == "helloagain"
+        # the connections initialized before keep what they were given
+        await silent.call("_acp_server/stats")
+        assert silent.turn_states == [] and silent.agent_text(sid) == "helloagain"
+
+
 async def test_live_turn_states_name_the_client_whose_prompt_it_is() -> None:
     """Two connections on one session: every live turn state carries the prompt's client id in
     ``_meta.originatorClientId`` (as its updates do), so each tells its own prompt from the other's;

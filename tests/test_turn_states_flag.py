@@ -1,9 +1,10 @@
 """``serve --turn-states on|off`` and ``initialize`` capabilities as the official ACP SDK client sees them.
 
-An editor cannot send ``initialize`` ``_meta.turnStates: false``; ``--turn-states off`` (or
-``turn_states = false`` in ``--config``) spares it ``_acp_server/turn_state`` notifications, and a
-client that asks for them (``_meta.turnStates: true``) still gets them. ``loadSession`` is advertised
-only when sessions outlive the process (a state directory).
+``_acp_server/turn_state`` is an extension: a client whose ``initialize`` does not say
+(``_meta.turnStates``), as an editor's, gets none by default, and one that asks gets them.
+``--turn-states on`` (or ``turn_states = true`` in ``--config``) sends them to the clients that do not
+say; a client's ``_meta.turnStates: false`` still wins. ``loadSession`` is advertised only when sessions
+outlive the process (a state directory).
 """
 
 from __future__ import annotations
@@ -55,29 +56,36 @@ def _turn_states(recorder: Recorder) -> list[str]:
     return [m["params"]["state"] for m in recorder.incoming if m.get("method") == TURN_STATE]
 
 
-def test_turn_states_off_sends_none_to_the_sdk_client() -> None:
-    """Default on: the SDK client gets accepted, running, completed. ``--turn-states off``: none."""
-    _, on, _ = asyncio.run(_session())
-    assert _turn_states(on) == ["accepted", "running", "completed"]
-    _, off, client = asyncio.run(_session("--turn-states", "off"))
-    assert _turn_states(off) == []
-    assert client.kinds() == {"agent_message_chunk": 2}  # the updates still flow
+def test_by_default_the_sdk_client_gets_no_turn_states() -> None:
+    """Default: the SDK client, which does not say, gets no turn state; its updates still flow."""
+    _, silent, client = asyncio.run(_session())
+    assert _turn_states(silent) == []
+    assert client.kinds() == {"agent_message_chunk": 2}
 
 
-def test_a_client_asking_for_turn_states_overrides_off() -> None:
-    """``initialize`` ``_meta.turnStates: true`` wins over the server's ``off`` for that connection."""
-    _, recorder, _ = asyncio.run(_session("--turn-states", "off", meta={"turnStates": True}))
+def test_a_client_that_asks_gets_turn_states() -> None:
+    """``initialize`` ``_meta.turnStates: true`` gets accepted, running, completed (default server)."""
+    _, recorder, _ = asyncio.run(_session(meta={"turnStates": True}))
     assert _turn_states(recorder) == ["accepted", "running", "completed"]
 
 
-def test_turn_states_from_the_config_file(tmp_path: pathlib.Path) -> None:
-    """``turn_states = false`` in ``--config``; ``--turn-states on`` overrides the file."""
-    config = tmp_path / "acp-server.toml"
-    config.write_text("turn_states = false\n")
-    _, off, _ = asyncio.run(_session("--config", str(config)))
-    assert _turn_states(off) == []
-    _, on, _ = asyncio.run(_session("--config", str(config), "--turn-states", "on"))
+def test_turn_states_on_sends_them_to_clients_that_do_not_say() -> None:
+    """``--turn-states on``: the SDK client gets all three; ``_meta.turnStates: false`` still wins."""
+    _, on, _ = asyncio.run(_session("--turn-states", "on"))
     assert _turn_states(on) == ["accepted", "running", "completed"]
+    _, opted_out, client = asyncio.run(_session("--turn-states", "on", meta={"turnStates": False}))
+    assert _turn_states(opted_out) == []
+    assert client.kinds() == {"agent_message_chunk": 2}
+
+
+def test_turn_states_from_the_config_file(tmp_path: pathlib.Path) -> None:
+    """``turn_states = true`` in ``--config`` turns them on; ``--turn-states off`` overrides the file."""
+    config = tmp_path / "acp-server.toml"
+    config.write_text("turn_states = true\n")
+    _, on, _ = asyncio.run(_session("--config", str(config)))
+    assert _turn_states(on) == ["accepted", "running", "completed"]
+    _, off, _ = asyncio.run(_session("--config", str(config), "--turn-states", "off"))
+    assert _turn_states(off) == []
 
 
 def test_load_session_only_when_sessions_outlive_the_process(tmp_path: pathlib.Path) -> None:
@@ -91,8 +99,9 @@ def test_load_session_only_when_sessions_outlive_the_process(tmp_path: pathlib.P
     assert durable.agent_capabilities.load_session is True
 
 
-def test_the_prompt_command_asks_for_turn_states_on_a_server_with_them_off() -> None:
-    """``acp-server prompt`` needs them for its progress line: it sends ``_meta.turnStates: true``."""
+def test_the_prompt_command_asks_for_turn_states() -> None:
+    """``acp-server prompt`` needs them for its progress line: it sends ``_meta.turnStates: true``, so
+    a server that sends none to clients that do not say (the default, and ``off``) still sends them."""
     import json
     import subprocess
 

@@ -46,7 +46,9 @@ class PeerState:
         #: the sessions this connection is attached to (receives the updates of): none, the one, or a
         #: set of two or more (most connections hold one session, and a set of one takes 216 bytes)
         self._attached: Session | set[Session] | None = None
-        #: it receives ``_acp_server/turn_state`` (``initialize`` ``_meta.turnStates: false`` opts out)
+        #: it receives ``_acp_server/turn_state``: an ACP connection's ``initialize`` sets it (its
+        #: ``_meta.turnStates``, else the server's ``--turn-states``); a peer that never initializes (a
+        #: REST event stream, which turns the terminal ones into its own events) keeps them
         self.turn_states = True
 
     @property

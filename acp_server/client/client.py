@@ -85,7 +85,8 @@ class Client:
             raise ValueError(f"tenant_id must be a non-empty string or None; got {tenant_id!r}")
         #: the tenant named at ``initialize`` (``_meta.tenantId``); ``None``: the server's ``default``
         self.tenant_id = tenant_id
-        #: ``initialize`` ``_meta.turnStates`` (``None``: not sent, the server's ``--turn-states`` decides)
+        #: ``initialize`` ``_meta.turnStates`` (``None``: not sent, the server's ``--turn-states`` decides,
+        #: off by default)
         self.turn_states = turn_states
         self.connection = connection
         self.init_result: dict[str, Any] = {}
@@ -366,8 +367,10 @@ async def connect(
         initialize: send ``initialize`` before handing the client out.
         tenant_id: the tenant this connection acts for (``initialize`` ``_meta.tenantId``); sessions
             belong to their tenant, and the server's admission policy caps and shares seats by it.
-        turn_states: ask for ``_acp_server/turn_state`` notifications (``True``) or not (``False``) at
-            ``initialize``; ``None`` (default) leaves it to the server's ``--turn-states``.
+        turn_states: ask for ``_acp_server/turn_state`` notifications (``True``: they reach
+            ``hooks.on_notification``) or not (``False``) at ``initialize``; ``None`` (default) leaves it
+            to the server's ``--turn-states``, off by default. The client's own logic (prompts, retries,
+            self-heal, cancellation) does not use them.
         token: the secret of an ``acp-server token``: after ``initialize``, ``authenticate`` with
             ``acp-server-token`` (a wrong one raises the server's ``auth_required``); over ``http(s)://``
             and ``ws(s)://`` it is also sent as ``Authorization: Bearer`` on every request.

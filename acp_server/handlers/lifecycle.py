@@ -39,7 +39,8 @@ def initialize(ctx: ConnContext, params: InitializeParams) -> InitializeResult:
             path="_meta.tenantId", detail=f"this connection is already initialized as tenant {ctx.tenant!r}"
         )
     ctx.tenant = tenant
-    # The client's word wins; else the server's --turn-states (a client that cannot use them saves their cost).
+    # The client's word wins; else the server's --turn-states (off by default: turn states are an extension,
+    # and a client that does not know them still pays to read each one).
     ctx.bridge.clients.set_turn_states(ctx.peer, meta_bool(params.meta, "turnStates", ctx.server.turn_states))
     ctx.client_capabilities = params.client_capabilities
     ctx.client_info = params.client_info
