@@ -262,12 +262,12 @@ class ConnectionShell(RefusalGuard):
         # is empty, with the checkpoints SocketStream.receive_some makes (one scheduling point per read):
         # an idle connection then waits without the suspended calls of receive_some, the socket's recv
         # and its helper, and their context manager (about 1.4 KB per connection). The stdio PipeStream
-        # too (its descriptor asked for at each use: the stream may close), except that after a short
-        # read, which emptied the pipe, it waits before it reads: one read per message for a peer that
-        # waits for each answer, no read failing with EAGAIN. Other streams: receive_some.
+        # too (its descriptor asked for at each use: the stream may close). After a short read, which
+        # emptied the kernel's buffer, the reader waits before it reads again: a peer that waits for
+        # each answer costs one read per message, none failing with EAGAIN. Other streams: receive_some.
         fd = stream.socket.fileno() if type(stream) is trio.SocketStream else -1
         pipe = stream if type(stream) is PipeStream else None
-        emptied = False  # (a pipe) the last read was short
+        emptied = False  # the last read was short
         limit_waiting = 4 * self.max_inflight
         try:
             async with trio.open_nursery() as tasks:
@@ -301,16 +301,17 @@ class ConnectionShell(RefusalGuard):
                             elif fd < 0:
                                 data = await stream.receive_some(_READ_SIZE)
                             else:
-                                await trio.lowlevel.checkpoint_if_cancelled()
-                                read = _read_now(fd)
-                                if read is None:
-                                    # Waited for outside any ``except`` block: a handled exception stays
-                                    # alive (with its traceback) as long as the block runs, awaits included.
-                                    while read is None:
-                                        await trio.lowlevel.wait_readable(fd)
-                                        read = _read_now(fd)
-                                else:
-                                    await trio.lowlevel.cancel_shielded_checkpoint()
+                                read = None
+                                if not emptied:
+                                    await trio.lowlevel.checkpoint_if_cancelled()
+                                    if (read := _read_now(fd)) is not None:
+                                        await trio.lowlevel.cancel_shielded_checkpoint()
+                                # Waited for outside any ``except`` block: a handled exception stays
+                                # alive (with its traceback) as long as the block runs, awaits included.
+                                while read is None:
+                                    await trio.lowlevel.wait_readable(fd)
+                                    read = _read_now(fd)
+                                emptied = len(read) < _READ_SIZE
                                 data, read = read, None
                             if not data:
                                 log.debug("%s: end of input", self.name)
