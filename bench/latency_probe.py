@@ -10,7 +10,8 @@ changed for it):
 - every garbage collection (``gc.callbacks``): generation and duration;
 - every trio scheduling pass (an instrument: from ``after_io_wait`` to ``before_io_wait``) with the tasks
   that ran in it, and the passes longer than 2 ms;
-- every read of the stdio pipe (``PipeStream.receive_some``) and every write (``write_nowait``, ``send_all``),
+- every read of the stdio pipe (the shell's own ``os.read`` of it, ``shell._read_now``; ``PipeStream.receive_some``
+  for any other reader) and every write (``write_nowait``, ``send_all``),
   stamped, with the bytes: a prompt's request is found in the reads by its id and its answer in the writes,
   so each prompt has its server-side time (request read -> answer written) and how many lines came with it.
 
@@ -46,7 +47,7 @@ def _serve(out_path: str, serve_args: list[str]) -> int:
     import trio
 
     from acp_server import cli
-    from acp_server.transports import listeners
+    from acp_server.transports import listeners, shell
 
     pc = time.perf_counter
     gcs: list[tuple[float, float, int]] = []
@@ -99,6 +100,15 @@ def _serve(out_path: str, serve_args: list[str]) -> int:
         reads.append((pc(), data))
         return data
 
+    read_now = shell._read_now
+
+    def probed_read_now(fd: int) -> bytes | None:
+        data = read_now(fd)
+        if data is not None:
+            reads.append((pc(), data))
+        return data
+
+    shell._read_now = probed_read_now
     pipe.write_nowait = probed_write_nowait  # type: ignore[method-assign]
     pipe.send_all = probed_send_all  # type: ignore[method-assign]
     pipe.receive_some = probed_receive_some  # type: ignore[method-assign]

@@ -3,7 +3,8 @@ SDK's own echo agent (bench/peers/sdk_echo_agent.py), in alternating A/B runs.
 
 Each run spawns the agent, checks that it echoes like ours (one ``agent_message_chunk`` per word,
 whitespace kept, then ``end_turn``), warms up, then times sequential prompts on one session and
-prompts from 8 sessions at once. The agent's CPU time is read from ``/proc`` around each timed part.
+prompts from 8 sessions at once. The agent's CPU time is read from ``/proc`` around each timed part, with
+its read and write system calls and context switches (per round, in the raw figures).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from acp.schema import AgentMessageChunk, TextContentBlock
 from procfs import cpu_seconds
 from servers import BenchError
 
-__all__ = ["AbSizes", "Totals", "run_ab"]
+__all__ = ["AbSizes", "Totals", "kernel_counts", "run_ab"]
 
 _SPAWN_TIMEOUT_S = 60.0
 
@@ -44,7 +45,15 @@ class Totals:
     latencies: list[float] = field(default_factory=list)
     rounds: list[dict[str, float]] = field(default_factory=list)
 
-    def add(self, prompts: int, seconds: float, cpu_s: float, latencies: list[float], client_cpu_s: float) -> None:
+    def add(
+        self,
+        prompts: int,
+        seconds: float,
+        cpu_s: float,
+        latencies: list[float],
+        client_cpu_s: float,
+        kernel: dict[str, int] | None = None,
+    ) -> None:
         self.prompts += prompts
         self.seconds += seconds
         self.cpu_s += cpu_s
@@ -56,8 +65,33 @@ class Totals:
                 # The SDK client's own CPU (this process): the workload's bottleneck, and it grows with
                 # every message the agent sends it, handled or not.
                 "client_cpu_us_per_prompt": round(client_cpu_s * 1e6 / prompts, 1),
+                # What the agent asked of the kernel per prompt (see kernel_counts)
+                **{f"{k}_per_prompt": round(v / prompts, 2) for k, v in (kernel or {}).items()},
             }
         )
+
+
+def kernel_counts(pid: int) -> dict[str, int]:
+    """Counters of ``pid`` that CPU time does not break down: its read and write system calls, all its
+    threads (``syscr``/``syscw`` of ``/proc/PID/io``: reads of its stdin, writes of its stdout), and the
+    context switches of its main thread (``/proc/PID/status``; both agents serve from it). Empty where
+    ``/proc`` does not say."""
+    counts: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("syscr", "syscw"):
+                    counts["reads" if key == "syscr" else "writes"] = int(value)
+        with open(f"/proc/{pid}/status") as f:
+            switches = 0
+            for line in f:
+                if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                    switches += int(line.split()[1])
+            counts["context_switches"] = switches
+    except (OSError, ValueError):
+        return {}
+    return counts
 
 
 class _EchoClient:
@@ -76,12 +110,16 @@ class _EchoClient:
 
 async def _timed(
     pid: int, jobs: list[Callable[[], Awaitable[list[float]]]]
-) -> tuple[int, float, float, list[float], float]:
+) -> tuple[int, float, float, list[float], float, dict[str, int]]:
+    kernel0 = kernel_counts(pid)
     cpu0, started, client0 = cpu_seconds(pid), time.perf_counter(), time.process_time()
     per_job = await asyncio.gather(*(job() for job in jobs))
     seconds, cpu_s = time.perf_counter() - started, cpu_seconds(pid) - cpu0
+    client_s = time.process_time() - client0
+    kernel1 = kernel_counts(pid)
+    kernel = {k: v - kernel0[k] for k, v in kernel1.items() if k in kernel0}
     latencies = [lat for lats in per_job for lat in lats]
-    return len(latencies), seconds, cpu_s, latencies, time.process_time() - client0
+    return len(latencies), seconds, cpu_s, latencies, client_s, kernel
 
 
 async def _one_agent(name: str, argv: list[str], sizes: AbSizes, seq: Totals, conc: Totals) -> None:

@@ -4,10 +4,11 @@ On a ``trio.SocketStream`` the reader is ``ConnectionShell.run`` itself: it read
 ``os.read`` and waits in ``trio.lowlevel.wait_readable`` directly, not through the stream's
 ``receive_some`` (and the socket's ``recv``, its helper and their context manager); it keeps neither
 its last read nor an exception while it waits; the connection has one nursery (the writer and the
-requests' tasks). These tests look at an idle connection's suspended calls and locals, and check that
-what the socket path must still do works on it: a split line, the peer's end of input (half-close,
-answers then EOF), a close while the reader waits (what is queued is flushed first), the first-message
-timeout.
+requests' tasks); after a short read it waits before it reads again (a peer that waits for each
+answer costs one read per message). These tests look at an idle connection's suspended calls and
+locals, count the reads of a sequential peer, and check that what the socket path must still do works
+on it: a split line, the peer's end of input (half-close, answers then EOF), a close while the reader
+waits (what is queued is flushed first), the first-message timeout.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 
 from acp_server.server import FIRST_MESSAGE_TIMEOUT_S, Server
+from acp_server.transports import shell as shell_module
 from acp_server.transports.shell import ConnectionShell
 
 from .helpers import RawClient, running_server
@@ -86,6 +89,33 @@ async def test_an_idle_socket_connection_waits_on_its_descriptor_under_one_nurse
             assert sys.exc_info() == (None, None, None)
             (shell,) = server.connections
             assert sys.getsizeof(shell._slots) == sys.getsizeof({})  # the emptied table was freed
+            await client_end.aclose()
+
+
+async def test_a_request_response_peer_costs_one_read_per_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[int | None] = []  # each read's length, None for one that found nothing
+    real = shell_module._read_now
+
+    def counting(fd: int) -> bytes | None:
+        data = real(fd)
+        reads.append(None if data is None else len(data))
+        return data
+
+    monkeypatch.setattr(shell_module, "_read_now", counting)
+    with trio.fail_after(10):
+        async with running_server() as (server, nursery):
+            client_end, server_end = socket_pair()
+            await _serve(server, nursery, server_end)
+            client = RawClient(client_end)
+            nursery.start_soon(client.pump)
+            await client.initialize()
+            session_id, _ = await client.new_session()
+            await trio.testing.wait_all_tasks_blocked()
+            del reads[:]
+            for n in range(5):
+                assert (await client.prompt(session_id, f"hello {n}"))["stopReason"] == "end_turn"
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(reads) == 5 and None not in reads, reads  # one read per prompt, none that failed
             await client_end.aclose()
 
 

@@ -330,20 +330,37 @@ class PipeStream(trio.abc.HalfCloseableStream):
     next message), and it raises ``Cancelled`` on entry in a cancelled scope. One reader and one writer
     at a time, as the shell has.
 
+    The connection shell reads :attr:`receive_fd` itself, in the same way (see ``ConnectionShell.run``).
+
     Args:
         receive_fd: the descriptor to read (stdin's duplicate); set non-blocking.
         send_fd: the descriptor to write (stdout's duplicate); set non-blocking.
+
+    Attributes:
+        receive_fd: the descriptor read, ``None`` once the stream is closed (a task waiting on it is
+            woken with ``ClosedResourceError`` first).
     """
 
     def __init__(self, receive_fd: int, send_fd: int) -> None:
         os.set_blocking(receive_fd, False)
         os.set_blocking(send_fd, False)
-        self._receive_fd: int | None = receive_fd
+        self.receive_fd: int | None = receive_fd
         self._send_fd: int | None = send_fd
         self._emptied = False  # the last read returned less than asked: the pipe was empty then
 
+    def open_fd(self) -> int:
+        """:attr:`receive_fd`, for a reader that reads it itself (asked for again after each wait).
+
+        Raises:
+            trio.ClosedResourceError: the stream is closed.
+        """
+        fd = self.receive_fd
+        if fd is None:
+            raise trio.ClosedResourceError("the stream is closed")
+        return fd
+
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        fd = self._receive_fd
+        fd = self.receive_fd
         if fd is None:
             raise trio.ClosedResourceError("the stream is closed")
         size = max_bytes or 65536
@@ -369,7 +386,7 @@ class PipeStream(trio.abc.HalfCloseableStream):
 
     async def _wait_readable(self, fd: int) -> int:
         await trio.lowlevel.wait_readable(fd)
-        if self._receive_fd is None:
+        if self.receive_fd is None:
             raise trio.ClosedResourceError("the stream was closed while reading")
         return fd
 
@@ -415,7 +432,7 @@ class PipeStream(trio.abc.HalfCloseableStream):
 
     async def aclose(self) -> None:
         self._close_fd("_send_fd")
-        self._close_fd("_receive_fd")
+        self._close_fd("receive_fd")
         await trio.lowlevel.checkpoint()
 
     def _close_fd(self, attr: str) -> None:

@@ -100,7 +100,6 @@ class _PassFlusher(trio.abc.Instrument):
             except BaseException:  # the run is ending: nothing waits for the loop any more
                 log.debug("could not wake the run loop for a woken writer", exc_info=True)
 
-
     def _run_ending(self, timeout: float) -> None:
         ending, self.ending = self.ending, []
         woke = False
@@ -165,6 +164,7 @@ class Outbox:
         "_refusal_latency",
         "_refusals_queued",
         "_writer_coalesce",
+        "_write_nowait",
         "_writer_spot",
         "evicted",
         "max_outbound_bytes",
@@ -196,6 +196,8 @@ class Outbox:
         #: the run's end-of-pass flusher while the writer runs on a stream written without waiting
         self._flusher: _PassFlusher | None = None
         self._held_pass = -1  # the pass :meth:`hold` was called in
+        #: the stream's ``write_nowait`` while the flusher writes it (``None``: a socket, or no flusher)
+        self._write_nowait: Callable[[bytes], int] | None = None
 
     def close(self) -> None:
         """Stop serving the connection (what is queued is flushed for a short while)."""
@@ -261,13 +263,12 @@ class Outbox:
         if not out or self._writer_spot.task is None:
             return False  # nothing left, or the writer is busy (it takes this next) or gone
         data = b"".join(out) if len(out) > 1 else out[0]
-        stream = self.stream
         try:
-            write = getattr(stream, "write_nowait", None)
+            write = self._write_nowait
             if write is not None:
                 sent = write(data)
             else:
-                sent = os.write(stream.socket.fileno(), data)  # type: ignore[union-attr]  # a trio.SocketStream
+                sent = os.write(self.stream.socket.fileno(), data)  # type: ignore[union-attr]  # a trio.SocketStream
         except BlockingIOError:
             sent = 0
         except (OSError, trio.ClosedResourceError, trio.BrokenResourceError):
@@ -278,7 +279,10 @@ class Outbox:
             if self._refusals_queued:
                 refused, self._refusals_queued = self._refusals_queued, []
                 self._record_refusals(refused)
-            self._set_drained()
+            if self._drained_event is None:
+                self._drained = True  # what _set_drained does when nobody waits
+            else:
+                self._set_drained()
             return False
         if sent > 0:
             rest = data[sent:]
@@ -336,6 +340,7 @@ class Outbox:
     async def _writer(self) -> None:
         stream = self.stream
         if _writes_nowait(stream):
+            self._write_nowait = getattr(stream, "write_nowait", None)  # None: a plain trio socket
             self._flusher = _run_flusher()
         try:
             while True:
@@ -368,6 +373,7 @@ class Outbox:
             self.close()
         finally:
             self._flusher = None
+            self._write_nowait = None
 
     def _record_refusals(self, read_stamps: list[int]) -> None:
         histogram = self._refusal_latency

@@ -33,7 +33,7 @@ from .outbox import Outbox
 from .refusal_budget import RefusalBudget, RefusalBudgetSettings
 
 if TYPE_CHECKING:
-    from .shell import _Slot
+    from .inflight import Slot
 
 __all__ = ["RefusalGuard"]
 
@@ -65,7 +65,7 @@ class RefusalGuard(Outbox):
     max_inflight: int
     _start_waiting: Callable[[], None]
 
-    def _reply_error(self, data: bytes, slot: _Slot, reply: Callable[[bytes], None]) -> None:
+    def _reply_error(self, data: bytes, slot: Slot, reply: Callable[[bytes], None]) -> None:
         """Queue an error answer; an overload refusal is timed until its bytes are written, and spends
         from the peer's refusal budget (evicted once it is spent)."""
         error = getattr(data, "error", None)

@@ -62,6 +62,8 @@ from ..jsonrpc import (
 from ..logtext import clip
 from ..types.acp import CancelRequestParams
 from .deadlines import Deadline, deadlines
+from .inflight import BatchReplies, Slot
+from .listeners import PipeStream
 from .outbox import RELIABLE_WATERMARK_BYTES
 from .refusal_budget import RefusalBudget, RefusalBudgetSettings
 from .refusals import RefusalGuard
@@ -86,41 +88,6 @@ def _read_now(fd: int) -> bytes | None:
         return os.read(fd, _READ_SIZE)
     except BlockingIOError:
         return None
-
-
-class _Slot:
-    """One request of the peer's, from arrival to answer."""
-
-    __slots__ = ("cancelled", "deferred", "read_ns", "running", "scope")
-
-    def __init__(self, read_ns: int) -> None:
-        self.read_ns = read_ns  # perf_counter_ns() when the reader handed the request to dispatch
-        self.cancelled = False
-        self.scope: trio.CancelScope | None = None
-        self.deferred: Deferred | None = None
-        #: it counts towards max_inflight_requests: from its start until its work ends (see _release)
-        self.running = False
-
-
-class _BatchReplies:
-    """Collects the answers of a batch; sends them as one JSON array once all are in."""
-
-    __slots__ = ("missing", "parts", "shell")
-
-    def __init__(self, shell: ConnectionShell) -> None:
-        self.shell = shell
-        self.parts: list[bytes] = []
-        self.missing = 0
-
-    def add(self, data: bytes) -> None:
-        self.parts.append(data.rstrip(b"\n"))
-        self.missing -= 1
-        self.flush()
-
-    def flush(self) -> None:
-        if self.missing == 0 and self.parts:
-            self.shell.reply(b"[" + b",".join(self.parts) + b"]\n")
-            self.parts = []
 
 
 class ConnectionShell(RefusalGuard):
@@ -214,7 +181,7 @@ class ConnectionShell(RefusalGuard):
         self.dispatcher = dispatcher
         self.max_inflight = max_inflight_requests
         self._on_close = on_close
-        self._slots: dict[Any, _Slot] = {}
+        self._slots: dict[Any, Slot] = {}
         self._waiting: list[Request] = []  # a list: an empty deque alone takes ~760 bytes
         self._inflight = 0  # started and not answered
         #: of those, the ones whose work is over and whose answer waits (they no longer count as running)
@@ -294,9 +261,13 @@ class ConnectionShell(RefusalGuard):
         # A plain trio socket is read with os.read on its descriptor, waiting in wait_readable when it
         # is empty, with the checkpoints SocketStream.receive_some makes (one scheduling point per read):
         # an idle connection then waits without the suspended calls of receive_some, the socket's recv
-        # and its helper, and their context manager (about 1.4 KB per connection). Other streams are
-        # read through receive_some.
+        # and its helper, and their context manager (about 1.4 KB per connection). The stdio PipeStream
+        # too (its descriptor asked for at each use: the stream may close). After a short read, which
+        # emptied the kernel's buffer, the reader waits before it reads again: a peer that waits for
+        # each answer costs one read per message, none failing with EAGAIN. Other streams: receive_some.
         fd = stream.socket.fileno() if type(stream) is trio.SocketStream else -1
+        pipe = stream if type(stream) is PipeStream else None
+        emptied = False  # the last read was short
         limit_waiting = 4 * self.max_inflight
         try:
             async with trio.open_nursery() as tasks:
@@ -316,19 +287,31 @@ class ConnectionShell(RefusalGuard):
                                 await room.wait()
                             if self._out_bytes > self.max_outbound_bytes:
                                 await self._wait_for_room()
-                            if fd < 0:
+                            if pipe is not None:
+                                read = None
+                                if not emptied:
+                                    await trio.lowlevel.checkpoint_if_cancelled()
+                                    if (read := _read_now(pipe.open_fd())) is not None:
+                                        await trio.lowlevel.cancel_shielded_checkpoint()
+                                while read is None:
+                                    await trio.lowlevel.wait_readable(pipe.open_fd())
+                                    read = _read_now(pipe.open_fd())
+                                emptied = len(read) < _READ_SIZE
+                                data, read = read, None
+                            elif fd < 0:
                                 data = await stream.receive_some(_READ_SIZE)
                             else:
-                                await trio.lowlevel.checkpoint_if_cancelled()
-                                read = _read_now(fd)
-                                if read is None:
-                                    # Waited for outside any ``except`` block: a handled exception stays
-                                    # alive (with its traceback) as long as the block runs, awaits included.
-                                    while read is None:
-                                        await trio.lowlevel.wait_readable(fd)
-                                        read = _read_now(fd)
-                                else:
-                                    await trio.lowlevel.cancel_shielded_checkpoint()
+                                read = None
+                                if not emptied:
+                                    await trio.lowlevel.checkpoint_if_cancelled()
+                                    if (read := _read_now(fd)) is not None:
+                                        await trio.lowlevel.cancel_shielded_checkpoint()
+                                # Waited for outside any ``except`` block: a handled exception stays
+                                # alive (with its traceback) as long as the block runs, awaits included.
+                                while read is None:
+                                    await trio.lowlevel.wait_readable(fd)
+                                    read = _read_now(fd)
+                                emptied = len(read) < _READ_SIZE
                                 data, read = read, None
                             if not data:
                                 log.debug("%s: end of input", self.name)
@@ -442,7 +425,8 @@ class ConnectionShell(RefusalGuard):
         """Dispatch what ``data`` completes; ``False``: the connection must close (a line too large)."""
         core = self.core
         core.receive_data(data)
-        self._last_input = trio.current_time()
+        if self._idle_timeout_s is not None:  # only the idle timeout reads it
+            self._last_input = trio.current_time()
         while True:
             event = core.next_event()
             if event is NEED_DATA:
@@ -459,7 +443,7 @@ class ConnectionShell(RefusalGuard):
             if event.id in self._slots:
                 reply(encode_error(event.id, InvalidRequestError(detail=f"id {event.id!r} is already in use by a request in flight")))
                 return
-            self._slots[event.id] = _Slot(perf_counter_ns())
+            self._slots[event.id] = Slot(perf_counter_ns())
             if self._waiting or self._inflight - self._finished_unanswered >= self._run_cap:
                 if reply == self.reply:
                     self._waiting.append(event)
@@ -477,7 +461,7 @@ class ConnectionShell(RefusalGuard):
         elif isinstance(event, ErrorReply):
             reply(event.data)
         elif isinstance(event, Batch):
-            replies = _BatchReplies(self)
+            replies = BatchReplies(self.reply)
             replies.missing = sum(1 for item in event.items if isinstance(item, (Request, ErrorReply)))
             for item in event.items:
                 self._handle(item, replies.add)
@@ -496,7 +480,7 @@ class ConnectionShell(RefusalGuard):
         self._cancel_slot(slot)
 
     @staticmethod
-    def _cancel_slot(slot: _Slot) -> None:
+    def _cancel_slot(slot: Slot) -> None:
         """Cancel one request in flight: it is answered ``cancelled`` (or its outcome if it had one)."""
         slot.cancelled = True
         if slot.scope is not None:
@@ -514,11 +498,14 @@ class ConnectionShell(RefusalGuard):
                 self._slot_done()
                 return
         ctx = self.ctx
-        ctx.cancelled = slot.cancelled  # type: ignore[attr-defined]
-        try:
-            out = self.dispatcher.call(ctx, req)
-        finally:
-            ctx.cancelled = False  # type: ignore[attr-defined]
+        if slot.cancelled:
+            ctx.cancelled = True  # type: ignore[attr-defined]
+            try:
+                out = self.dispatcher.call(ctx, req)
+            finally:
+                ctx.cancelled = False  # type: ignore[attr-defined]
+        else:
+            out = self.dispatcher.call(ctx, req)  # ctx.cancelled is False outside the branch above
         if isinstance(out, bytes):
             del self._slots[req.id]
             if type(out) is bytes:
@@ -538,7 +525,7 @@ class ConnectionShell(RefusalGuard):
         assert self._handlers is not None
         self._handlers.start_soon(self._finish, req, out, slot, reply, name=_HANDLER_TASK)
 
-    def _release(self, slot: _Slot) -> None:
+    def _release(self, slot: Slot) -> None:
         """``slot``'s work is over but its answer waits: the next waiting request may start."""
         if slot.running:
             slot.running = False
@@ -572,7 +559,7 @@ class ConnectionShell(RefusalGuard):
             room.set()
 
     async def _finish(
-        self, req: Request, pending: Coroutine[Any, Any, Any], slot: _Slot, reply: Callable[[bytes], None]
+        self, req: Request, pending: Coroutine[Any, Any, Any], slot: Slot, reply: Callable[[bytes], None]
     ) -> None:
         data: bytes | None = None
         try:
