@@ -56,6 +56,8 @@ __all__ = ["LeanH11Protocol", "LeanStream"]
 #: RFC 9110's field-name (a token) and field-value (no control characters but tab), as h11 checks them
 _FIELD_NAME = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
 _FIELD_VALUE = re.compile(rb"[^\x00-\x08\x0a-\x1f\x7f]*")
+#: what the connection tells its server as a request comes in, and as it is over (frozen: made once)
+_BUSY, _IDLE = Updated(idle=False), Updated(idle=True)
 #: statuses whose response has no body (and no framing header)
 _NO_BODY = frozenset((204, 304))
 
@@ -498,7 +500,7 @@ class LeanH11Protocol(H11Protocol):
                         request = simple_request(data, self.config.h11_max_incomplete_size)
                     if request is not None and request.missing:
                         self._pending, self._partial = request, data
-                        await self.send(Updated(idle=False))  # a request is coming in: no idle timeout
+                        await self.send(_BUSY)  # a request is coming in: no idle timeout
                         return
                     if request is not None:
                         await self._serve_simple(request)
@@ -516,7 +518,7 @@ class LeanH11Protocol(H11Protocol):
         return bool(self.config.server_names or self.config.h11_pass_raw_headers)
 
     async def _serve_simple(self, request: SimpleRequest) -> None:
-        await self.send(Updated(idle=False))
+        await self.send(_BUSY)
         inline = self._inline(request.method, request.target.partition(b"?")[0])
         stream = self._open_stream(request.method, request.target, request.headers, keep_alive=request.keep_alive,
                                    spawn=not inline)
@@ -606,7 +608,7 @@ class LeanH11Protocol(H11Protocol):
             if not stream.inline:  # (an inline one's reader is the task answering: it waits for nothing)
                 await self.can_read.set()
             if stream.keep_alive and not self.context.terminated.is_set():
-                await self.send(Updated(idle=True))
+                await self.send(_IDLE)
             else:
                 await self.send(Closed())
         elif stream.keep_alive and not self.context.terminated.is_set() and old.their_state is h11.DONE:
@@ -619,7 +621,7 @@ class LeanH11Protocol(H11Protocol):
             self.connection = fresh
             self._h11_fresh = not data and not closed
             await self.can_read.set()
-            await self.send(Updated(idle=True))
+            await self.send(_IDLE)
         else:
             await self.can_read.set()
             await self.send(Closed())
