@@ -9,23 +9,35 @@
    once every subscriber has its ``turn_complete``: server CPU per prompt, and per subscriber-frame.
 
 CPU is the server process's own, from ``/proc``, read around each timed run.
+
+``python bench/rest_bench.py --instr`` counts instead the instructions the server runs per REST prompt
+and per TCP prompt (the same clients and prompts, one server under ``valgrind --tool=callgrind``,
+instrumented only while the timed prompts run): a figure that a busy machine does not move, unlike CPU
+time (the ratio of the two is the goal's, without the kernel's share and the caches' misses).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import re
+import shutil
+import subprocess
+import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import http_ab
 import httpx
 from http_ab import HttpSizes, _one, _Process
 from http_ab import Run as AcpRun
 from procfs import cpu_seconds
-from servers import acp_server_argv, shell_command
+from servers import BenchError, acp_server_argv, shell_command
 
 __all__ = ["FANOUT", "run_rest"]
 
@@ -75,7 +87,10 @@ class _Watcher:
             await asyncio.wait_for(self.changed.wait(), 30)
 
 
-async def _rest_run(base: str, pid: int, subscribers: int, warmup: int, prompts: int, text: str, out: Totals) -> None:
+async def _rest_run(
+    base: str, pid: int, subscribers: int, warmup: int, prompts: int, text: str, out: Totals,
+    meter: Callable[[int], float] = cpu_seconds,
+) -> None:
     limits = httpx.Limits(max_connections=subscribers + 4, max_keepalive_connections=subscribers + 4)
     async with httpx.AsyncClient(timeout=30, limits=limits) as client:
         sid = (await client.post(base + "/session", json={"cwd": "/tmp", "sessionScope": "thread"})).json()["sessionId"]
@@ -95,10 +110,10 @@ async def _rest_run(base: str, pid: int, subscribers: int, warmup: int, prompts:
             for i in range(1, warmup + 1):
                 await one(i)
             frames0 = sum(w.frames for w in watchers)
-            cpu0, started = cpu_seconds(pid), time.perf_counter()
+            cpu0, started = meter(pid), time.perf_counter()
             for i in range(warmup + 1, warmup + prompts + 1):
                 await one(i)
-            seconds, cpu_s = time.perf_counter() - started, cpu_seconds(pid) - cpu0
+            seconds, cpu_s = time.perf_counter() - started, meter(pid) - cpu0
             out.add(prompts, seconds, cpu_s, sum(w.frames for w in watchers) - frames0)
         finally:
             for task in tasks:
@@ -107,18 +122,25 @@ async def _rest_run(base: str, pid: int, subscribers: int, warmup: int, prompts:
             await client.delete(f"{base}/session/{sid}")
 
 
+_SERVE = ["serve", "--ephemeral", "--listen", "tcp://127.0.0.1:0", "--http-listen", "http://127.0.0.1:0"]
+_LISTENING = rb"acp-server: (listening on tcp|http on http)://127\.0\.0\.1:(\d+)"
+
+
+def _start(argv: list[str]) -> tuple[_Process, str, str]:
+    """The server of ``argv``, once both listeners are up: the process, its HTTP and its TCP address."""
+    server = _Process(argv, rb"acp-server: (?:listening on tcp|http on http)://127\.0\.0\.1:(\d+)")
+    while len(server.found) < 2:
+        time.sleep(0.05)
+        server.found = list(re.finditer(_LISTENING, Path(server.log.name).read_bytes()))
+    ports = {m.group(1): int(m.group(2)) for m in server.found}
+    return server, f"http://127.0.0.1:{ports[b'http on http']}", f"tcp://127.0.0.1:{ports[b'listening on tcp']}"
+
+
 def run_rest(sizes: HttpSizes) -> tuple[dict[str, Any], str]:
     """Every round over the targets, then the fan-out runs; the figures and the server command."""
-    argv = [*acp_server_argv(), "serve", "--ephemeral", "--listen", "tcp://127.0.0.1:0", "--http-listen", "http://127.0.0.1:0"]
-    server = _Process(argv, rb"acp-server: (?:listening on tcp|http on http)://127\.0\.0\.1:(\d+)")
+    argv = [*acp_server_argv(), *_SERVE]
+    server, http, tcp = _start(argv)
     try:
-        while len(server.found) < 2:
-            time.sleep(0.05)
-            server.found = list(re.finditer(rb"acp-server: (listening on tcp|http on http)://127\.0\.0\.1:(\d+)",
-                                            Path(server.log.name).read_bytes()))
-        ports = {m.group(1): int(m.group(2)) for m in server.found}
-        http = f"http://127.0.0.1:{ports[b'http on http']}"
-        tcp = f"tcp://127.0.0.1:{ports[b'listening on tcp']}"
         pid = server.proc.pid
         rest, acp_sse, acp_tcp = Totals(), AcpRun(), AcpRun()
         fanout = {n: Totals() for n in FANOUT}
@@ -151,3 +173,82 @@ def run_rest(sizes: HttpSizes) -> tuple[dict[str, Any], str]:
                                  "cpu_us_per_frame": t.cpu_s * 1e6 / t.frames if t.frames else None}
     json.dumps(out)  # plain data only
     return out, shell_command(argv)
+
+
+class _Callgrind:
+    """Instructions a server under callgrind runs between two readings (its instrumentation is on only
+    between them: ``--instr-atstart=no``, then ``callgrind_control -i on``, and a dump at the second)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.dumps = 0
+        self.on = False
+
+    def __call__(self, pid: int) -> float:
+        if not self.on:
+            subprocess.run(["callgrind_control", "-i", "on", str(pid)], check=True, capture_output=True)
+            self.on = True
+            return 0.0
+        subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
+        subprocess.run(["callgrind_control", "-i", "off", str(pid)], check=True, capture_output=True)
+        self.on = False
+        self.dumps += 1
+        text = Path(f"{self.out}.{self.dumps}").read_text()
+        found = re.search(r"^totals: (\d+)", text, re.M) or re.search(r"^summary: (\d+)", text, re.M)
+        if found is None:
+            raise BenchError(f"no totals in {self.out}.{self.dumps}")
+        return float(found.group(1))
+
+
+@contextmanager
+def _tcp_meter(meter: Callable[[int], float]) -> Iterator[None]:
+    """``http_ab``'s timed TCP runs read ``meter`` instead of the CPU clock."""
+    saved = http_ab.cpu_seconds
+    http_ab.cpu_seconds = meter  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        http_ab.cpu_seconds = saved
+
+
+def run_instr(prompts: int, warmup: int, text: str) -> dict[str, float]:
+    """Instructions per REST prompt and per TCP prompt (sequential echo prompts, as :func:`run_rest`)."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise BenchError("--instr needs valgrind (Debian: apt-get install valgrind)")
+    out = Path(f"/tmp/acp-bench-rest-{int(time.time())}.callgrind")
+    server_argv = acp_server_argv()
+    if len(server_argv) == 1:  # the console script: run by this Python (valgrind follows no #! line)
+        server_argv = [sys.executable, *server_argv]
+    argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}", *server_argv, *_SERVE]
+    http_ab._START_TIMEOUT_S = 300.0  # type: ignore[attr-defined]  # (imports are ~50x slower under valgrind)
+    server, http, tcp = _start(argv)
+    meter = _Callgrind(out)
+    rest, acp_tcp = Totals(), AcpRun()
+    try:
+        pid = server.proc.pid
+
+        async def both() -> None:
+            await _rest_run(http, pid, 1, warmup, prompts, text, rest, meter)
+            with _tcp_meter(meter):
+                await _one("ours_tcp", tcp, pid, HttpSizes(1, warmup, prompts, text), acp_tcp)
+
+        asyncio.run(both())
+    finally:
+        server.stop()
+        for dump in out.parent.glob(out.name + "*"):
+            dump.unlink()
+    per_rest, per_tcp = rest.cpu_s / rest.prompts, acp_tcp.cpu_s / acp_tcp.prompts
+    return {"rest_instructions_per_prompt": per_rest, "tcp_instructions_per_prompt": per_tcp, "ratio": per_rest / per_tcp}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--instr", action="store_true", help="count instructions under callgrind (see above)")
+    parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=30)
+    args = parser.parse_args()
+    if not args.instr:
+        parser.error("run scenario 8 with: python bench/run.py --only rest (this script alone: --instr)")
+    from run import TEXT
+
+    print(json.dumps(run_instr(args.prompts, args.warmup, TEXT), indent=2))

@@ -79,6 +79,8 @@ async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     path = scope["path"]
     if path == "/fail":
         raise RuntimeError("the app failed")
+    if path == "/bad-header":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"x-bad", b"a\x01b")]})
     headers = [(b"x-path", path.encode())]
     if path == "/length":
         headers.append((b"content-length", b"5"))
@@ -92,18 +94,36 @@ async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await send({"type": "http.response.body", "body": b"late"})
     elif path == "/length":
         await send({"type": "http.response.body", "body": b"12345"})
+    elif path == "/head-then-fail":
+        raise RuntimeError("the app failed after its head")
     else:
         await send({"type": "http.response.body", "body": b"echo:" + body})
 
 
+class _InlineApp:
+    """:func:`_app`, its POSTs served in the connection's reading task (as the REST API's are)."""
+
+    def __init__(self) -> None:
+        self.inline: list[bytes] = []
+
+    def inline_request(self, method: bytes, path: bytes) -> bool:
+        if method == b"POST":
+            self.inline.append(path)
+            return True
+        return False
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await _app(scope, receive, send)
+
+
 @asynccontextmanager
-async def _listener() -> AsyncIterator[int]:
+async def _listener(app: Any = _app) -> AsyncIterator[int]:
     config = Config()
     config.accesslog = None
     config.errorlog = None
     sock = trio.SocketListener(await bind_tcp_socket("127.0.0.1", 0))
     async with sock, trio.open_nursery() as nursery:
-        await nursery.start(serve_app, _app, config, sock)
+        await nursery.start(serve_app, app, config, sock)
         yield sock.socket.getsockname()[1]
         nursery.cancel_scope.cancel()
 
@@ -178,3 +198,39 @@ async def test_requests_h11_reads_get_the_same_answers() -> None:
     assert old.startswith(b"HTTP/1.1 200") and old.endswith(b"echo:")
     assert chunked.startswith(b"HTTP/1.1 200") and b"echo:hi" in chunked
     assert bad.startswith(b"HTTP/1.1 400")
+
+
+def test_a_head_read_again_is_the_same_request() -> None:
+    """A head read before (kept parsed) gives the same request, its own list of headers, and its own
+    body's checks (a body longer than its length goes to h11)."""
+    data = b"POST /p HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n"
+    one, two = simple_request(data + b"{}", LIMIT), simple_request(data + b"[]", LIMIT)
+    assert one is not None and two is not None and one.headers == two.headers and one.headers is not two.headers
+    assert (one.body, two.body) == (b"{}", b"[]")
+    assert simple_request(data + b"{}x", LIMIT) is None
+    bad = b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"
+    assert simple_request(bad, LIMIT) is None and simple_request(bad, LIMIT) is None
+
+
+async def test_inline_requests_get_the_same_answers() -> None:
+    """A request served in its connection's reading task: a whole answer in one write with its length,
+    a body in parts chunked, a late body after its head, a failure before or after the head a 500 (the
+    head not written yet is replaced), a header h11 would refuse a 500; the connection serves the next."""
+    app = _InlineApp()
+    async with _listener(app) as port:
+        whole = await _exchange(port, b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi",
+                                b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nyou", pause=0.1)
+        parts = await _exchange(port, b"POST /parts HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n")
+        late = await _exchange(port, b"POST /start HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n")
+        failed = await _exchange(port, b"POST /head-then-fail HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n",
+                                 until_closed=True)
+        refused = await _exchange(port, b"POST /bad-header HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n",
+                                  until_closed=True)
+    assert app.inline == [b"/echo", b"/echo", b"/parts", b"/start", b"/head-then-fail", b"/bad-header"]
+    first, _, rest = whole.partition(b"echo:hi")
+    assert first.startswith(b"HTTP/1.1 200 \r\n") and b"content-length: 7\r\n" in first and b"x-path: /echo" in first
+    assert rest.startswith(b"HTTP/1.1 200 ") and rest.endswith(b"content-length: 8\r\n\r\necho:you")
+    assert b"transfer-encoding: chunked\r\n" in parts and parts.endswith(b"\r\n\r\n1\r\na\r\n2\r\nbb\r\n3\r\nccc\r\n0\r\n\r\n")
+    assert b"content-length: 4\r\n" in late and late.endswith(b"\r\n\r\nlate")
+    for got in (failed, refused):
+        assert got.startswith(b"HTTP/1.1 500 ") and got.count(b"HTTP/1.1") == 1 and b"x-path" not in got

@@ -338,3 +338,86 @@ def test_other_update_lines_are_not_cut(line: bytes) -> None:
     from acp_server.transports.http.rest_events import _bridge_update_frame
 
     assert _bridge_update_frame(line) is None
+
+
+def _turn(state: str, extra: str = "", session: str = "s-1", prompt: str = "prompt_1", origin: str = ',"originatorClientId":"c1"') -> bytes:
+    return (f'{{"jsonrpc":"2.0","method":"_acp_server/turn_state","params":{{"sessionId":"{session}","promptId":"{prompt}",'
+            f'"state":"{state}","at":1700000000000{extra},"_meta":{{"eventId":42{origin}}}}}}}\n').encode()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        encode_update("s-1", 7, b'{"sessionUpdate":"agent_message_chunk","content":{"type":"text","text":"hi \\u00e9"}}'),
+        encode_update("s-1", 123456, b'{"a":{"_meta":{"eventId":3}},"b":",\\"_meta\\":{\\"eventId\\":9}}"}', "cli-1"),
+        encode_update("s-1", 8, b'{"a":1,"_meta":{"eventId":5}}', "cli-1"),
+        encode_update("s-1", 9, b'{"a":"x\ny"}'),
+        encode_update("s-1", 9, b'{"a":\r1}'),
+        encode_update("s-2", 9, b'{"a":1}'),
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s-1","update":{},"_meta":{"eventId":02}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s-1","update":{},"_meta":{"eventId":2,"x":1}}}\n',
+        _turn("accepted"),
+        _turn("queued", ',"positionHint":3'),
+        _turn("running", origin=""),
+        _turn("completed", ',"reason":"end_turn"'),
+        _turn("completed", ',"reason":"max_tokens"', origin=""),
+        _turn("completed"),
+        _turn("completed", ',"reason":""'),
+        _turn("completed", ',"reason":"a\\"b"'),
+        _turn("completed", ',"reason":"end_turn"', prompt="p\\u00e9"),
+        _turn("cancelled", ',"reason":"client_cancel"'),
+        _turn("failed", ',"reason":"agent_error"'),
+        _turn("completed", ',"reason":"end_turn"', session="s-2"),
+        _turn("working"),
+    ],
+)
+def test_a_subscriber_cuts_its_sessions_lines_into_the_frames_decoding_writes(line: bytes) -> None:
+    """The frames a subscriber cuts from its session's lines (its session id known, nothing searched)
+    are, byte for byte, the decoding path's: an update's frame keeps the update's own JSON, a terminal
+    turn state's frames are its envelopes encoded, the other states have none; lines of other layouts
+    or sessions, and any with a carriage return or a line feed inside, are decoded."""
+    from acp_server.transports.http import rest_events
+
+    sub = SseSubscriber("s-1")
+    rest_events._last_line = (b"", [])
+    got = sub._frames_of(line)
+    if b'"method":"session/update"' in line:
+        want = rest_events._update_frames(line)
+        if want is None:
+            want = [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
+    else:
+        want = [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
+    assert got == want
+    rest_events._last_line = (b"", [])
+    assert frames_of(line) == want  # any session's line, through the general cut
+    for _, frame in got:
+        assert b"\r" not in frame and frame.count(b"\n") == frame.count(b"\n", 0, frame.index(b"data: ")) + 2
+
+
+def test_a_subscriber_of_a_session_id_that_is_not_plain_decodes_its_lines() -> None:
+    """A session id that would need escaping in JSON never takes the cut (its lines are decoded)."""
+    from acp_server.transports.http import rest_events
+
+    sub = SseSubscriber('s"1')
+    line = b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s\\"1","update":{},"_meta":{"eventId":2}}}\n'
+    rest_events._last_line = (b"", [])
+    assert sub._frames_of(line) == [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
+
+
+def test_a_subscriber_cuts_the_bridges_own_lines_without_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Updates and turn states in the bridge's layout (a completed turn's too) are cut, never decoded."""
+    from acp_server.transports.http import rest_events
+
+    def never(line: bytes) -> None:
+        raise AssertionError(f"decoded: {line!r}")
+
+    monkeypatch.setattr(rest_events, "envelopes", never)
+    monkeypatch.setattr(rest_events, "_update_frames", never)
+    sub = SseSubscriber("s-1")
+    lines = [_turn("accepted"), _turn("running"), encode_update("s-1", 43, b'{"a":1}', "c1"), _turn("completed", ',"reason":"end_turn"')]
+    got = [sub._frames_of(line) for line in lines]
+    assert got[:2] == [[], []]
+    assert got[2] == [(43, b'id: 43\nevent: session_update\ndata: {"v":1,"type":"session_update","data":{"sessionId":"s-1",'
+                            b'"update":{"a":1}},"_meta":{"eventId":43},"id":43,"originatorClientId":"c1"}\n\n')]
+    assert got[3] == [(42, b'id: 42\nevent: turn_complete\ndata: {"v":1,"type":"turn_complete","data":{"sessionId":"s-1",'
+                            b'"stopReason":"end_turn","promptId":"prompt_1"},"_meta":{"eventId":42},"id":42}\n\n')]

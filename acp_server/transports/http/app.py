@@ -237,8 +237,8 @@ class AcpHttpApp:
 
     # --- HTTP -----------------------------------------------------------------------------------------
 
-    def _route(self, path: str, method: str) -> AcpError | None:
-        if self.rest is not None and self.rest.handles(path):
+    def _route(self, path: str, method: str, rest: bool) -> AcpError | None:
+        if rest:
             return None  # the REST API routes its own paths
         if path == HEALTH_PATH:
             return None if method in ("GET", "HEAD") else MethodNotAllowedError(path=path, method=method, allowed=["GET"])
@@ -257,15 +257,16 @@ class AcpHttpApp:
         host = header(headers, b"host")
         scheme = scope.get("scheme")
         cors = cors_headers(origin, self.rules, preflight=method == "OPTIONS", host=host, scheme=scheme)
+        rest = self.rest is not None and self.rest.handles(scope["path"])
         refusal = (
-            self._route(scope["path"], method)
+            self._route(scope["path"], method, rest)
             or self.rules.check_host(host)
             or self.rules.check_origin(origin, host=host, scheme=scheme)
         )
         if refusal is not None:
             await self._refuse(send, refusal, cors)
             return
-        if self.rest is not None and self.rest.handles(scope["path"]):
+        if rest:
             await self.rest(scope, receive, send, cors)
             return
         try:

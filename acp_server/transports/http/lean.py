@@ -56,6 +56,8 @@ __all__ = ["LeanH11Protocol", "LeanStream"]
 #: RFC 9110's field-name (a token) and field-value (no control characters but tab), as h11 checks them
 _FIELD_NAME = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
 _FIELD_VALUE = re.compile(rb"[^\x00-\x08\x0a-\x1f\x7f]*")
+#: what the connection tells its server as a request comes in, and as it is over (frozen: made once)
+_BUSY, _IDLE = Updated(idle=False), Updated(idle=True)
 #: statuses whose response has no body (and no framing header)
 _NO_BODY = frozenset((204, 304))
 
@@ -80,13 +82,23 @@ class _Date:
 _date = _Date()
 
 
+#: the most heads :data:`_heads` and :data:`_heads_out` keep
+_HEADS_KEPT = 512
+#: response heads read already (see :func:`_head`), by status and headers; cleared when full
+_heads_out: dict[tuple[int, tuple[Any, ...]], tuple[bytes, int]] = {}
 #: what :func:`_head` reports of the app's headers
 _LENGTH, _CHUNKED, _CONNECTION, _CLOSE = 1, 2, 4, 8
 
 
-def _head(status: int, headers: list[tuple[bytes, bytes]]) -> tuple[list[bytes], int]:
+def _head(status: int, headers: list[tuple[bytes, bytes]]) -> tuple[bytes, int]:
     """The status line and header lines, and which framing and connection headers the app gave
-    (:data:`_LENGTH`, ...); raises ``ValueError`` for a header h11 would refuse."""
+    (:data:`_LENGTH`, ...); raises ``ValueError`` for a header h11 would refuse. An app answers with the
+    same few heads again and again: they are read once (:data:`_heads_out`)."""
+    try:
+        key = (status, tuple(headers))
+        return _heads_out[key]
+    except (KeyError, TypeError):  # (a header given as a list is read each time)
+        key = None
     lines = [b"HTTP/1.1 %d \r\n" % status]
     seen = 0
     for name, value in headers:
@@ -99,7 +111,12 @@ def _head(status: int, headers: list[tuple[bytes, bytes]]) -> tuple[list[bytes],
             seen |= _FRAMING[lower]
             if lower == b"connection" and b"close" in _tokens(value):
                 seen |= _CLOSE
-    return lines, seen
+    out = b"".join(lines), seen
+    if key is not None:
+        if len(_heads_out) >= _HEADS_KEPT:
+            _heads_out.clear()
+        _heads_out[key] = out
+    return out
 
 
 _FRAMING = {b"content-length": _LENGTH, b"transfer-encoding": _CHUNKED, b"connection": _CONNECTION}
@@ -138,19 +155,20 @@ class SimpleRequest:
         self.missing = missing
 
 
-def simple_request(data: bytes, limit: int) -> SimpleRequest | None:
-    """``data`` as one plain HTTP/1.1 request, exactly, or its beginning when what is missing is the end
-    of a body that fits in :data:`PARTIAL_MAX` (``missing`` says how much); ``None``: anything else, left to h11.
+#: a plain request's head, as :func:`_parse_head` reads it: method, target, headers, ``Content-Length``
+#: (-1: none) and whether the connection may be kept alive
+_Head = tuple[bytes, bytes, tuple[tuple[bytes, bytes], ...], int, bool]
+#: heads parsed already (``None``: not plain): a client sends the same head again and again (its
+#: ``Host``, its ``User-Agent``, a session's route, a body of the same length), so that most heads are a
+#: dictionary lookup; cleared when full
+_heads: dict[bytes, _Head | None] = {}
+#: the longest head kept there
+_HEAD_KEPT_BYTES = 2048
 
-    Plain: the request line of :data:`_REQUEST_LINE` (not ``HEAD``), a head within ``limit`` bytes,
-    field lines h11's grammar takes, exactly one ``Host``, at most one ``Content-Length`` (digits) and
-    no ``Transfer-Encoding``, ``Upgrade``, ``Expect`` or ``HTTP2-Settings``, and nothing after the body
-    (a pipelined request goes to h11). Names are lowercased and values stripped, as h11 gives them.
-    """
-    end = data.find(b"\r\n\r\n", 0, limit)
-    if end < 0:
-        return None
-    lines = data[:end].split(b"\r\n")
+
+def _parse_head(head: bytes) -> _Head | None:
+    """A request's head (without its blank line) if it is plain (see :func:`simple_request`), else ``None``."""
+    lines = head.split(b"\r\n")
     first = _REQUEST_LINE.fullmatch(lines[0])
     if first is None or first[1] == b"HEAD":
         return None
@@ -175,13 +193,42 @@ def simple_request(data: bytes, limit: int) -> SimpleRequest | None:
         elif name == b"connection" and b"close" in _tokens(value):
             keep_alive = False
         headers.append((name, value))
+    if hosts != 1:
+        return None
+    return first[1], first[2], tuple(headers), length, keep_alive
+
+
+def simple_request(data: bytes, limit: int) -> SimpleRequest | None:
+    """``data`` as one plain HTTP/1.1 request, exactly, or its beginning when what is missing is the end
+    of a body that fits in :data:`PARTIAL_MAX` (``missing`` says how much); ``None``: anything else, left to h11.
+
+    Plain: the request line of :data:`_REQUEST_LINE` (not ``HEAD``), a head within ``limit`` bytes,
+    field lines h11's grammar takes, exactly one ``Host``, at most one ``Content-Length`` (digits) and
+    no ``Transfer-Encoding``, ``Upgrade``, ``Expect`` or ``HTTP2-Settings``, and nothing after the body
+    (a pipelined request goes to h11). Names are lowercased and values stripped, as h11 gives them.
+    """
+    end = data.find(b"\r\n\r\n", 0, limit)
+    if end < 0:
+        return None
+    head = data[:end]
+    try:
+        parsed = _heads[head]
+    except KeyError:
+        parsed = _parse_head(head)
+        if end <= _HEAD_KEPT_BYTES:
+            if len(_heads) >= _HEADS_KEPT:
+                _heads.clear()
+            _heads[head] = parsed
+    if parsed is None:
+        return None
+    method, target, headers, length, keep_alive = parsed
     body = data[end + 4:]
-    if hosts != 1 or len(body) > max(length, 0):
+    if len(body) > max(length, 0):
         return None
     missing = length - len(body)
     if missing > 0 and end + 4 + length > PARTIAL_MAX:
         return None
-    return SimpleRequest(first[1], first[2], headers, body, keep_alive, max(missing, 0))
+    return SimpleRequest(method, target, list(headers), body, keep_alive, max(missing, 0))
 
 
 class LeanStream:
@@ -201,23 +248,27 @@ class LeanStream:
         self.start_time = time()
         self._log: Any = protocol.config.log
         self._inbox: deque[dict[str, Any]] = deque()
-        #: what the app's ``receive`` and the reader's backpressure wait on (made when one waits)
-        self._ready: trio.Event | None = None
-        self._room: trio.Event | None = None
-        self._state = "request"  # then "held" (head queued), "body" (head settled), "done"
-        #: the queued head, until a body part settles it or the flusher takes it as it is
-        self._held: HeldWrite | None = None
-        self._status = 0
-        self._lines: list[bytes] = []
-        self._seen = 0
-        #: read whole by :func:`simple_request`, without h11
-        self.fast = False
-        #: served in the connection's reading task, which reads nothing more meanwhile
-        self.inline = False
-        self._chunked = False
-        self._response: dict[str, Any] = {}
 
     idle = False
+    #: the app's ``http.response.start`` (for the access log)
+    _response: dict[str, Any] = {}  # noqa: RUF012 - never changed: replaced by the app's message
+    #: what the app's ``receive`` and the reader's backpressure wait on (made when one waits)
+    _ready: trio.Event | None = None
+    _room: trio.Event | None = None
+    #: "request", then "held" (head not written), "body" (head written), "done"
+    _state = "request"
+    #: the queued head, until a body part settles it or the flusher takes it as it is (an inline
+    #: request's head is not queued: it waits for its body here)
+    _held: HeldWrite | None = None
+    _status = 0
+    #: the status line and header lines (without the framing header and the blank line)
+    _head_bytes = b""
+    _seen = 0
+    #: read whole by :func:`simple_request`, without h11
+    fast = False
+    #: served in the connection's reading task, which reads nothing more meanwhile
+    inline = False
+    _chunked = False
 
     # --- from the connection: the request body and the end of the connection -------------------------
 
@@ -313,19 +364,20 @@ class LeanStream:
     def _start_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Check the head and queue it held: the first body part settles it, with the framing it
         allows, if it comes before the flusher takes the head; else the head leaves as it is, its
-        body chunked (or as long as the app's ``content-length``)."""
+        body chunked (or as long as the app's ``content-length``). An inline request's head is not
+        queued: its app sends the body right after (it only answers), and nothing else writes on the
+        connection meanwhile (its reading task is the one answering)."""
         protocol = self.protocol
-        lines, seen = _head(status, headers)  # a header h11 would refuse fails the app's send
-        lines.append(_date.get(protocol.config))
-        if seen & _CLOSE or protocol.keep_alive_requests >= protocol.config.keep_alive_max_requests:
+        config = protocol.config
+        head, seen = _head(status, headers)  # a header h11 would refuse fails the app's send
+        if seen & _CLOSE or protocol.keep_alive_requests >= config.keep_alive_max_requests:
             self.keep_alive = False
-        if not self.keep_alive and not seen & _CONNECTION:
-            lines.append(b"connection: close\r\n")
-        self._status, self._lines, self._seen = status, lines, seen
-        self._held = HeldWrite(self._head_alone)
-        # an inline request's app sends its body right after (it only answers): the head waits for it
-        protocol.batched.hold(self._held, wake=not self.inline)
+        close = b"connection: close\r\n" if not self.keep_alive and not seen & _CONNECTION else b""
+        self._status, self._head_bytes, self._seen = status, b"".join((head, _date.get(config), close)), seen
         self._state = "held"
+        if not self.inline:
+            self._held = HeldWrite(self._head_alone)
+            protocol.batched.hold(self._held)
 
     def _framing(self, body: bytes, more: bool) -> bytes:
         """The framing header of the head (none when the app framed it, or for a bodiless status)."""
@@ -340,18 +392,25 @@ class LeanStream:
     def _head_alone(self) -> bytes:
         """The held head as the flusher takes it before any body part: the body's length is unknown."""
         self._state = "body"
-        return b"".join((*self._lines, self._framing(b"", True), b"\r\n"))
+        return b"".join((self._head_bytes, self._framing(b"", True), b"\r\n"))
 
     async def _write_body(self, body: bytes, more: bool) -> None:
         protocol = self.protocol
         held = self._held
-        if held is not None and held.data is None:  # the head is still queued: head and body leave as one
+        if self._state == "held":  # the head is not written yet (queued, or an inline one's): head and body leave as one
             self._held = None
             if self._status in _NO_BODY or self._status < 200:
                 body = b""
             framing = self._framing(body, more)
             self._state = "body"
-            await protocol.batched.settle(held, b"".join((*self._lines, framing, b"\r\n", self._frame(body, more))))
+            data = b"".join((self._head_bytes, framing, b"\r\n", self._frame(body, more)))
+            if held is not None:
+                await protocol.batched.settle(held, data)
+            else:
+                batched = protocol.batched
+                batched.join = False  # (as a held head does: an HTTP/1.1 response needs no joining)
+                if not batched.send_nowait(data):
+                    await protocol.send(RawData(data=data))
         else:
             self._held = None
             data = self._frame(body, more)
@@ -386,13 +445,14 @@ class LeanStream:
                 protocol.batched.drop(self._held)  # a head nobody will settle
             return
         held = self._held
-        lines, _ = _head(500, [(b"content-length", b"0"), (b"connection", b"close")])
-        error = b"".join((*lines, _date.get(protocol.config), b"\r\n"))
-        if held is not None and held.data is None:  # a head not sent yet: a 500 in its place
+        head, _ = _head(500, [(b"content-length", b"0"), (b"connection", b"close")])
+        error = b"".join((head, _date.get(protocol.config), b"\r\n"))
+        unanswered = self._state in ("request", "held")
+        if held is not None and self._state == "held":  # a head not sent yet: a 500 in its place
             await protocol.batched.settle(held, error)
-        elif self._state == "request":
+        elif unanswered:  # nothing sent, or an inline request's head not written yet
             await protocol.send(RawData(data=error))
-        if held is not None or self._state == "request":
+        if held is not None or unanswered:
             await self._log.access(self.scope, {"status": 500, "headers": []}, time() - self.start_time)
         self._state = "done"
         self.keep_alive = False
@@ -440,7 +500,7 @@ class LeanH11Protocol(H11Protocol):
                         request = simple_request(data, self.config.h11_max_incomplete_size)
                     if request is not None and request.missing:
                         self._pending, self._partial = request, data
-                        await self.send(Updated(idle=False))  # a request is coming in: no idle timeout
+                        await self.send(_BUSY)  # a request is coming in: no idle timeout
                         return
                     if request is not None:
                         await self._serve_simple(request)
@@ -458,7 +518,7 @@ class LeanH11Protocol(H11Protocol):
         return bool(self.config.server_names or self.config.h11_pass_raw_headers)
 
     async def _serve_simple(self, request: SimpleRequest) -> None:
-        await self.send(Updated(idle=False))
+        await self.send(_BUSY)
         inline = self._inline(request.method, request.target.partition(b"?")[0])
         stream = self._open_stream(request.method, request.target, request.headers, keep_alive=request.keep_alive,
                                    spawn=not inline)
@@ -548,7 +608,7 @@ class LeanH11Protocol(H11Protocol):
             if not stream.inline:  # (an inline one's reader is the task answering: it waits for nothing)
                 await self.can_read.set()
             if stream.keep_alive and not self.context.terminated.is_set():
-                await self.send(Updated(idle=True))
+                await self.send(_IDLE)
             else:
                 await self.send(Closed())
         elif stream.keep_alive and not self.context.terminated.is_set() and old.their_state is h11.DONE:
@@ -561,7 +621,7 @@ class LeanH11Protocol(H11Protocol):
             self.connection = fresh
             self._h11_fresh = not data and not closed
             await self.can_read.set()
-            await self.send(Updated(idle=True))
+            await self.send(_IDLE)
         else:
             await self.can_read.set()
             await self.send(Closed())

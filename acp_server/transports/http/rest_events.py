@@ -185,37 +185,104 @@ def _update_frames(line: bytes) -> list[tuple[int | None, bytes]] | None:
     return [(event_id, encode_frame(event))]
 
 
-#: a ``session/update`` line as the bridge writes it (``fanout.encode_update``): 1, the session id (plain)
-#: and the update's JSON (the last ``_meta`` of the line is the bridge's: the update's own come before it;
-#: no carriage return, which JSON allows as whitespace and SSE reads as a line end); 2, the event id;
-#: 3, the originating client id's member
-_BRIDGE_UPDATE = re.compile(
-    rb'\{"jsonrpc":"2\.0","method":"session/update","params":\{"sessionId":"([A-Za-z0-9._:-]{1,128}","update":[^\r\n]*)'
-    rb',"_meta":\{"eventId":([1-9][0-9]{0,15})(,"originatorClientId":"[A-Za-z0-9._:-]{1,128}")?\}\}\}\n?'
-)
-#: a turn state line, up to its state (``fanout.turn_state``): only the terminal ones become frames
-_TURN_HEAD = re.compile(rb'\{"jsonrpc":"2\.0","method":"_acp_server/turn_state","params":\{"sessionId":"[^"\\]*",'
-                        rb'"promptId":"[^"\\]*","state":"([a-z_]+)"')
-_TERMINAL = frozenset((b"completed", b"cancelled", b"failed"))
+#: a ``session/update`` line as the bridge writes it (``fanout.encode_update``): these first bytes, the
+#: session id (plain: :data:`_PLAIN_ID`) and ``","update":``, the update's JSON, then the line's last
+#: :data:`_UPDATE_META` (the bridge's: the update's own come before it) and :data:`_UPDATE_TAIL`; no
+#: carriage return or line feed but the last (JSON allows them as whitespace; SSE reads them as line
+#: ends). It is cut with byte searches: a regular expression over the whole line steps through every
+#: byte of the update, which costs several times more.
+_UPDATE_PREFIX = b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"'
+_UPDATE_META = b',"_meta":{"eventId":'
+_PLAIN_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+#: the session id and the update's key, after :data:`_UPDATE_PREFIX`
+_UPDATE_SESSION = re.compile(rb'[A-Za-z0-9._:-]{1,128}","update":')
+#: the line's end after its last :data:`_UPDATE_META`: 1, the event id; 2, the originating client id's member
+_UPDATE_TAIL = re.compile(rb'([1-9][0-9]{0,15})(,"originatorClientId":"[A-Za-z0-9._:-]{1,128}")?\}\}\}\n?')
 _FRAME_HEAD = b'\nevent: session_update\ndata: {"v":1,"type":"session_update","data":{"sessionId":"'
+#: a turn state line as the bridge writes it (``fanout.turn_state``): these first bytes, the session id,
+#: ``","promptId":"``, then :data:`_TURN_REST`; only the terminal states become frames
+_TURN_PREFIX = b'{"jsonrpc":"2.0","method":"_acp_server/turn_state","params":{"sessionId":"'
+_TURN_HEAD = re.compile(rb'[^"\\]*","promptId":"')
+#: from the prompt id: 1, the prompt id; 2, the state
+_TURN_REST = re.compile(rb'([^"\\]*)","state":"([a-z_]+)"')
+_TERMINAL = frozenset((b"completed", b"cancelled", b"failed"))
+#: a completed turn's line from its ``"at"``, when its reason needs no escaping: 1, the stop reason
+#: (none: ``end_turn``); 2, the event id
+_COMPLETED_REST = re.compile(
+    rb',"at":-?[0-9]{1,20}(?:,"reason":"([A-Za-z0-9_]{1,64})")?(?:,"positionHint":-?[0-9]{1,20})?'
+    rb',"_meta":\{"eventId":([1-9][0-9]{0,15})(?:,"originatorClientId":"[A-Za-z0-9._:-]{1,128}")?\}\}\}\n?'
+)
+
+_Frames = list[tuple[int | None, bytes]]
 
 
-def _bridge_update_frame(line: bytes) -> list[tuple[int | None, bytes]] | None:
+def _cut_update(line: bytes, start: int, head: bytes) -> _Frames | None:
+    """The frame of a ``session/update`` line whose update's JSON starts at ``start`` (the bytes
+    before it checked by the caller), ``head`` being the frame's bytes up to the same point; ``None``
+    when the rest of the line is not the bridge's layout."""
+    cut = line.rfind(_UPDATE_META)
+    if cut < start:
+        return None
+    tail = _UPDATE_TAIL.fullmatch(line, cut + len(_UPDATE_META))
+    if tail is None or line.find(b"\r") >= 0 or line.find(b"\n", 0, cut) >= 0:
+        return None
+    digits = tail[1]
+    # the update's JSON as the line has it, between the envelope's parts
+    frame = b"".join((b"id: ", digits, head, line[start:cut], b'},"_meta":{"eventId":', digits, b'},"id":', digits,
+                      tail[2] or b"", b"}\n\n"))
+    return [(int(digits), frame)]
+
+
+def _bridge_update_frame(line: bytes) -> _Frames | None:
     """The frame of a ``session/update`` line in the bridge's own layout (:func:`~acp_server.bridge.fanout.encode_update`:
     session id, the update's JSON, then ``_meta`` with the event id and maybe the originating client id),
     cut from the line's bytes without decoding it; ``None`` for any other line. The frame is the one
     :func:`_update_frames` writes, byte for byte (a test holds them equal)."""
-    match = _BRIDGE_UPDATE.fullmatch(line)
-    if match is None:
+    if not line.startswith(_UPDATE_PREFIX):
         return None
-    digits = match[2]
-    # the line's ``sessionId":"...","update":{...}`` as it is, between the envelope's parts
-    frame = b"".join((b"id: ", digits, _FRAME_HEAD, match[1], b'},"_meta":{"eventId":', digits, b'},"id":', digits,
-                      match[3] or b"", b"}\n\n"))
+    session = _UPDATE_SESSION.match(line, len(_UPDATE_PREFIX))
+    if session is None:
+        return None
+    return _cut_update(line, session.end(), _FRAME_HEAD + line[len(_UPDATE_PREFIX):session.end()])
+
+
+def _cut_turn(line: bytes, start: int, session_id: bytes | None) -> _Frames | None:
+    """The frames of a turn state line of ``session_id`` whose prompt id starts at ``start`` (the bytes
+    before it checked by the caller): none for a state that is not terminal, ``turn_complete`` cut from
+    the bytes of a completed turn's line whose ids and reason need no escaping (the frame :func:`envelopes`
+    encodes, byte for byte: a test holds them equal), the general translation for the other terminal
+    ones (and any of a session id that is not plain: ``session_id`` ``None``); ``None`` for a line of
+    another layout."""
+    rest = _TURN_REST.match(line, start)
+    if rest is None:
+        return None
+    state = rest[2]
+    if state not in _TERMINAL:
+        return []
+    done = _COMPLETED_REST.fullmatch(line, rest.end()) if state == b"completed" else None
+    if done is None or session_id is None or _PLAIN_ID.fullmatch(rest[1]) is None:
+        return [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
+    digits = done[2]
+    frame = b"".join((
+        b"id: ", digits, b'\nevent: turn_complete\ndata: {"v":1,"type":"turn_complete","data":{"sessionId":"', session_id,
+        b'","stopReason":"', done[1] or b"end_turn", b'","promptId":"', rest[1], b'"},"_meta":{"eventId":', digits,
+        b'},"id":', digits, b"}\n\n",
+    ))
     return [(int(digits), frame)]
 
 
-_last_line: tuple[bytes, list[tuple[int | None, bytes]]] = (b"", [])
+def _turn_frames(line: bytes) -> _Frames | None:
+    """:func:`_cut_turn` of a turn state line of any session; ``None`` for any other line."""
+    if not line.startswith(_TURN_PREFIX):
+        return None
+    head = _TURN_HEAD.match(line, len(_TURN_PREFIX))
+    if head is None:
+        return None
+    session_id = line[len(_TURN_PREFIX):head.end() - len(b'","promptId":"')]
+    return _cut_turn(line, head.end(), session_id if _PLAIN_ID.fullmatch(session_id) else None)
+
+
+_last_line: tuple[bytes, _Frames] = (b"", [])
 
 
 def frames_of(line: bytes) -> list[tuple[int | None, bytes]]:
@@ -228,10 +295,8 @@ def frames_of(line: bytes) -> list[tuple[int | None, bytes]]:
         return _last_line[1]
     frames = _bridge_update_frame(line)
     if frames is None:
-        turn = _TURN_HEAD.match(line)
-        if turn is not None:
-            frames = [] if turn[1] not in _TERMINAL else [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
-        else:
+        frames = _turn_frames(line)
+        if frames is None:
             frames = _update_frames(line)
             if frames is None:
                 frames = [(event.get("id"), encode_frame(event)) for event in envelopes(line)]
@@ -278,6 +343,15 @@ class SseSubscriber:
         #: the bridge's live frames then leave as their pass ends, without a step of the writer
         self.direct: Callable[[bytes], bool] | None = None
         self._at_end = False
+        # the first bytes of this session's update and turn state lines in the bridge's layout, and of an
+        # update's frame: its lines are cut without a search for the session id (one that is not plain
+        # takes :func:`frames_of`, whose patterns it never matches)
+        sid = session_id.encode()
+        plain = _PLAIN_ID.fullmatch(sid) is not None
+        self._sid = sid
+        self._update_head = _UPDATE_PREFIX + sid + b'","update":' if plain else b"\n"
+        self._frame_head = _FRAME_HEAD + sid + b'","update":'
+        self._turn_head = _TURN_PREFIX + sid + b'","promptId":"' if plain else b"\n"
 
     @property
     def closed(self) -> bool:
@@ -338,11 +412,26 @@ class SseSubscriber:
             self.last_event_id = event_id
         self.push(frame)
 
+    def _frames_of(self, line: bytes) -> _Frames:
+        """:func:`frames_of` of a line, this session's update and turn state lines in the bridge's
+        layout cut without searching their session id."""
+        global _last_line
+        head = self._update_head
+        if line.startswith(head):
+            frames = _cut_update(line, len(head), self._frame_head)
+        else:
+            head = self._turn_head
+            frames = _cut_turn(line, len(head), self._sid) if line.startswith(head) else None
+        if frames is None:
+            return frames_of(line)
+        _last_line = (line, frames)
+        return frames
+
     def send(self, data: bytes) -> None:
         """The bridge's live fan-out: translate and queue (never waits). A frame that finds the queue
         below its warning mark is queued here; the others go through :meth:`push`."""
         last = _last_line
-        for event_id, frame in last[1] if last[0] is data else frames_of(data):
+        for event_id, frame in last[1] if last[0] is data else self._frames_of(data):
             if event_id is not None:
                 self.last_event_id = event_id
             size = self.nbytes + len(frame)
