@@ -177,9 +177,9 @@ class SessionRunner:
                             continue  # re-check: it may have settled meanwhile
                         if (policy.enabled or isinstance(item.lease, SharedHold)) and not await self._take_seat(item):
                             continue  # settled while it waited for a seat: the loop drops it
-                        await self._call_backend(item, scope)
+                        cancelled = await self._call_backend(item, scope)
                         del fifo[0]
-                        if scope.cancel_called:
+                        if cancelled:
                             break  # the call finished before the cancel reached it
         finally:
             session.runner_active = False
@@ -255,8 +255,13 @@ class SessionRunner:
             return False
         return True
 
-    async def _call_backend(self, ticket: PromptTicket, scope: trio.CancelScope) -> None:
-        """Run the head prompt's backend call under the runner's ``scope`` (cancelled if it settles first)."""
+    async def _call_backend(self, ticket: PromptTicket, scope: trio.CancelScope) -> bool:
+        """Run the head prompt's backend call under the runner's ``scope`` (cancelled if it settles first).
+
+        Returns:
+            Whether ``scope`` was cancelled (the prompt settled while its call ran: the call was
+            abandoned), so that the next call gets a fresh one.
+        """
         session = ticket.session
         ticket.running = True
         channel = ticket.channel
@@ -300,10 +305,11 @@ class SessionRunner:
         finally:
             ticket.release_holds()  # the lease with its permit; the seat (busy sessions take turns)
             abandoned = session.abandoned
-            if abandoned is not None:
+            if abandoned is not None:  # settling cancelled the scope (it does so only then)
                 session.abandoned = None
                 abandoned.set()
         self._settlement.settle(ticket, result, error)  # no-op when it settled first (cancel, deadline, crash)
+        return abandoned is not None
 
     def _emit_for(self, ticket: PromptTicket, update: Any) -> None:
         """A running prompt's update (dropped once the prompt settled)."""

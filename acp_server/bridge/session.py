@@ -121,6 +121,7 @@ class PromptTicket:
         "waiters",
         "session",
         "settled",
+        "state_ends",
     )
 
     def __init__(
@@ -164,6 +165,8 @@ class PromptTicket:
         self.seat: Any = None
         #: set while the runner waits in the waiting room: settling cancels the wait
         self.wait_scope: trio.CancelScope | None = None
+        #: the head and tail of its ``_acp_server/turn_state`` lines (built by the fan-out at the first)
+        self.state_ends: tuple[bytes, bytes] | None = None
 
     def release_holds(self) -> None:
         """Give back what the prompt holds for its backend call: its pool lease and its policy seat

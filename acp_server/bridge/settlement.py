@@ -67,6 +67,8 @@ class Settlement:
         #: (deadline, seq, ticket): prompts with a deadline, soonest first (settled ones drop out lazily)
         self._deadlines: list[tuple[float, int, PromptTicket]] = []
         self._deadline_changed = trio.Event()
+        #: trio's clock (the bridge binds the run's own once it runs)
+        self.now: Callable[[], float] = trio.current_time
 
     def settle(self, ticket: PromptTicket, result: PromptResult | None, error: AcpError | None) -> bool:
         """Give the prompt its one outcome and release its slot.
@@ -89,7 +91,7 @@ class Settlement:
         session = ticket.session
         session.pending_count -= 1
         assert session.pending_count >= 0, "pending count went negative"
-        session.last_activity = trio.current_time()
+        session.last_activity = self.now()
         self.settled_total += 1
         if ticket.call_scope is not None:
             # The call runs on until the backend returns (at once, for one that honours cancellation);
