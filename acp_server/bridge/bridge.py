@@ -530,7 +530,8 @@ class SessionBridge:
         ticket.priority = priority
         ticket.seat = seat
         ticket.seq = self._prompt_seq
-        ticket.store_op = self.persistence.admit(ticket)
+        if self.persistence.durable:
+            ticket.store_op = self.persistence.admit(ticket)
         if effective_deadline_ms:
             self.settlement.watch_deadline(ticket)
         self._admitted += 1

@@ -124,7 +124,8 @@ class FanOut:
         self._clients = clients
         self._peer_states = clients.peers
         self._persistence = persistence
-        self._add_event = persistence.add_event
+        #: where events are recorded (``None`` without a store: nothing to call)
+        self._add_event = persistence.add_event if persistence.durable else None
         self._keep = max_history_events
         #: trimmed in steps (a quarter of the bound at a time), so appending stays O(1) amortized
         self._trim_at = max_history_events + max(1, max_history_events // 4)
@@ -145,17 +146,27 @@ class FanOut:
         history.append((event_id, update))
         if len(history) > self._trim_at:
             self._trim(session)
-        if not session.attached:
-            self._add_event(session.session_id, event_id, update)
-            return
-        if exclude is not None and len(session.attached) == 1 and exclude in session.attached:
-            # a prompt's own text, to the one connection that sent it: nobody else to tell, and nothing
-            # to encode here (the store encodes it, as for a session nobody is attached to)
-            self._add_event(session.session_id, event_id, update)
+        attached = session.attached
+        add_event = self._add_event
+        if not attached or (exclude is not None and len(attached) == 1 and exclude in attached):
+            # nobody attached, or a prompt's own text to the one connection that sent it: nobody to
+            # tell, and nothing to encode here (the store encodes it)
+            if add_event is not None:
+                add_event(session.session_id, event_id, update)
             return
         body = _encoder.encode(update)  # once, for the wire and the store
-        self._add_event(session.session_id, event_id, body)
-        self.send(session, encode_update(session.session_id, event_id, body, originator), exclude)
+        if add_event is not None:
+            add_event(session.session_id, event_id, body)
+        if originator is None:  # encode_update's lines, inline (this runs for every update)
+            data = _UPDATE % (session.session_id.encode(), body, event_id)
+        else:
+            data = _UPDATE_FROM % (session.session_id.encode(), body, event_id, originator.encode())
+        self.send(session, data, exclude)
+
+    def emit_for(self, ticket: PromptTicket, update: Any) -> None:
+        """A running prompt's update, as :meth:`emit` (dropped once the prompt settled)."""
+        if not ticket.settled:
+            self.emit(ticket.session, update, ticket.client_id)
 
     def turn_state(self, ticket: PromptTicket, state: str, *, reason: str | None = None, position: int | None = None) -> None:
         """Send ``_acp_server/turn_state`` for ``ticket`` to every connection attached to its session
@@ -182,7 +193,8 @@ class FanOut:
             session.history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
             if len(session.history) > self._trim_at:
                 self._trim(session)
-            self._add_event(session.session_id, event_id, text, TURN_STATE)
+            if self._add_event is not None:
+                self._add_event(session.session_id, event_id, text, TURN_STATE)
         attached = session.attached
         states = self._peer_states
         if len(attached) == 1:  # the usual case, without a generator
@@ -203,7 +215,13 @@ class FanOut:
     def send(self, session: Session, data: bytes, exclude: Peer | None, peers: tuple[Peer, ...] | None = None) -> None:
         """Send ``data`` to ``peers`` (default: every connection attached to ``session``) but ``exclude``."""
         if peers is None:
-            peers = tuple(session.attached)
+            attached = session.attached
+            if len(attached) == 1:  # the usual case, without a copy
+                (peer,) = attached
+                if peer is not exclude:
+                    peer.send(data)
+                return
+            peers = tuple(attached)
         for peer in peers:
             if peer is not exclude:
                 peer.send(data)

@@ -147,7 +147,7 @@ class SessionRunner:
         """Run the session's FIFO until it is closed, or idle for a sweep."""
         fifo = session.fifo
         persistence = self._persistence
-        policy = self._policy
+        seats = self._policy.enabled  # fixed for the engine's life
         try:
             while True:
                 # One cancel scope serves the calls until one is cancelled (its prompt settled while
@@ -175,7 +175,7 @@ class SessionRunner:
                             persistence.when_committed(item.store_op, partial(self.wake, session, True))
                             await session.runner.park()
                             continue  # re-check: it may have settled meanwhile
-                        if (policy.enabled or isinstance(item.lease, SharedHold)) and not await self._take_seat(item):
+                        if (seats or isinstance(item.lease, SharedHold)) and not await self._take_seat(item):
                             continue  # settled while it waited for a seat: the loop drops it
                         cancelled = await self._call_backend(item, scope)
                         del fifo[0]
@@ -270,7 +270,7 @@ class SessionRunner:
             session.session_id,
             ticket.prompt_id,
             ticket.prompt,
-            partial(self._emit_for, ticket),
+            partial(fanout.emit_for, ticket),
             _TurnChannel(fanout, channel, ticket) if channel is not None else None,
             _with_fence(ticket.meta, ticket.lease) if isinstance(ticket.lease, SharedHold) else ticket.meta,
             permit=ticket.lease,  # a pool lease or a shared hold: a backend may hand it back between calls
@@ -310,11 +310,6 @@ class SessionRunner:
                 abandoned.set()
         self._settlement.settle(ticket, result, error)  # no-op when it settled first (cancel, deadline, crash)
         return abandoned is not None
-
-    def _emit_for(self, ticket: PromptTicket, update: Any) -> None:
-        """A running prompt's update (dropped once the prompt settled)."""
-        if not ticket.settled:
-            self._fanout.emit(ticket.session, update, ticket.client_id)
 
     async def _permit(self, ticket: PromptTicket, lease: Lease | SharedHold) -> None:
         """Take the backend pool's permit, reporting ``waiting_for_dependency`` when it has to wait."""

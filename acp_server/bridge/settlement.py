@@ -61,7 +61,8 @@ class Settlement:
 
     def __init__(self, fanout: FanOut, persistence: Persistence) -> None:
         self._fanout = fanout
-        self._record = persistence.settle
+        #: where outcomes are recorded (``None`` without a store: nothing to call)
+        self._record = persistence.settle if persistence.durable else None
         #: prompts settled so far
         self.settled_total = 0
         #: (deadline, seq, ticket): prompts with a deadline, soonest first (settled ones drop out lazily)
@@ -99,9 +100,10 @@ class Settlement:
             ticket.call_scope.cancel()
             if session.abandoned is None:
                 session.abandoned = trio.Event()
-        else:
-            ticket.release_holds()  # it never reached the backend
-        self._record(ticket)
+        elif ticket.lease is not None or ticket.seat is not None:
+            ticket.release_holds()  # it never reached the backend (or holds what it was given back)
+        if self._record is not None:
+            self._record(ticket)
         self._fanout.hold_answer(ticket)
         if session.abandoned is not None:
             self.fail_head_forks(session)

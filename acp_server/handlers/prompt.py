@@ -14,7 +14,7 @@ __all__ = ["prompt"]
 
 
 def prompt(ctx: ConnContext, params: PromptParams) -> Deferred:
-    bridge = ctx.bridge
+    bridge = ctx.server.bridge
     if not params.meta and bridge.shared is None:  # the usual prompt: none of our _meta keys to read
         ticket, duplicate = bridge.admit(
             params.session_id, params.prompt, peer=ctx.peer, cancelled=ctx.cancelled, channel=ctx.channel(),
