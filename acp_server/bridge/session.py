@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -141,7 +142,7 @@ class PromptTicket:
         self.client_id = client_id
         self.admitted_at = admitted_at
         self.deadline_ms = deadline_ms
-        self.deadline = admitted_at + deadline_ms / 1000 if deadline_ms else float("inf")
+        self.deadline = admitted_at + deadline_ms / 1000 if deadline_ms else math.inf
         self.running = False
         self.settled = False
         self.result: PromptResult | None = None
