@@ -399,7 +399,9 @@ class SessionBridge:
             SessionNotFoundError, InvalidClientIdError, RequestCancelledError,
             IdempotencyKeyConflictError, PromptQueueFullError.
         """
-        session = self.get(session_id, tenant)
+        session = self.sessions.get(session_id)
+        if session is None or (tenant is not None and session.tenant != tenant):
+            session = self.get(session_id, tenant)  # not live (restored from the store), or not found
         client = self.clients.resolve(session, peer, client_id, now)
         if cancelled:
             raise RequestCancelledError()

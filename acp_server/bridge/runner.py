@@ -118,8 +118,12 @@ class SessionRunner:
         fifo = session.fifo
         fifo.append(item)
         if session.runner_active:
-            if session.runner.task is not None and len(fifo) == 1:
-                self._nudge(session)  # an idle runner: it takes this one (no new task)
+            runner = session.runner
+            if runner.task is not None and len(fifo) == 1:  # an idle runner: it takes this one (no new task)
+                if self._persistence.durable:
+                    self._nudge(session)
+                else:
+                    runner.wake(outcome.Value(True))  # nothing to commit first: as wake(session, True)
             return
         if self.nursery is None:
             raise InternalError()
