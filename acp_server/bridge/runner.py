@@ -19,6 +19,7 @@ the head then fails at once (:meth:`Settlement.fail_head_forks`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from functools import partial
 from typing import Any
@@ -29,7 +30,7 @@ import trio
 from ..admission.policy import PolicyEngine, Queued, Seat, WaitDeadlineExpired
 from ..admission.pool import Lease
 from ..admission.shared import SharedHold
-from ..backends.base import ClientChannel, Turn
+from ..backends.base import ClientChannel, TranscriptEntry, Turn
 from ..errors import AcpError, InternalError
 from ..types.acp import PromptResult, UserMessageChunk
 from .fanout import FanOut
@@ -78,6 +79,60 @@ class _TurnChannel:
             self._open -= 1
             if not self._open and not ticket.settled:
                 self._fanout.turn_state(ticket, "running")
+
+
+_UNSET: Any = object()
+
+
+class _PromptTurn(Turn):
+    """The :class:`Turn` of a prompt the runner calls. Its ``client`` (the prompt's channel as a
+    :class:`_TurnChannel`, which reports ``paused_for_approval``) and its ``transcript`` reader are
+    made when a backend first reads them: most turns never do, and each was an object per prompt."""
+
+    __slots__ = ("_client", "_fanout", "_table", "_ticket", "_transcript", "_upto")
+
+    def __init__(self, ticket: PromptTicket, fanout: FanOut, table: SessionTable, meta: dict[str, Any] | None) -> None:
+        session = ticket.session
+        self.session_id = session.session_id
+        self.prompt_id = ticket.prompt_id
+        self.prompt = ticket.prompt
+        self.emit = partial(fanout.emit_for, ticket)
+        self.meta = meta
+        self.permit = ticket.lease  # a pool lease or a shared hold: a backend may hand it back between calls
+        self.deadline = ticket.deadline if ticket.deadline_ms else None
+        self.result_meta = {}
+        self._ticket = ticket
+        self._fanout = fanout
+        self._table = table
+        self._upto = session.next_event_id - 1  # the transcript before this prompt
+        self._client: Any = _UNSET
+        self._transcript: Any = _UNSET
+
+    @property
+    def client(self) -> ClientChannel | None:
+        """The prompt's sender (``None`` once it is gone), made on first use and kept."""
+        client = self._client
+        if client is _UNSET:
+            ticket = self._ticket
+            channel = ticket.channel
+            client = self._client = _TurnChannel(self._fanout, channel, ticket) if channel is not None else None
+        return client  # type: ignore[no-any-return]
+
+    @client.setter
+    def client(self, value: ClientChannel | None) -> None:
+        self._client = value
+
+    @property
+    def transcript(self) -> Callable[[], Awaitable[list[TranscriptEntry]]] | None:
+        """Reads the session's transcript before this prompt."""
+        transcript = self._transcript
+        if transcript is _UNSET:
+            transcript = self._transcript = partial(self._table.transcript, self._ticket.session, self._upto)
+        return transcript  # type: ignore[no-any-return]
+
+    @transcript.setter
+    def transcript(self, value: Callable[[], Awaitable[list[TranscriptEntry]]] | None) -> None:
+        self._transcript = value
 
 
 class SessionRunner:
@@ -268,20 +323,11 @@ class SessionRunner:
         """
         session = ticket.session
         ticket.running = True
-        channel = ticket.channel
         fanout = self._fanout
-        turn = Turn(
-            session.session_id,
-            ticket.prompt_id,
-            ticket.prompt,
-            partial(fanout.emit_for, ticket),
-            _TurnChannel(fanout, channel, ticket) if channel is not None else None,
-            _with_fence(ticket.meta, ticket.lease) if isinstance(ticket.lease, SharedHold) else ticket.meta,
-            permit=ticket.lease,  # a pool lease or a shared hold: a backend may hand it back between calls
-            deadline=ticket.deadline if ticket.deadline_ms else None,
-            transcript=partial(self._table.transcript, session, session.next_event_id - 1),
-        )
         lease = ticket.lease
+        turn = _PromptTurn(
+            ticket, fanout, self._table, _with_fence(ticket.meta, lease) if isinstance(lease, SharedHold) else ticket.meta
+        )
         result: PromptResult | None = None
         error: AcpError | None = None
         try:
