@@ -353,7 +353,8 @@ class SessionRunner:
             log.exception("backend %s failed on %s of session %s", session.backend.name, ticket.prompt_id, session.session_id)
             result, error = None, InternalError()
         finally:
-            ticket.release_holds()  # the lease with its permit; the seat (busy sessions take turns)
+            if ticket.lease is not None or ticket.seat is not None:
+                ticket.release_holds()  # the lease with its permit; the seat (busy sessions take turns)
             abandoned = session.abandoned
             if abandoned is not None:  # settling cancelled the scope (it does so only then)
                 session.abandoned = None
