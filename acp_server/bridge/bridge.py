@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -160,6 +160,8 @@ class SessionBridge:
             collections.OrderedDict()
         )
         self._prompt_seq = prompt_seq
+        #: trio's clock (the run's own, bound once it runs: one call instead of three per read)
+        self._now: Callable[[], float] = trio.current_time
         self._admitted = 0
         self._refused = 0
         #: ``session/resume`` calls that had to mint a new client id (the SDK's self-heal)
@@ -174,6 +176,7 @@ class SessionBridge:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Host the bridge's tasks (the store's writer, turn runners, deadlines, the reaper) until cancelled."""
+        self._now = self.settlement.now = self.clients.now = trio.lowlevel.current_clock().current_time
         async with trio.open_nursery() as nursery:
             await nursery.start(self.persistence.run)
             self.runner.nursery = nursery
@@ -382,10 +385,11 @@ class SessionBridge:
         cancelled: bool,
         idempotency_key: str | None,
         tenant: str | None,
+        now: float | None = None,
     ) -> tuple[Session, str | None, bytes, PromptTicket | None]:
         """The per-session part of a prompt's admission, in order: the session, the client id, a
         request already cancelled, the idempotency key, the pending limit (shared by :meth:`admit`
-        and the coordinator's admission).
+        and the coordinator's admission); ``now``: trio's clock, if the caller read it already.
 
         Returns:
             The session, the client id the request acts as, the prompt's fingerprint (empty without a key),
@@ -395,8 +399,10 @@ class SessionBridge:
             SessionNotFoundError, InvalidClientIdError, RequestCancelledError,
             IdempotencyKeyConflictError, PromptQueueFullError.
         """
-        session = self.get(session_id, tenant)
-        client = self.clients.resolve(session, peer, client_id)
+        session = self.sessions.get(session_id)
+        if session is None or (tenant is not None and session.tenant != tenant):
+            session = self.get(session_id, tenant)  # not live (restored from the store), or not found
+        client = self.clients.resolve(session, peer, client_id, now)
         if cancelled:
             raise RequestCancelledError()
         fingerprint = b""
@@ -452,8 +458,9 @@ class SessionBridge:
             CapacityUnavailableError, CapacityExceededError:
                 in this order of checks; a refusal changes nothing.
         """
+        now = self._now()
         session, client, fingerprint, earlier = self.check_local(
-            session_id, prompt, peer, client_id, cancelled, idempotency_key, tenant
+            session_id, prompt, peer, client_id, cancelled, idempotency_key, tenant, now
         )
         if earlier is not None:
             return earlier, True
@@ -470,7 +477,7 @@ class SessionBridge:
                 seat = policy.decide(
                     tenant=session.tenant,
                     priority=priority,
-                    deadline=trio.current_time() + effective / 1000 if effective else None,
+                    deadline=now + effective / 1000 if effective else None,
                     session_id=session_id,
                 )
             except AcpError:
@@ -489,7 +496,7 @@ class SessionBridge:
         session.pending_count += 1
         ticket = self.make_ticket(
             session, prompt, peer, client, effective, channel=channel, meta=meta, priority=priority,
-            seat=seat, lease=lease, queued_at=seat.position_hint if isinstance(seat, Queued) else None,
+            seat=seat, lease=lease, queued_at=seat.position_hint if isinstance(seat, Queued) else None, now=now,
         )
         if idempotency_key is not None:
             self._remember(session_id, idempotency_key, fingerprint, ticket)
@@ -509,13 +516,15 @@ class SessionBridge:
         seat: Any,
         lease: Any,
         queued_at: int | None,
+        now: float | None = None,
     ) -> PromptTicket:
         """The ticket of a prompt admitted now (its pending slot counted already): recorded, watched for
         its deadline, announced (``accepted``, then ``queued`` at ``queued_at`` when it waits for a seat)
-        and put in its session's FIFO."""
+        and put in its session's FIFO. ``now``: trio's clock, if the caller read it already."""
         self._prompt_seq += 1
         ticket = PromptTicket(
-            session, f"prompt_{self._prompt_seq}", prompt, peer, client, trio.current_time(), effective_deadline_ms
+            session, f"prompt_{self._prompt_seq}", prompt, peer, client, self._now() if now is None else now,
+            effective_deadline_ms,
         )
         ticket.channel = channel
         ticket.meta = meta
@@ -523,11 +532,12 @@ class SessionBridge:
         ticket.priority = priority
         ticket.seat = seat
         ticket.seq = self._prompt_seq
-        ticket.store_op = self.persistence.admit(ticket)
+        if self.persistence.durable:
+            ticket.store_op = self.persistence.admit(ticket)
         if effective_deadline_ms:
             self.settlement.watch_deadline(ticket)
         self._admitted += 1
-        if peer is not None:
+        if peer is not None and peer not in session.attached:
             self.clients.attach(session, peer)
         fanout = self.fanout
         fanout.turn_state(ticket, "accepted")

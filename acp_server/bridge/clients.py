@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import trio
 
@@ -87,11 +88,13 @@ class PeerState:
 class ClientRegistry:
     """Client ids per session and state per connection (see the module docstring)."""
 
-    __slots__ = ("peers",)
+    __slots__ = ("now", "peers")
 
     def __init__(self) -> None:
         #: every connection the bridge knows, until :meth:`peer_closed`
         self.peers: dict[Peer, PeerState] = {}
+        #: trio's clock (the bridge binds the run's own once it runs)
+        self.now: Callable[[], float] = trio.current_time
 
     def state(self, peer: Peer) -> PeerState:
         """The connection's state (created on first use)."""
@@ -140,15 +143,16 @@ class ClientRegistry:
             state.attach(session)
         return reg.client_id
 
-    def resolve(self, session: Session, peer: Peer | None, requested: str | None) -> str | None:
-        """The client id a request acts as, marked as seen now.
+    def resolve(self, session: Session, peer: Peer | None, requested: str | None, now: float | None = None) -> str | None:
+        """The client id a request acts as, marked as seen now (``now``: trio's clock, if the caller read it).
 
         Absent ``requested``: the connection's own registration on the session, else anonymous (``None``).
 
         Raises:
             InvalidClientIdError: ``requested`` is not registered on the session.
         """
-        now = trio.current_time()
+        if now is None:
+            now = self.now()
         if requested is not None:
             reg = session.clients.get(requested)
             if reg is None:

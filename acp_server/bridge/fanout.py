@@ -28,13 +28,14 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from functools import partial
 from time import time_ns
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, get_args
 
 import msgspec
 import trio
 
 from ..store import TURN_STATE, StoredEvent
-from ..types.ext import TERMINAL_TURN_STATES
+from ..types.acp import StopReason
+from ..types.ext import TERMINAL_TURN_STATES, TURN_STATES
 from .clients import ClientRegistry
 from .persistence import Persistence
 from .session import Peer, PromptTicket, Session
@@ -80,6 +81,27 @@ _UPDATE_FROM = (
     b'"_meta":{"eventId":%d,"originatorClientId":"%s"}}}\n'
 )
 
+#: the turn states and stop reasons as the bytes a turn state line carries (others are encoded as met)
+_STATES = {state: state.encode() for state in TURN_STATES}
+_REASONS = {reason: b',"reason":"%s"' % reason.encode() for reason in get_args(StopReason)}
+
+
+#: a ``_acp_server/turn_state`` line: the prompt's head (:func:`_turn_state_ends`), the state, ``at``, the
+#: optional fields, the ``eventId`` and the prompt's tail
+_TURN_STATE = b'%s%s","at":%d%s,"_meta":{"eventId":%d%s'
+
+
+def _turn_state_ends(session_id: str, prompt_id: str, client_id: str | None) -> tuple[bytes, bytes]:
+    """The head and tail of one prompt's ``_acp_server/turn_state`` lines (:data:`_TURN_STATE`), built
+    once per prompt.
+
+    ``originatorClientId`` (as on the prompt's updates) tells each attached client which of the
+    session's prompts is its own. The ids are of our own minting: none needs JSON escaping.
+    """
+    head = f'{{"jsonrpc":"2.0","method":"{TURN_STATE}","params":{{"sessionId":"{session_id}","promptId":"{prompt_id}","state":"'
+    tail = "}}}\n" if client_id is None else f',"originatorClientId":"{client_id}"}}}}}}\n'
+    return head.encode(), tail.encode()
+
 
 def answer(ticket: PromptTicket) -> None:
     """Wake whoever waits on a settled prompt."""
@@ -102,7 +124,8 @@ class FanOut:
         self._clients = clients
         self._peer_states = clients.peers
         self._persistence = persistence
-        self._add_event = persistence.add_event
+        #: where events are recorded (``None`` without a store: nothing to call)
+        self._add_event = persistence.add_event if persistence.durable else None
         self._keep = max_history_events
         #: trimmed in steps (a quarter of the bound at a time), so appending stays O(1) amortized
         self._trim_at = max_history_events + max(1, max_history_events // 4)
@@ -123,17 +146,27 @@ class FanOut:
         history.append((event_id, update))
         if len(history) > self._trim_at:
             self._trim(session)
-        if not session.attached:
-            self._add_event(session.session_id, event_id, update)
-            return
-        if exclude is not None and len(session.attached) == 1 and exclude in session.attached:
-            # a prompt's own text, to the one connection that sent it: nobody else to tell, and nothing
-            # to encode here (the store encodes it, as for a session nobody is attached to)
-            self._add_event(session.session_id, event_id, update)
+        attached = session.attached
+        add_event = self._add_event
+        if not attached or (exclude is not None and len(attached) == 1 and exclude in attached):
+            # nobody attached, or a prompt's own text to the one connection that sent it: nobody to
+            # tell, and nothing to encode here (the store encodes it)
+            if add_event is not None:
+                add_event(session.session_id, event_id, update)
             return
         body = _encoder.encode(update)  # once, for the wire and the store
-        self._add_event(session.session_id, event_id, body)
-        self.send(session, encode_update(session.session_id, event_id, body, originator), exclude)
+        if add_event is not None:
+            add_event(session.session_id, event_id, body)
+        if originator is None:  # encode_update's lines, inline (this runs for every update)
+            data = _UPDATE % (session.session_id.encode(), body, event_id)
+        else:
+            data = _UPDATE_FROM % (session.session_id.encode(), body, event_id, originator.encode())
+        self.send(session, data, exclude)
+
+    def emit_for(self, ticket: PromptTicket, update: Any) -> None:
+        """A running prompt's update, as :meth:`emit` (dropped once the prompt settled)."""
+        if not ticket.settled:
+            self.emit(ticket.session, update, ticket.client_id)
 
     def turn_state(self, ticket: PromptTicket, state: str, *, reason: str | None = None, position: int | None = None) -> None:
         """Send ``_acp_server/turn_state`` for ``ticket`` to every connection attached to its session
@@ -149,18 +182,19 @@ class FanOut:
         session.next_event_id = event_id + 1
         # TurnStateParams' shape (tests decode every one into it); the reason (a stop reason may come
         # from an agent) is JSON-encoded.
-        extra = ""
+        extra = b""
         if reason is not None:
-            extra = ',"reason":' + _encoder.encode(reason).decode()
+            extra = _REASONS.get(reason) or b',"reason":' + _encoder.encode(reason)
         if position is not None:
-            extra += f',"positionHint":{position}'
+            extra += b',"positionHint":%d' % position
         at = time_ns() // 1_000_000  # epoch ms, as now_ms()
         if state in TERMINAL_TURN_STATES:
-            text = f'{{"promptId":"{ticket.prompt_id}","state":"{state}","at":{at}{extra}}}'.encode()
+            text = b'{"promptId":"%s","state":"%s","at":%d%s}' % (ticket.prompt_id.encode(), state.encode(), at, extra)
             session.history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
             if len(session.history) > self._trim_at:
                 self._trim(session)
-            self._add_event(session.session_id, event_id, text, TURN_STATE)
+            if self._add_event is not None:
+                self._add_event(session.session_id, event_id, text, TURN_STATE)
         attached = session.attached
         states = self._peer_states
         if len(attached) == 1:  # the usual case, without a generator
@@ -172,22 +206,22 @@ class FanOut:
             peers = tuple(p for p in attached if states[p].turn_states)
             if not peers:
                 return
-        # ``originatorClientId`` (as on the prompt's updates): a server-minted id, so it needs no escaping;
-        # it tells each attached client which of the session's prompts is its own. Ids of our own
-        # minting need no escaping either: the line is one format.
-        client = ticket.client_id
-        origin = "" if client is None else f',"originatorClientId":"{client}"'
-        data = (
-            f'{{"jsonrpc":"2.0","method":"{TURN_STATE}","params":{{"sessionId":"{session.session_id}",'
-            f'"promptId":"{ticket.prompt_id}","state":"{state}","at":{at}{extra},'
-            f'"_meta":{{"eventId":{event_id}{origin}}}}}}}\n'
-        ).encode()
+        ends = ticket.state_ends
+        if ends is None:
+            ends = ticket.state_ends = _turn_state_ends(session.session_id, ticket.prompt_id, ticket.client_id)
+        data = _TURN_STATE % (ends[0], _STATES.get(state) or state.encode(), at, extra, event_id, ends[1])
         self.send(session, data, None, peers)
 
     def send(self, session: Session, data: bytes, exclude: Peer | None, peers: tuple[Peer, ...] | None = None) -> None:
         """Send ``data`` to ``peers`` (default: every connection attached to ``session``) but ``exclude``."""
         if peers is None:
-            peers = tuple(session.attached)
+            attached = session.attached
+            if len(attached) == 1:  # the usual case, without a copy
+                (peer,) = attached
+                if peer is not exclude:
+                    peer.send(data)
+                return
+            peers = tuple(attached)
         for peer in peers:
             if peer is not exclude:
                 peer.send(data)

@@ -19,6 +19,7 @@ the head then fails at once (:meth:`Settlement.fail_head_forks`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from functools import partial
 from typing import Any
@@ -29,7 +30,7 @@ import trio
 from ..admission.policy import PolicyEngine, Queued, Seat, WaitDeadlineExpired
 from ..admission.pool import Lease
 from ..admission.shared import SharedHold
-from ..backends.base import ClientChannel, Turn
+from ..backends.base import ClientChannel, TranscriptEntry, Turn
 from ..errors import AcpError, InternalError
 from ..types.acp import PromptResult, UserMessageChunk
 from .fanout import FanOut
@@ -80,6 +81,60 @@ class _TurnChannel:
                 self._fanout.turn_state(ticket, "running")
 
 
+_UNSET: Any = object()
+
+
+class _PromptTurn(Turn):
+    """The :class:`Turn` of a prompt the runner calls. Its ``client`` (the prompt's channel as a
+    :class:`_TurnChannel`, which reports ``paused_for_approval``) and its ``transcript`` reader are
+    made when a backend first reads them: most turns never do, and each was an object per prompt."""
+
+    __slots__ = ("_client", "_fanout", "_table", "_ticket", "_transcript", "_upto")
+
+    def __init__(self, ticket: PromptTicket, fanout: FanOut, table: SessionTable, meta: dict[str, Any] | None) -> None:
+        session = ticket.session
+        self.session_id = session.session_id
+        self.prompt_id = ticket.prompt_id
+        self.prompt = ticket.prompt
+        self.emit = partial(fanout.emit_for, ticket)
+        self.meta = meta
+        self.permit = ticket.lease  # a pool lease or a shared hold: a backend may hand it back between calls
+        self.deadline = ticket.deadline if ticket.deadline_ms else None
+        self.result_meta = {}
+        self._ticket = ticket
+        self._fanout = fanout
+        self._table = table
+        self._upto = session.next_event_id - 1  # the transcript before this prompt
+        self._client: Any = _UNSET
+        self._transcript: Any = _UNSET
+
+    @property
+    def client(self) -> ClientChannel | None:
+        """The prompt's sender (``None`` once it is gone), made on first use and kept."""
+        client = self._client
+        if client is _UNSET:
+            ticket = self._ticket
+            channel = ticket.channel
+            client = self._client = _TurnChannel(self._fanout, channel, ticket) if channel is not None else None
+        return client  # type: ignore[no-any-return]
+
+    @client.setter
+    def client(self, value: ClientChannel | None) -> None:
+        self._client = value
+
+    @property
+    def transcript(self) -> Callable[[], Awaitable[list[TranscriptEntry]]] | None:
+        """Reads the session's transcript before this prompt."""
+        transcript = self._transcript
+        if transcript is _UNSET:
+            transcript = self._transcript = partial(self._table.transcript, self._ticket.session, self._upto)
+        return transcript  # type: ignore[no-any-return]
+
+    @transcript.setter
+    def transcript(self, value: Callable[[], Awaitable[list[TranscriptEntry]]] | None) -> None:
+        self._transcript = value
+
+
 class SessionRunner:
     """Runs the sessions' FIFOs (see the module docstring).
 
@@ -118,8 +173,12 @@ class SessionRunner:
         fifo = session.fifo
         fifo.append(item)
         if session.runner_active:
-            if session.runner.task is not None and len(fifo) == 1:
-                self._nudge(session)  # an idle runner: it takes this one (no new task)
+            runner = session.runner
+            if runner.task is not None and len(fifo) == 1:  # an idle runner: it takes this one (no new task)
+                if self._persistence.durable:
+                    self._nudge(session)
+                else:
+                    runner.wake(outcome.Value(True))  # nothing to commit first: as wake(session, True)
             return
         if self.nursery is None:
             raise InternalError()
@@ -147,7 +206,7 @@ class SessionRunner:
         """Run the session's FIFO until it is closed, or idle for a sweep."""
         fifo = session.fifo
         persistence = self._persistence
-        policy = self._policy
+        seats = self._policy.enabled  # fixed for the engine's life
         try:
             while True:
                 # One cancel scope serves the calls until one is cancelled (its prompt settled while
@@ -175,11 +234,11 @@ class SessionRunner:
                             persistence.when_committed(item.store_op, partial(self.wake, session, True))
                             await session.runner.park()
                             continue  # re-check: it may have settled meanwhile
-                        if (policy.enabled or isinstance(item.lease, SharedHold)) and not await self._take_seat(item):
+                        if (seats or isinstance(item.lease, SharedHold)) and not await self._take_seat(item):
                             continue  # settled while it waited for a seat: the loop drops it
-                        await self._call_backend(item, scope)
+                        cancelled = await self._call_backend(item, scope)
                         del fifo[0]
-                        if scope.cancel_called:
+                        if cancelled:
                             break  # the call finished before the cancel reached it
         finally:
             session.runner_active = False
@@ -255,24 +314,20 @@ class SessionRunner:
             return False
         return True
 
-    async def _call_backend(self, ticket: PromptTicket, scope: trio.CancelScope) -> None:
-        """Run the head prompt's backend call under the runner's ``scope`` (cancelled if it settles first)."""
+    async def _call_backend(self, ticket: PromptTicket, scope: trio.CancelScope) -> bool:
+        """Run the head prompt's backend call under the runner's ``scope`` (cancelled if it settles first).
+
+        Returns:
+            Whether ``scope`` was cancelled (the prompt settled while its call ran: the call was
+            abandoned), so that the next call gets a fresh one.
+        """
         session = ticket.session
         ticket.running = True
-        channel = ticket.channel
         fanout = self._fanout
-        turn = Turn(
-            session.session_id,
-            ticket.prompt_id,
-            ticket.prompt,
-            partial(self._emit_for, ticket),
-            _TurnChannel(fanout, channel, ticket) if channel is not None else None,
-            _with_fence(ticket.meta, ticket.lease) if isinstance(ticket.lease, SharedHold) else ticket.meta,
-            permit=ticket.lease,  # a pool lease or a shared hold: a backend may hand it back between calls
-            deadline=ticket.deadline if ticket.deadline_ms else None,
-            transcript=partial(self._table.transcript, session, session.next_event_id - 1),
-        )
         lease = ticket.lease
+        turn = _PromptTurn(
+            ticket, fanout, self._table, _with_fence(ticket.meta, lease) if isinstance(lease, SharedHold) else ticket.meta
+        )
         result: PromptResult | None = None
         error: AcpError | None = None
         try:
@@ -298,17 +353,14 @@ class SessionRunner:
             log.exception("backend %s failed on %s of session %s", session.backend.name, ticket.prompt_id, session.session_id)
             result, error = None, InternalError()
         finally:
-            ticket.release_holds()  # the lease with its permit; the seat (busy sessions take turns)
+            if ticket.lease is not None or ticket.seat is not None:
+                ticket.release_holds()  # the lease with its permit; the seat (busy sessions take turns)
             abandoned = session.abandoned
-            if abandoned is not None:
+            if abandoned is not None:  # settling cancelled the scope (it does so only then)
                 session.abandoned = None
                 abandoned.set()
         self._settlement.settle(ticket, result, error)  # no-op when it settled first (cancel, deadline, crash)
-
-    def _emit_for(self, ticket: PromptTicket, update: Any) -> None:
-        """A running prompt's update (dropped once the prompt settled)."""
-        if not ticket.settled:
-            self._fanout.emit(ticket.session, update, ticket.client_id)
+        return abandoned is not None
 
     async def _permit(self, ticket: PromptTicket, lease: Lease | SharedHold) -> None:
         """Take the backend pool's permit, reporting ``waiting_for_dependency`` when it has to wait."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -121,6 +122,7 @@ class PromptTicket:
         "waiters",
         "session",
         "settled",
+        "state_ends",
     )
 
     def __init__(
@@ -140,7 +142,7 @@ class PromptTicket:
         self.client_id = client_id
         self.admitted_at = admitted_at
         self.deadline_ms = deadline_ms
-        self.deadline = admitted_at + deadline_ms / 1000 if deadline_ms else float("inf")
+        self.deadline = admitted_at + deadline_ms / 1000 if deadline_ms else math.inf
         self.running = False
         self.settled = False
         self.result: PromptResult | None = None
@@ -164,6 +166,8 @@ class PromptTicket:
         self.seat: Any = None
         #: set while the runner waits in the waiting room: settling cancels the wait
         self.wait_scope: trio.CancelScope | None = None
+        #: the head and tail of its ``_acp_server/turn_state`` lines (built by the fan-out at the first)
+        self.state_ends: tuple[bytes, bytes] | None = None
 
     def release_holds(self) -> None:
         """Give back what the prompt holds for its backend call: its pool lease and its policy seat

@@ -61,12 +61,15 @@ class Settlement:
 
     def __init__(self, fanout: FanOut, persistence: Persistence) -> None:
         self._fanout = fanout
-        self._record = persistence.settle
+        #: where outcomes are recorded (``None`` without a store: nothing to call)
+        self._record = persistence.settle if persistence.durable else None
         #: prompts settled so far
         self.settled_total = 0
         #: (deadline, seq, ticket): prompts with a deadline, soonest first (settled ones drop out lazily)
         self._deadlines: list[tuple[float, int, PromptTicket]] = []
         self._deadline_changed = trio.Event()
+        #: trio's clock (the bridge binds the run's own once it runs)
+        self.now: Callable[[], float] = trio.current_time
 
     def settle(self, ticket: PromptTicket, result: PromptResult | None, error: AcpError | None) -> bool:
         """Give the prompt its one outcome and release its slot.
@@ -89,7 +92,7 @@ class Settlement:
         session = ticket.session
         session.pending_count -= 1
         assert session.pending_count >= 0, "pending count went negative"
-        session.last_activity = trio.current_time()
+        session.last_activity = self.now()
         self.settled_total += 1
         if ticket.call_scope is not None:
             # The call runs on until the backend returns (at once, for one that honours cancellation);
@@ -97,9 +100,10 @@ class Settlement:
             ticket.call_scope.cancel()
             if session.abandoned is None:
                 session.abandoned = trio.Event()
-        else:
-            ticket.release_holds()  # it never reached the backend
-        self._record(ticket)
+        elif ticket.lease is not None or ticket.seat is not None:
+            ticket.release_holds()  # it never reached the backend (or holds what it was given back)
+        if self._record is not None:
+            self._record(ticket)
         self._fanout.hold_answer(ticket)
         if session.abandoned is not None:
             self.fail_head_forks(session)

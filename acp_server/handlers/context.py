@@ -37,6 +37,7 @@ class ConnContext(HandlerContext):
     """
 
     __slots__ = (
+        "_channel",
         "cancelled",
         "client_capabilities",
         "client_info",
@@ -61,13 +62,18 @@ class ConnContext(HandlerContext):
         self.tenant_named: str | None = None
         self.identity: Identity | None = OWNER
         self.peer_info = PeerInfo("stream", trusted=True)
+        self._channel: ConnChannel | None = None
 
     @property
     def bridge(self) -> SessionBridge:
         return self.server.bridge
 
     def channel(self) -> ConnChannel:
-        return ConnChannel(self)
+        """This connection as a backend may address it (one object per connection: it holds nothing else)."""
+        channel = self._channel
+        if channel is None:
+            channel = self._channel = ConnChannel(self)
+        return channel
 
 
 class ConnChannel:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..bridge.settlement import PromptWaiter
 from ..bridge.shared_admit import admit_shared
 from ..jsonrpc import Deferred
 from ..types.acp import PromptParams
@@ -14,13 +15,13 @@ __all__ = ["prompt"]
 
 
 def prompt(ctx: ConnContext, params: PromptParams) -> Deferred:
-    bridge = ctx.bridge
+    bridge = ctx.server.bridge
     if not params.meta and bridge.shared is None:  # the usual prompt: none of our _meta keys to read
         ticket, duplicate = bridge.admit(
             params.session_id, params.prompt, peer=ctx.peer, cancelled=ctx.cancelled, channel=ctx.channel(),
             tenant=ctx.tenant,
         )
-        return bridge.waiter(ticket, owner=not duplicate)
+        return PromptWaiter(bridge.settlement, ticket, not duplicate)  # bridge.waiter's, without the call
     meta = params.meta
     terms: dict[str, Any] = {  # the admission's terms, the same for the local and the shared path
         "peer": ctx.peer,

@@ -141,7 +141,17 @@ class Dispatcher:
                 raise MethodNotFoundError(method=req.method)
             if method.requires_init and not ctx.initialized:
                 raise NotInitializedError(method=req.method)
-            out = method.handler(ctx, self._params(method, req.params))
+            raw = req.params
+            if method.params_type is not None and raw is not None and memoryview(raw)[0] != _ARRAY:
+                try:  # _params' usual case, inline (this runs for every request)
+                    params = self._decoders[method.params_type](raw)
+                except msgspec.ValidationError as exc:
+                    raise invalid_params_from(exc) from None
+                except (msgspec.DecodeError, RecursionError):
+                    params = self._params(method, raw)  # its error, as _params words it
+            else:
+                params = self._params(method, raw)
+            out = method.handler(ctx, params)
         except AcpError as exc:
             return EncodedError.of(req.id, exc)
         except Exception:
