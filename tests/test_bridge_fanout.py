@@ -89,6 +89,29 @@ async def test_turn_states_skip_connections_that_opted_out() -> None:
         assert [m["method"] for m in _lines(quiet)] == ["session/update", "session/update"]
 
 
+async def test_a_terminal_only_connection_gets_the_terminal_turn_state_alone() -> None:
+    """A REST event stream's setting: completed, failed or cancelled reach it, accepted and running
+    (which it has no frame for) are not sent to it at all; the event ids are the session's as before."""
+    async with running_bridge(FakeBackend()) as bridge:
+        loud, terminal = FakePeer(), FakePeer()
+        session, _ = await open_session(bridge, loud)
+        bridge.register(session, terminal)
+        bridge.clients.set_terminal_turn_states_only(terminal)
+        assert bridge.clients.turn_states(terminal), "it takes turn states (replays keep the terminal ones)"
+        for words in ("hi", "there"):
+            ticket = admit_ticket(bridge, session.session_id, text_blocks(words), peer=loud)
+            await prompt_outcome(bridge, ticket)
+        loud_states = [m["params"] for m in _lines(loud) if m["method"] == "_acp_server/turn_state"]
+        got = [m["params"] for m in _lines(terminal) if m["method"] == "_acp_server/turn_state"]
+        assert [t["state"] for t in loud_states] == ["accepted", "running", "completed"] * 2
+        assert [t["state"] for t in got] == ["completed", "completed"]
+        assert [t["_meta"]["eventId"] for t in got] == [t["_meta"]["eventId"] for t in loud_states if t["state"] == "completed"]
+        late = FakePeer()
+        bridge.clients.set_terminal_turn_states_only(late)
+        await bridge.replay(session, late, 0)
+        assert [m["params"]["state"] for m in _lines(late) if m["method"] == "_acp_server/turn_state"] == ["completed"] * 2
+
+
 class _Rounds:
     """A persistence stand-in for :class:`CommitFanOut`: rounds committed when the test says."""
 

@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from acp_server.backends import EchoBackend
+from acp_server.bridge.clients import TURN_STATES_TERMINAL
 from acp_server.bridge.fanout import encode_update
 from acp_server.transports.http.rest import FEATURES
 from acp_server.transports.http.rest_events import SseSubscriber, encode_frame, envelopes, frames_of
@@ -42,6 +43,9 @@ async def test_cancelled_prompt_is_prompt_cancelled_then_turn_complete() -> None
                 ev = Events()
                 await nursery.start(ev.run, c, f"{url}/session/{sid}/events")
                 await eventually(lambda: _subs(server, sid) == 1)
+                [sub] = [p for p in server.bridge.sessions[sid].attached if isinstance(p, SseSubscriber)]
+                # accepted and running have no frame: the bridge does not send them to the subscriber
+                assert server.bridge.clients.peers[sub].turn_states == TURN_STATES_TERMINAL
                 accepted = (await c.post(f"{url}/session/{sid}/prompt", json={"prompt": OK})).json()
                 await eventually(lambda: server.bridge.sessions[sid].pending_count == 1)
                 assert (await c.post(f"{url}/session/{sid}/cancel")).status_code == 204

@@ -26,7 +26,7 @@ import trio
 from ..errors import InvalidClientIdError
 from .session import ClientReg, Peer, Session
 
-__all__ = ["ClientRegistry", "PeerState"]
+__all__ = ["TURN_STATES_ALL", "TURN_STATES_NONE", "TURN_STATES_TERMINAL", "ClientRegistry", "PeerState"]
 
 log = logging.getLogger("acp_server.bridge")
 
@@ -34,6 +34,10 @@ log = logging.getLogger("acp_server.bridge")
 def now_ms() -> int:
     """The wall clock in epoch milliseconds (what ``lastSeenAt`` and session timestamps report)."""
     return time.time_ns() // 1_000_000
+
+
+#: :attr:`PeerState.turn_states`: none, the terminal ones (completed, failed, cancelled), all of them
+TURN_STATES_NONE, TURN_STATES_TERMINAL, TURN_STATES_ALL = 0, 1, 2
 
 
 class PeerState:
@@ -47,10 +51,11 @@ class PeerState:
         #: the sessions this connection is attached to (receives the updates of): none, the one, or a
         #: set of two or more (most connections hold one session, and a set of one takes 216 bytes)
         self._attached: Session | set[Session] | None = None
-        #: it receives ``_acp_server/turn_state``: an ACP connection's ``initialize`` sets it (its
-        #: ``_meta.turnStates``, else the server's ``--turn-states``); a peer that never initializes (a
-        #: REST event stream, which turns the terminal ones into its own events) keeps them
-        self.turn_states = True
+        #: which ``_acp_server/turn_state`` it receives (:data:`TURN_STATES_ALL`, ``_TERMINAL`` or
+        #: ``_NONE``): an ACP connection's ``initialize`` sets all or none (its ``_meta.turnStates``, else
+        #: the server's ``--turn-states``); a REST event stream, which turns the terminal ones into its
+        #: own events and has no use for the others, takes the terminal ones only
+        self.turn_states = TURN_STATES_ALL
 
     @property
     def sessions(self) -> set[Session]:
@@ -105,12 +110,18 @@ class ClientRegistry:
 
     def set_turn_states(self, peer: Peer, enabled: bool) -> None:
         """Whether ``peer`` receives ``_acp_server/turn_state`` (what it chose at ``initialize``)."""
-        self.state(peer).turn_states = enabled
+        self.state(peer).turn_states = TURN_STATES_ALL if enabled else TURN_STATES_NONE
+
+    def set_terminal_turn_states_only(self, peer: Peer) -> None:
+        """``peer`` receives the terminal turn states only (a REST event stream: the others have no
+        frame there, so they would be sent to it only to be dropped)."""
+        self.state(peer).turn_states = TURN_STATES_TERMINAL
 
     def turn_states(self, peer: Peer) -> bool:
-        """Whether ``peer`` receives ``_acp_server/turn_state`` (default: yes)."""
+        """Whether ``peer`` receives ``_acp_server/turn_state``, at least the terminal ones (default:
+        all)."""
         state = self.peers.get(peer)
-        return state is None or state.turn_states
+        return state is None or state.turn_states != TURN_STATES_NONE
 
     def registration(self, peer: Peer, session_id: str) -> str | None:
         """The client id ``peer`` registered on session ``session_id``, if any."""

@@ -36,7 +36,7 @@ import trio
 from ..store import TURN_STATE, StoredEvent
 from ..types.acp import StopReason
 from ..types.ext import TERMINAL_TURN_STATES, TURN_STATES
-from .clients import ClientRegistry
+from .clients import TURN_STATES_ALL, TURN_STATES_TERMINAL, ClientRegistry
 from .persistence import Persistence
 from .session import Peer, PromptTicket, Session
 
@@ -188,7 +188,9 @@ class FanOut:
         if position is not None:
             extra += b',"positionHint":%d' % position
         at = time_ns() // 1_000_000  # epoch ms, as now_ms()
+        wanted = TURN_STATES_ALL  # the level a peer needs to receive this state
         if state in TERMINAL_TURN_STATES:
+            wanted = TURN_STATES_TERMINAL
             text = b'{"promptId":"%s","state":"%s","at":%d%s}' % (ticket.prompt_id.encode(), state.encode(), at, extra)
             session.history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
             if len(session.history) > self._trim_at:
@@ -199,11 +201,11 @@ class FanOut:
         states = self._peer_states
         if len(attached) == 1:  # the usual case, without a generator
             (peer,) = attached
-            if not states[peer].turn_states:
+            if states[peer].turn_states < wanted:
                 return
             peers: tuple[Peer, ...] = (peer,)
         else:
-            peers = tuple(p for p in attached if states[p].turn_states)
+            peers = tuple(p for p in attached if states[p].turn_states >= wanted)
             if not peers:
                 return
         ends = ticket.state_ends

@@ -6,7 +6,8 @@ A subscriber (:class:`SseSubscriber`) is attached to its session with the bridge
 :func:`envelope` turns each line into qwen's ``{id?, v: 1, type, data, _meta, originatorClientId?}``:
 ``session/update`` -> ``session_update {sessionId, update}``; the terminal ``_acp_server/turn_state``
 (completed, cancelled, failed) -> exactly one ``turn_complete`` or ``turn_error`` per prompt, live and
-in replay (the transcript keeps the terminal states); the other turn states are not sent.
+in replay (the transcript keeps the terminal states); the other turn states are not sent (the bridge
+gives a subscriber the terminal ones only).
 
 Bounds: a subscriber's queue holds at most ``max_frames`` frames and ``max_bytes`` bytes. Past 75 % of
 either it is sent one ``slow_client_warning``; past the bound it gets ``client_evicted`` and its

@@ -73,6 +73,7 @@ async def serve_events(
     epoch = api.state.epoch
     their_epoch = header(headers, _EPOCH_HEADER)
     bridge = api.server.bridge
+    bridge.clients.set_terminal_turn_states_only(sub)  # the others have no frame here
     sub.identity = current_caller.get().identity
     auth = api.server.auth
     start = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
