@@ -396,6 +396,12 @@ def test_a_subscriber_cuts_its_sessions_lines_into_the_frames_decoding_writes(li
     assert frames_of(line) == want  # any session's line, through the general cut
     for _, frame in got:
         assert b"\r" not in frame and frame.count(b"\n") == frame.count(b"\n", 0, frame.index(b"data: ")) + 2
+    rest_events._last_line = (b"", [])
+    sent = SseSubscriber("s-1", max_frames=1024)
+    sent.send(line)  # the live fan-out's own cut queues the same frames
+    assert list(sent.frames) == [frame for _, frame in want]
+    ids = [event_id for event_id, _ in want if event_id is not None]
+    assert sent.last_event_id == (ids[-1] if ids else 0)
 
 
 def test_a_subscriber_of_a_session_id_that_is_not_plain_decodes_its_lines() -> None:

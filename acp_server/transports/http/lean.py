@@ -223,12 +223,12 @@ def simple_request(data: bytes, limit: int) -> SimpleRequest | None:
         return None
     method, target, headers, length, keep_alive = parsed
     body = data[end + 4:]
-    if len(body) > max(length, 0):
+    missing = length - len(body)  # (length: -1 without Content-Length)
+    if missing < 0 and (length >= 0 or body):
         return None
-    missing = length - len(body)
     if missing > 0 and end + 4 + length > PARTIAL_MAX:
         return None
-    return SimpleRequest(method, target, list(headers), body, keep_alive, max(missing, 0))
+    return SimpleRequest(method, target, list(headers), body, keep_alive, missing if missing > 0 else 0)
 
 
 class LeanStream:

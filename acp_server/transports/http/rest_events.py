@@ -194,6 +194,7 @@ def _update_frames(line: bytes) -> list[tuple[int | None, bytes]] | None:
 #: byte of the update, which costs several times more.
 _UPDATE_PREFIX = b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"'
 _UPDATE_META = b',"_meta":{"eventId":'
+_META_LEN = len(_UPDATE_META)
 _PLAIN_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 #: the session id and the update's key, after :data:`_UPDATE_PREFIX`
 _UPDATE_SESSION = re.compile(rb'[A-Za-z0-9._:-]{1,128}","update":')
@@ -353,6 +354,7 @@ class SseSubscriber:
         self._update_head = _UPDATE_PREFIX + sid + b'","update":' if plain else b"\n"
         self._frame_head = _FRAME_HEAD + sid + b'","update":'
         self._turn_head = _TURN_PREFIX + sid + b'","promptId":"' if plain else b"\n"
+        self._update_start = len(self._update_head)
 
     @property
     def closed(self) -> bool:
@@ -430,25 +432,62 @@ class SseSubscriber:
 
     def send(self, data: bytes) -> None:
         """The bridge's live fan-out: translate and queue (never waits). A frame that finds the queue
-        below its warning mark is queued here; the others go through :meth:`push`."""
+        below its warning mark is queued here; the others go through :meth:`push`. This session's
+        update line in the bridge's layout, the usual one, is cut here (what :func:`_cut_update` does,
+        without its list of one frame)."""
+        global _last_line
         last = _last_line
-        for event_id, frame in last[1] if last[0] is data else self._frames_of(data):
+        if last[0] is data:
+            frames = last[1]
+        elif data.startswith(self._update_head) and data.find(b"\r") < 0:
+            cut = data.rfind(_UPDATE_META)
+            tail = _UPDATE_TAIL.fullmatch(data, cut + _META_LEN) if cut >= self._update_start else None
+            if tail is None or data.find(b"\n", 0, cut) >= 0:
+                frames = frames_of(data)
+            else:
+                digits = tail[1]
+                frame = b"".join((b"id: ", digits, self._frame_head, data[self._update_start:cut], b'},"_meta":{"eventId":',
+                                  digits, b'},"id":', digits, tail[2] or b"", b"}\n\n"))
+                number = int(digits)
+                _last_line = (data, [(number, frame)])
+                self.last_event_id = number
+                size = self.nbytes + len(frame)
+                if self._closed or len(self.frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
+                    self.push(frame)
+                    return
+                self.frames_queued += 1
+                self.frames.append(frame)
+                self.nbytes = size
+                if self._waiting:
+                    self._wake()
+                return
+        else:
+            frames = self._frames_of(data)
+        for event_id, frame in frames:
             if event_id is not None:
                 self.last_event_id = event_id
-            size = self.nbytes + len(frame)
-            if self._closed or len(self.frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
-                self.push(frame)
-                continue
-            self.frames_queued += 1
-            self.frames.append(frame)
-            self.nbytes = size
-            if self._waiting:
-                self._waiting = False
-                if self.direct is None:
-                    self._ready.set()
-                elif not self._at_end:
-                    self._at_end = True
-                    at_pass_end(self._write_at_end)
+            self._queue(frame)
+
+    def _queue(self, frame: bytes) -> None:
+        """Queue one live frame: here below the warning mark, else through :meth:`push`."""
+        size = self.nbytes + len(frame)
+        if self._closed or len(self.frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
+            self.push(frame)
+            return
+        self.frames_queued += 1
+        self.frames.append(frame)
+        self.nbytes = size
+        if self._waiting:
+            self._wake()
+
+    def _wake(self) -> None:
+        """The writer waits: wake it, or have the frames written as this pass ends (:attr:`direct`)."""
+        self._waiting = False
+        if self.direct is None:
+            self._ready.set()
+        elif not self._at_end:
+            self._at_end = True
+            at_pass_end(self._write_at_end)
 
     def _write_at_end(self) -> bool:
         """As the pass that queued live frames ends: write them through :attr:`direct` while the writer
