@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import __version__, cluster_cli
 from .auth import cli as auth_cli
 from .cli_flags import POLICY_FLAGS, add_serve_arguments, parse_listen
 from .client import cli_flags as client_flags
+from .lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .cli_config import backends_from, http_from, metrics_from, policy_from, server_config
@@ -47,14 +47,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module of a lazily re-exported name on first use and keep the name here."""
-    home = _LAZY.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home, __package__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
 
 
 def build_parser() -> argparse.ArgumentParser:

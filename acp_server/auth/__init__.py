@@ -11,8 +11,9 @@ The names below load with their module on first use (PEP 562): the command line 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .audit import AuditLog
@@ -87,15 +88,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module of a public name on first use and keep the name here."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(globals(), _HOMES)
 
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})

@@ -6,9 +6,9 @@ first use of one of its names, so that a server without a state directory never 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..lazy import lazy_exports
 from .lock import StateDirLocked, StateLock
 from .records import SERVER_RESTARTED, TURN_STATE, StoredEvent, StoredSession
 
@@ -27,13 +27,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
 
 __all__ = [
     "DB_NAME",
