@@ -8,13 +8,15 @@ requests' tasks); after a short read it waits before it reads again (a peer that
 answer costs one read per message). These tests look at an idle connection's suspended calls and
 locals, count the reads of a sequential peer, and check that what the socket path must still do works
 on it: a split line, the peer's end of input (half-close, answers then EOF), a close while the reader
-waits (what is queued is flushed first), the first-message timeout.
+waits (what is queued is flushed first), the first-message timeout. The split line and the close run
+on the stdio ``PipeStream`` too, which the shell reads the same way (tests/test_shell_pipe_reader.py).
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -23,14 +25,25 @@ import trio.testing
 
 from acp_server.server import FIRST_MESSAGE_TIMEOUT_S, Server
 from acp_server.transports import shell as shell_module
+from acp_server.transports.listeners import PipeStream
 from acp_server.transports.shell import ConnectionShell
 
 from .helpers import RawClient, running_server
+
+#: a connection's two ends: the client's, the server's
+StreamPair = Callable[[], tuple[trio.abc.Stream, trio.abc.Stream]]
 
 
 def socket_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
     a, b = trio.socket.socketpair()
     return trio.SocketStream(a), trio.SocketStream(b)
+
+
+def pipe_pair() -> tuple[PipeStream, PipeStream]:
+    """The client's end and the server's end: two pipes, as an editor and ``serve --stdio`` have."""
+    server_in, client_out = os.pipe()
+    client_in, server_out = os.pipe()
+    return PipeStream(client_in, client_out), PipeStream(server_in, server_out)
 
 
 def awaited(coro: Any) -> Iterator[Any]:
@@ -128,10 +141,11 @@ def _frames(coro: Any) -> Iterator[Any]:
         coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
 
 
-async def test_a_line_split_across_reads_then_the_end_of_input_is_answered_then_closed() -> None:
+@pytest.mark.parametrize("stream_pair", [socket_pair, pipe_pair], ids=["socket", "pipe"])
+async def test_a_line_split_across_reads_then_the_end_of_input_is_answered_then_closed(stream_pair: StreamPair) -> None:
     with trio.fail_after(10):
         async with running_server(drain_timeout_s=5) as (server, nursery):
-            client_end, server_end = socket_pair()
+            client_end, server_end = stream_pair()
             ended = await _serve(server, nursery, server_end)
             client = RawClient(client_end)
             nursery.start_soon(client.pump)
@@ -150,10 +164,11 @@ async def test_a_line_split_across_reads_then_the_end_of_input_is_answered_then_
             await client_end.aclose()
 
 
-async def test_a_socket_closed_while_its_reader_waits_flushes_what_is_queued_and_ends() -> None:
+@pytest.mark.parametrize("stream_pair", [socket_pair, pipe_pair], ids=["socket", "pipe"])
+async def test_a_stream_closed_while_its_reader_waits_flushes_what_is_queued_and_ends(stream_pair: StreamPair) -> None:
     with trio.fail_after(10):
         async with running_server() as (server, nursery):
-            client_end, server_end = socket_pair()
+            client_end, server_end = stream_pair()
             ended = await _serve(server, nursery, server_end)
             client = RawClient(client_end)
             nursery.start_soon(client.pump)
