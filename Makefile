@@ -59,11 +59,11 @@ schemas: $(STAMP_DEV)
 	$(PY) -m acp_server.schemagen schemas
 
 # Benchmarks (a few minutes; not part of make test): Markdown to stdout, JSON to bench/results/latest.json.
-bench: $(STAMP_DEV)
+bench: $(STAMP_DEV) $(NODE_STAMP)
 	$(PY) bench/run.py
 
 .PHONY: bench-smoke
-bench-smoke: $(STAMP_DEV)
+bench-smoke: $(STAMP_DEV) $(NODE_STAMP)
 	$(PY) bench/run.py --tiny --out bench/results/tiny.json
 
 # The console's browser tests drive Debian's chromium (Playwright's own browser download is never used).

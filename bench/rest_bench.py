@@ -1,8 +1,13 @@
 """Scenario ``rest``: qwen serve's REST + SSE API beside ``/acp`` and TCP, on one server process.
 
 1. Server CPU per echo prompt, sequential on one session, round after round alternating:
-   - ``rest``: ``POST /session/:id/prompt`` (202) and its ``turn_complete`` read on the session's
-     ``GET /session/:id/events`` stream (httpx, one subscriber);
+   - ``rest_sdk``: qwen's own SDK (``@qwen-code/sdk``'s ``DaemonSessionClient`` in Node, from
+     ``tests/node``; ``bench/rest_sdk_driver.mjs``): one ``events()`` subscription, each prompt posted
+     with ``submitPrompt`` and done at its ``turn_complete`` (the goal's row: qwen's client is what the
+     API serves; Node's fetch writes a request's head and body in one write);
+   - ``rest``: the same prompts from httpx (``POST /session/:id/prompt`` (202) and its
+     ``turn_complete`` read on the session's ``GET /session/:id/events`` stream, one subscriber);
+     httpx writes a request's head and its body apart, so the server reads each POST twice;
    - ``acp_sse``: the official SDK client over our ``/acp`` (HTTP+SSE);
    - ``tcp``: the same client over our TCP NDJSON listener (the baseline; goal: REST within 2x).
 2. SSE fan-out: the same REST prompts with 1, 10 and 64 subscribers on the session, each prompt done
@@ -11,7 +16,7 @@
 CPU is the server process's own, from ``/proc``, read around each timed run.
 
 ``python bench/rest_bench.py --instr`` counts instead the instructions the server runs per REST prompt
-and per TCP prompt (the same clients and prompts, one server under ``valgrind --tool=callgrind``,
+(both clients) and per TCP prompt (the same clients and prompts, one server under ``valgrind --tool=callgrind``,
 instrumented only while the timed prompts run): a figure that a busy machine does not move, unlike CPU
 time (the ratio of the two is the goal's, without the kernel's share and the caches' misses).
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -39,9 +45,21 @@ from http_ab import Run as AcpRun
 from procfs import cpu_seconds
 from servers import BenchError, acp_server_argv, shell_command
 
-__all__ = ["FANOUT", "run_rest"]
+__all__ = ["FANOUT", "run_rest", "sdk_missing"]
 
 FANOUT = (1, 10, 64)
+_SDK_DIR = Path(__file__).resolve().parent.parent / "tests" / "node"
+_SDK_ENTRY = _SDK_DIR / "node_modules" / "@qwen-code" / "sdk" / "dist" / "daemon" / "index.js"
+_SDK_DRIVER = Path(__file__).resolve().parent / "rest_sdk_driver.mjs"
+
+
+def sdk_missing() -> str | None:
+    """Why the ``rest_sdk`` row cannot run here (no ``node``, or ``tests/node`` not installed), or None."""
+    if shutil.which("node") is None:
+        return "no node on PATH"
+    if not _SDK_ENTRY.is_file():
+        return "tests/node/node_modules is not installed (cd tests/node && npm ci)"
+    return None
 
 
 @dataclass
@@ -122,6 +140,43 @@ async def _rest_run(
             await client.delete(f"{base}/session/{sid}")
 
 
+async def _sdk_run(
+    base: str, pid: int, warmup: int, prompts: int, text: str, out: Totals, meter: Callable[[int], float] = cpu_seconds,
+) -> None:
+    """``prompts`` sequential REST prompts from qwen's SDK (``rest_sdk_driver.mjs``), timed by ``meter``."""
+    argv = [str(shutil.which("node")), str(_SDK_DRIVER), str(_SDK_ENTRY), base, str(warmup), str(prompts), text]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "NODE_NO_WARNINGS": "1"},
+    )
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+
+    async def line(what: str) -> dict[str, Any]:
+        raw = await asyncio.wait_for(proc.stdout.readline(), 120)  # type: ignore[union-attr]
+        if not raw:
+            err = (await proc.stderr.read()).decode(errors="replace")[-2000:]  # type: ignore[union-attr]
+            raise BenchError(f"rest_sdk_driver.mjs ended before {what}: {err}")
+        got: dict[str, Any] = json.loads(raw)
+        return got
+
+    try:
+        await line("ready")
+        cpu0 = meter(pid)
+        proc.stdin.write(b"go\n")
+        await proc.stdin.drain()
+        done = await line("done")
+        cpu_s = meter(pid) - cpu0
+        out.add(prompts, done["seconds"], cpu_s, done["frames"])
+        proc.stdin.write(b"end\n")
+        await proc.stdin.drain()
+        if await asyncio.wait_for(proc.wait(), 30) != 0:
+            raise BenchError(f"rest_sdk_driver.mjs exited {proc.returncode}: {(await proc.stderr.read())[-2000:]!r}")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 _SERVE = ["serve", "--ephemeral", "--listen", "tcp://127.0.0.1:0", "--http-listen", "http://127.0.0.1:0"]
 _LISTENING = rb"acp-server: (listening on tcp|http on http)://127\.0\.0\.1:(\d+)"
 
@@ -142,15 +197,17 @@ def run_rest(sizes: HttpSizes) -> tuple[dict[str, Any], str]:
     server, http, tcp = _start(argv)
     try:
         pid = server.proc.pid
-        rest, acp_sse, acp_tcp = Totals(), AcpRun(), AcpRun()
+        rest, rest_sdk, acp_sse, acp_tcp = Totals(), Totals(), AcpRun(), AcpRun()
         fanout = {n: Totals() for n in FANOUT}
+        targets = ("rest_sdk", "rest", "acp_sse", "tcp") if sdk_missing() is None else ("rest", "acp_sse", "tcp")
 
         async def rounds() -> None:
             for r in range(sizes.rounds):
-                order = ("rest", "acp_sse", "tcp") if r % 2 == 0 else ("tcp", "acp_sse", "rest")
-                for target in order:
+                for target in targets if r % 2 == 0 else targets[::-1]:
                     if target == "rest":
                         await _rest_run(http, pid, 1, sizes.warmup, sizes.prompts, sizes.text, rest)
+                    elif target == "rest_sdk":
+                        await _sdk_run(http, pid, sizes.warmup, sizes.prompts, sizes.text, rest_sdk)
                     elif target == "acp_sse":
                         await _one("ours_sse", http + "/acp", pid, sizes, acp_sse)
                     else:
@@ -167,7 +224,8 @@ def run_rest(sizes: HttpSizes) -> tuple[dict[str, Any], str]:
         return {"prompts": t.prompts, "prompts_per_s": t.prompts / t.seconds, "cpu_us_per_prompt": t.cpu_s * 1e6 / t.prompts,
                 "rounds": t.rounds}
 
-    out: dict[str, Any] = {"rest": per(rest), "acp_sse": per(acp_sse), "tcp": per(acp_tcp), "fanout": {}}
+    out: dict[str, Any] = {"rest": per(rest), "rest_sdk": per(rest_sdk) if rest_sdk.prompts else None,
+                           "rest_sdk_missing": sdk_missing(), "acp_sse": per(acp_sse), "tcp": per(acp_tcp), "fanout": {}}
     for n, t in fanout.items():
         out["fanout"][str(n)] = {**per(t), "frames_per_prompt": t.frames / t.prompts,
                                  "cpu_us_per_frame": t.cpu_s * 1e6 / t.frames if t.frames else None}
@@ -211,8 +269,10 @@ def _tcp_meter(meter: Callable[[int], float]) -> Iterator[None]:
         http_ab.cpu_seconds = saved
 
 
-def run_instr(prompts: int, warmup: int, text: str) -> dict[str, float]:
-    """Instructions per REST prompt and per TCP prompt (sequential echo prompts, as :func:`run_rest`)."""
+def run_instr(prompts: int, warmup: int, text: str, keep: Path | None = None) -> dict[str, Any]:
+    """Instructions per REST prompt (httpx's, and qwen's SDK's when it is installed) and per TCP prompt
+    (sequential echo prompts, as :func:`run_rest`); ``keep``: a directory for the callgrind dumps
+    (``rest.callgrind``, ``rest_sdk.callgrind``, ``tcp.callgrind``, for ``callgrind_annotate``)."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise BenchError("--instr needs valgrind (Debian: apt-get install valgrind)")
     out = Path(f"/tmp/acp-bench-rest-{int(time.time())}.callgrind")
@@ -223,22 +283,36 @@ def run_instr(prompts: int, warmup: int, text: str) -> dict[str, float]:
     http_ab._START_TIMEOUT_S = 300.0  # type: ignore[attr-defined]  # (imports are ~50x slower under valgrind)
     server, http, tcp = _start(argv)
     meter = _Callgrind(out)
-    rest, acp_tcp = Totals(), AcpRun()
+    rest, rest_sdk, acp_tcp = Totals(), Totals(), AcpRun()
     try:
         pid = server.proc.pid
 
         async def both() -> None:
             await _rest_run(http, pid, 1, warmup, prompts, text, rest, meter)
+            if sdk_missing() is None:
+                await _sdk_run(http, pid, warmup, prompts, text, rest_sdk, meter)
             with _tcp_meter(meter):
                 await _one("ours_tcp", tcp, pid, HttpSizes(1, warmup, prompts, text), acp_tcp)
 
         asyncio.run(both())
     finally:
         server.stop()
+        names = {f"{out.name}.{n}": name for n, name in enumerate(("rest", "rest_sdk", "tcp"), 1)}
+        if not rest_sdk.prompts:
+            names[f"{out.name}.2"] = "tcp"
         for dump in out.parent.glob(out.name + "*"):
+            if keep is not None and dump.name in names:
+                keep.mkdir(parents=True, exist_ok=True)
+                shutil.copy(dump, keep / f"{names[dump.name]}.callgrind")
             dump.unlink()
     per_rest, per_tcp = rest.cpu_s / rest.prompts, acp_tcp.cpu_s / acp_tcp.prompts
-    return {"rest_instructions_per_prompt": per_rest, "tcp_instructions_per_prompt": per_tcp, "ratio": per_rest / per_tcp}
+    out: dict[str, Any] = {"rest_instructions_per_prompt": per_rest, "tcp_instructions_per_prompt": per_tcp, "ratio": per_rest / per_tcp}
+    if rest_sdk.prompts:
+        per_sdk = rest_sdk.cpu_s / rest_sdk.prompts
+        out |= {"rest_sdk_instructions_per_prompt": per_sdk, "sdk_ratio": per_sdk / per_tcp}
+    else:
+        out["rest_sdk_missing"] = sdk_missing()
+    return out
 
 
 if __name__ == "__main__":
@@ -246,9 +320,10 @@ if __name__ == "__main__":
     parser.add_argument("--instr", action="store_true", help="count instructions under callgrind (see above)")
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--keep", type=Path, metavar="DIR", help="with --instr: keep the callgrind dumps in DIR")
     args = parser.parse_args()
     if not args.instr:
         parser.error("run scenario 8 with: python bench/run.py --only rest (this script alone: --instr)")
     from run import TEXT
 
-    print(json.dumps(run_instr(args.prompts, args.warmup, TEXT), indent=2))
+    print(json.dumps(run_instr(args.prompts, args.warmup, TEXT, args.keep), indent=2))

@@ -296,17 +296,24 @@ def scenario_rest(report: Report, sizes: Sizes) -> None:
     per, command = run_rest(hs)
     report.scenarios["rest"] = {"server": command, "sizes": asdict(hs), **per}
     tcp, rest, sse = (per[k]["cpu_us_per_prompt"] for k in ("tcp", "rest", "acp_sse"))
+    sdk = per["rest_sdk"]["cpu_us_per_prompt"] if per["rest_sdk"] else None
     report.add("rest", "TCP NDJSON: server CPU per prompt", "µs", tcp)
     report.add("rest", "/acp HTTP+SSE: server CPU per prompt", "µs", sse)
-    report.add("rest", "REST prompt + SSE events: server CPU per prompt", "µs", rest, goal="<= 2x our TCP",
-               met=rest <= 2 * tcp)
-    report.add("rest", "REST prompt + SSE events: prompts/s (sequential, 1 session)", "1/s", per["rest"]["prompts_per_s"])
+    # the goal is read on qwen's own client (Node's fetch: a request's head and body in one write)
+    report.add("rest", "REST prompt + SSE events, qwen's SDK client: server CPU per prompt", "µs", sdk,
+               goal="<= 2x our TCP", met=None if sdk is None else sdk <= 2 * tcp)
+    if sdk is None:
+        report.skipped.append(f"rest: qwen's SDK client row ({per['rest_sdk_missing']})")
+    report.add("rest", "REST prompt + SSE events, httpx client: server CPU per prompt", "µs", rest)
+    report.add("rest", "REST prompt + SSE events: prompts/s (sequential, 1 session, httpx)", "1/s", per["rest"]["prompts_per_s"])
     for n, fig in per["fanout"].items():
         report.add("rest", f"SSE fan-out, {n} subscriber(s): server CPU per prompt", "µs", fig["cpu_us_per_prompt"])
         report.add("rest", f"SSE fan-out, {n} subscriber(s): server CPU per frame sent", "µs", fig["cpu_us_per_frame"])
     report.notes.append(
         f"Scenario 8: {hs.prompts} sequential echo prompts of {len(hs.text.split())} words per run on one session; "
-        "REST posts each prompt (202) and waits for its turn_complete on the session's SSE stream (httpx); /acp "
+        "REST posts each prompt (202) and waits for its turn_complete on the session's SSE stream, from qwen's "
+        "SDK (@qwen-code/sdk in Node, bench/rest_sdk_driver.mjs: the goal's row) and from httpx (which writes a "
+        "request's head and body apart); /acp "
         "and TCP are the official SDK client. Fan-out: each prompt waits until every subscriber has its "
         "turn_complete. CPU is the server process's own, from /proc."
     )
