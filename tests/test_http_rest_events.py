@@ -360,6 +360,11 @@ def _turn(state: str, extra: str = "", session: str = "s-1", prompt: str = "prom
         encode_update("s-2", 9, b'{"a":1}'),
         b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s-1","update":{},"_meta":{"eventId":02}}}\n',
         b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s-1","update":{},"_meta":{"eventId":2,"x":1}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s-1","update":{},"_meta":{"eventId":12345678901234567}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s-1","update":{},"_meta":{"eventId":,"originatorClientId":"c1"}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s-1","update":{},"_meta":{"eventId":5,"originatorClientId":"c 1"}}}\n',
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s-1","update":{},"_meta":{"eventId":5}}}\n\n',
+        encode_update("s-1", 10, b'{"a":1}', "cli-1")[:-1],
         _turn("accepted"),
         _turn("queued", ',"positionHint":3'),
         _turn("running", origin=""),
@@ -402,6 +407,30 @@ def test_a_subscriber_cuts_its_sessions_lines_into_the_frames_decoding_writes(li
     assert list(sent.frames) == [frame for _, frame in want]
     ids = [event_id for event_id, _ in want if event_id is not None]
     assert sent.last_event_id == (ids[-1] if ids else 0)
+
+
+def test_a_subscriber_cuts_a_run_of_lines_as_each_alone() -> None:
+    """Lines whose ends repeat (the ends a subscriber keeps after the first) are cut as each line
+    alone is, a line of another layout between them included."""
+    from acp_server.transports.http import rest_events
+
+    lines = [
+        encode_update("s-1", 1, b'{"a":1}', "cli-1"),
+        encode_update("s-1", 2, b'{"a":2}', "cli-1"),
+        b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s-1","update":{},"_meta":{"eventId":12345678901234567,"originatorClientId":"cli-1"}}}\n',
+        encode_update("s-1", 4, b'{"a":4}'),
+        encode_update("s-1", 5, b'{"a":5}', "cli-1"),
+        encode_update("s-1", 6, b'{"a":6}'),
+    ]
+    want = []
+    for line in lines:
+        rest_events._last_line = (b"", [])
+        want += [frame for _, frame in frames_of(line)]
+    sub = SseSubscriber("s-1", max_frames=1024)
+    for line in lines:
+        sub.send(line)
+    assert list(sub.frames) == want and len(want) == 6
+    assert sub.last_event_id == 6
 
 
 def test_a_subscriber_of_a_session_id_that_is_not_plain_decodes_its_lines() -> None:

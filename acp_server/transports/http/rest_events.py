@@ -200,6 +200,11 @@ _PLAIN_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 _UPDATE_SESSION = re.compile(rb'[A-Za-z0-9._:-]{1,128}","update":')
 #: the line's end after its last :data:`_UPDATE_META`: 1, the event id; 2, the originating client id's member
 _UPDATE_TAIL = re.compile(rb'([1-9][0-9]{0,15})(,"originatorClientId":"[A-Za-z0-9._:-]{1,128}")?\}\}\}\n?')
+#: :data:`_UPDATE_TAIL` after its event id: 1, the originating client id's member
+_TAIL_END = re.compile(rb'(,"originatorClientId":"[A-Za-z0-9._:-]{1,128}")?\}\}\}\n?')
+_DIGITS = b"0123456789"
+#: the most line ends (:data:`_TAIL_END`) a subscriber keeps
+_TAIL_ENDS_KEPT = 64
 _FRAME_HEAD = b'\nevent: session_update\ndata: {"v":1,"type":"session_update","data":{"sessionId":"'
 #: a turn state line as the bridge writes it (``fanout.turn_state``): these first bytes, the session id,
 #: ``","promptId":"``, then :data:`_TURN_REST`; only the terminal states become frames
@@ -355,6 +360,10 @@ class SseSubscriber:
         self._frame_head = _FRAME_HEAD + sid + b'","update":'
         self._turn_head = _TURN_PREFIX + sid + b'","promptId":"' if plain else b"\n"
         self._update_start = len(self._update_head)
+        #: the ends of update lines after their event id seen already (:data:`_TAIL_END`) -> the
+        #: originating client id's member (``b""``: none; ``None``: not the bridge's layout). A session's
+        #: lines end alike (its prompts' client ids), so that most are a dictionary lookup.
+        self._tail_ends: dict[bytes, bytes | None] = {}
 
     @property
     def closed(self) -> bool:
@@ -440,14 +449,22 @@ class SseSubscriber:
         if last[0] is data:
             frames = last[1]
         elif data.startswith(self._update_head) and data.find(b"\r") < 0:
+            # the line's end after its last ``_meta``: the event id's digits (as _UPDATE_TAIL's
+            # ``[1-9][0-9]{0,15}``), then an end seen before or checked once against _TAIL_END
             cut = data.rfind(_UPDATE_META)
-            tail = _UPDATE_TAIL.fullmatch(data, cut + _META_LEN) if cut >= self._update_start else None
-            if tail is None or data.find(b"\n", 0, cut) >= 0:
+            tail = data[cut + _META_LEN:]
+            end = tail.lstrip(_DIGITS)
+            width = len(tail) - len(end)
+            member = self._tail_ends.get(end, b"-")
+            if member == b"-":
+                member = self._tail_end(end)
+            if (member is None or cut < self._update_start or not 0 < width <= 16 or tail[0] == 48
+                    or data.find(b"\n", 0, cut) >= 0):
                 frames = frames_of(data)
             else:
-                digits = tail[1]
+                digits = tail[:width]
                 frame = b"".join((b"id: ", digits, self._frame_head, data[self._update_start:cut], b'},"_meta":{"eventId":',
-                                  digits, b'},"id":', digits, tail[2] or b"", b"}\n\n"))
+                                  digits, b'},"id":', digits, member, b"}\n\n"))
                 number = int(digits)
                 _last_line = (data, [(number, frame)])
                 self.last_event_id = number
@@ -467,6 +484,16 @@ class SseSubscriber:
             if event_id is not None:
                 self.last_event_id = event_id
             self._queue(frame)
+
+    def _tail_end(self, end: bytes) -> bytes | None:
+        """The originating client id's member of an update line's ``end`` (:data:`_TAIL_END`; ``b""``
+        without one, ``None``: not the bridge's layout), kept for the lines after it."""
+        found = _TAIL_END.fullmatch(end)
+        member = None if found is None else found[1] or b""
+        if len(self._tail_ends) >= _TAIL_ENDS_KEPT:
+            self._tail_ends.clear()
+        self._tail_ends[end] = member
+        return member
 
     def _queue(self, frame: bytes) -> None:
         """Queue one live frame: here below the warning mark, else through :meth:`push`."""
