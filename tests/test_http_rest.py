@@ -150,7 +150,12 @@ async def test_refusals_status_and_bodies() -> None:
                 await expect(await c.post(url + "/session", json={"sessionScope": "x"}), 400, "invalid_params")
                 sid = (await c.post(url + "/session", json={})).json()["sessionId"]
                 p = f"{url}/session/{sid}/prompt"
-                await expect(await c.post(p, json={"prompt": "nope"}), 400, "invalid_params")
+                body = await expect(await c.post(p, json={"prompt": "nope"}), 400, "invalid_params")
+                assert body["path"] == "prompt"
+                # a shape error before a syntax error: the syntax is checked first
+                await expect(await c.post(p, content=b'{"prompt": 5, "x": ', headers={"content-type": "application/json"}),
+                             400, "parse_error")
+                await expect(await c.post(p), 400, "invalid_params")  # no body: no prompt
                 await expect(await c.post(p, json={"prompt": ok, "deadlineMs": -1}), 400, "invalid_params")
                 await expect(await c.post(p, json={"prompt": ok}, headers={"X-Qwen-Client-Id": "bad id!"}), 400, "invalid_params")
                 body = await expect(await c.post(f"{url}/session/nope/prompt", json={"prompt": ok}), 404, "session_not_found")

@@ -120,6 +120,9 @@ FEATURES = (
     "client_heartbeat", "session_permission_vote",
 )
 _decoder = msgspec.json.Decoder()
+#: client ids of the header's syntax seen already (a client sends its own on every request); cleared when full
+_client_ids: set[str] = set()
+_CLIENT_IDS_KEPT = 1024
 
 
 def status_of(kind: type[AcpError]) -> int:
@@ -193,6 +196,20 @@ class _ClientGone(Exception):
 NO_BODY: Any = object()
 
 
+def _parse(raw: Any) -> Any:
+    """A body's bytes decoded (:data:`NO_BODY` as it is); 400 ``parse_error``."""
+    if raw is NO_BODY:
+        return raw
+    try:
+        return _decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ParseError(detail=str(exc)) from None
+
+
+#: the bodies :meth:`RestApi._typed_body` decodes straight into their type
+_typed_decoders = {PromptRequest: msgspec.json.Decoder(PromptRequest)}
+
+
 def _convert(obj: Any, kind: type[Any]) -> Any:
     try:
         return msgspec.convert({} if obj is NO_BODY else obj, kind)
@@ -255,8 +272,21 @@ class RestApi:
 
     async def _body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> Any:
         """The decoded JSON body (:data:`NO_BODY` when there is none); 415, 413, 400 ``parse_error`` in order."""
+        return _parse(await self._raw_body(headers, receive))
+
+    async def _typed_body(self, headers: list[tuple[bytes, bytes]], receive: Receive, kind: type[Any]) -> Any:
+        """The body as ``kind``: :meth:`_body` then :func:`_convert`, in one decoding when it is valid."""
+        raw = await self._raw_body(headers, receive)
+        if raw is not NO_BODY:
+            try:
+                return _typed_decoders[kind].decode(raw)
+            except msgspec.DecodeError:
+                pass  # decoded again as _body would, for its errors in their order (400 parse_error first)
+        return _convert(_parse(raw), kind)
+
+    async def _raw_body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> Any:
+        """The body's bytes (:data:`NO_BODY` when there is none); 415 and 413 in order."""
         limit = self.max_message_bytes
-        declared = header(headers, b"content-length")
         body = bytearray()
         while True:
             message = await receive()
@@ -267,25 +297,29 @@ class RestApi:
                 break
             if not message.get("more_body", False):
                 break
-        if not body and not (declared and declared.strip() not in ("", "0")):
-            return NO_BODY
+        if not body:
+            declared = header(headers, b"content-length")
+            if not (declared and declared.strip() not in ("", "0")):
+                return NO_BODY
         content_type = header(headers, b"content-type")
-        if content_type is None or content_type.split(";")[0].strip().lower() != "application/json":
+        if content_type != "application/json" and (
+            content_type is None or content_type.split(";")[0].strip().lower() != "application/json"
+        ):
             raise UnsupportedMediaTypeError(content_type=(content_type or "")[:128])
         if len(body) > limit:
             raise MessageTooLargeError(limit=limit)
-        try:
-            return _decoder.decode(body)
-        except msgspec.DecodeError as exc:
-            raise ParseError(detail=str(exc)) from None
+        return body
 
     @staticmethod
     def _client_id(headers: list[tuple[bytes, bytes]]) -> str | None:
         value = header(headers, CLIENT_HEADER)
-        if value is None:
-            return None
+        if value is None or value in _client_ids:
+            return value
         if not _CLIENT_ID.fullmatch(value):
             raise InvalidParamsError(path="X-Qwen-Client-Id", detail="must match [A-Za-z0-9._:-]{1,128}")
+        if len(_client_ids) >= _CLIENT_IDS_KEPT:
+            _client_ids.clear()
+        _client_ids.add(value)
         return value
 
     def _ctx(self, channel: RestChannel | None = None) -> RestContext:
@@ -378,10 +412,12 @@ class RestApi:
             session = self.server.bridge.get(session_id, _tenant())
             await serve_events(self, session, headers, query, receive, send, cors)
             return
-        body = await self._body(headers, receive)
         if action == "prompt":
-            await self._json(send, 202, await self.prompt(session_id, _convert(body, PromptRequest), headers), cors)
-        elif action in ("load", "resume"):
+            body = await self._typed_body(headers, receive, PromptRequest)
+            await self._json(send, 202, await self.prompt(session_id, body, headers), cors)
+            return
+        body = await self._body(headers, receive)
+        if action in ("load", "resume"):
             await self._json(send, 200, await self.restore(session_id, action, _convert(body, RestoreSessionRequest), headers), cors)
         elif action == "heartbeat":
             meta = self._meta(headers)
