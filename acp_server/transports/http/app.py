@@ -44,7 +44,7 @@ from ...errors import (
     UnknownConnectionError,
 )
 from .auth import HttpCaller, HttpGuard, HttpRefusal, current_caller
-from .console import serve_console
+from .console import CONSOLE_PREFIX, serve_console
 from .peer import MessagePeer
 from .rules import (
     ACP_PATH,
@@ -249,7 +249,8 @@ class AcpHttpApp:
         return None
 
     async def _http(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if await serve_console(scope, send, self.rules):
+        path = scope["path"]
+        if (path == "/" or path.startswith(CONSOLE_PREFIX)) and await serve_console(scope, send, self.rules):
             return
         headers = scope["headers"]
         method = scope["method"]

@@ -470,6 +470,9 @@ class LeanH11Protocol(H11Protocol):
     _plain = False
     #: the connection's stream (the server sets it): where a held head is queued
     batched: BatchedWrites
+    #: the connection's server (it sets itself), whose keep-alive timer is told busy and idle by a
+    #: call (``None``: by ``Updated`` events, as hypercorn's protocols tell it)
+    timer: Any = None
 
     #: the h11 connection has seen nothing since it was made: a whole plain request may skip it
     _h11_fresh = True
@@ -500,7 +503,7 @@ class LeanH11Protocol(H11Protocol):
                         request = simple_request(data, self.config.h11_max_incomplete_size)
                     if request is not None and request.missing:
                         self._pending, self._partial = request, data
-                        await self.send(_BUSY)  # a request is coming in: no idle timeout
+                        await self._mark_busy()  # a request is coming in: no idle timeout
                         return
                     if request is not None:
                         await self._serve_simple(request)
@@ -517,8 +520,29 @@ class LeanH11Protocol(H11Protocol):
     def _plain_off(self) -> bool:
         return bool(self.config.server_names or self.config.h11_pass_raw_headers)
 
+    async def _mark_busy(self) -> None:
+        if self.timer is not None:
+            self.timer.mark_busy()
+        else:
+            await self.send(_BUSY)
+
+    async def _mark_idle(self) -> None:
+        if self.timer is not None:
+            self.timer.mark_idle()
+        else:
+            await self.send(_IDLE)
+
+    async def _mark_request(self) -> None:
+        """hypercorn's count of requests (it does nothing without ``max_requests``)."""
+        if self.context.max_requests is not None:  # type: ignore[attr-defined]  # (trio's WorkerContext has it)
+            await self.context.mark_request()
+
     async def _serve_simple(self, request: SimpleRequest) -> None:
-        await self.send(_BUSY)
+        timer = self.timer
+        if timer is not None:  # (what _mark_busy does, without a coroutine: once per request)
+            timer.mark_busy()
+        else:
+            await self.send(_BUSY)
         inline = self._inline(request.method, request.target.partition(b"?")[0])
         stream = self._open_stream(request.method, request.target, request.headers, keep_alive=request.keep_alive,
                                    spawn=not inline)
@@ -526,7 +550,8 @@ class LeanH11Protocol(H11Protocol):
         stream.inline = inline
         stream._put({"type": "http.request", "body": request.body, "more_body": False})
         self.keep_alive_requests += 1
-        await self.context.mark_request()
+        if self.context.max_requests is not None:  # type: ignore[attr-defined]  # (trio's WorkerContext has it)
+            await self.context.mark_request()
         if inline:
             await stream.run()
 
@@ -593,7 +618,7 @@ class LeanH11Protocol(H11Protocol):
             return
         self._open_stream(request.method, request.target, self._headers, keep_alive=not self._close_asked)
         self.keep_alive_requests += 1
-        await self.context.mark_request()
+        await self._mark_request()
 
     async def lean_done(self, stream: LeanStream) -> None:
         """``stream``'s response is over: serve the next request with a fresh h11 connection (it takes
@@ -607,10 +632,12 @@ class LeanH11Protocol(H11Protocol):
         if stream.fast:  # h11 saw nothing of it
             if not stream.inline:  # (an inline one's reader is the task answering: it waits for nothing)
                 await self.can_read.set()
-            if stream.keep_alive and not self.context.terminated.is_set():
-                await self.send(_IDLE)
-            else:
+            if not stream.keep_alive or self.context.terminated.is_set():
                 await self.send(Closed())
+            elif self.timer is not None:  # (what _mark_idle does, without a coroutine)
+                self.timer.mark_idle()
+            else:
+                await self.send(_IDLE)
         elif stream.keep_alive and not self.context.terminated.is_set() and old.their_state is h11.DONE:
             data, closed = old.trailing_data
             fresh = h11.Connection(h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size)
@@ -621,7 +648,7 @@ class LeanH11Protocol(H11Protocol):
             self.connection = fresh
             self._h11_fresh = not data and not closed
             await self.can_read.set()
-            await self.send(_IDLE)
+            await self._mark_idle()
         else:
             await self.can_read.set()
             await self.send(Closed())

@@ -344,6 +344,7 @@ class BatchedTCPServer(TCPServer):
                 wrapper.client, wrapper.server, wrapper.send,
             )
             lean.batched = self.batched
+            lean.timer = self
             wrapper.protocol = lean
         self._protocol = wrapper
 
@@ -356,12 +357,20 @@ class BatchedTCPServer(TCPServer):
                 return
         elif isinstance(event, Updated):
             if event.idle:
-                self._busy = False
-                self._idle_since = trio.current_time()
+                self.mark_idle()
             else:
                 self._busy = True
             return
         await super().protocol_send(event)
+
+    def mark_busy(self) -> None:
+        """A request is being served (what ``Updated(idle=False)`` says, without an event)."""
+        self._busy = True
+
+    def mark_idle(self) -> None:
+        """The connection is idle from now (``Updated(idle=True)``)."""
+        self._busy = False
+        self._idle_since = trio.current_time()
 
     async def _read_data(self) -> None:
         """hypercorn's read loop; without a ``read_timeout`` it makes no deadline scope per read."""
