@@ -220,6 +220,10 @@ _COMPLETED_REST = re.compile(
     rb',"_meta":\{"eventId":([1-9][0-9]{0,15})(?:,"originatorClientId":"[A-Za-z0-9._:-]{1,128}")?\}\}\}\n?'
 )
 
+#: a completed turn's line from its prompt id, when :func:`_cut_turn` cuts it (a plain prompt id, then
+#: :data:`_COMPLETED_REST`), in one match: 1, the prompt id; 2, the stop reason; 3, the event id
+_COMPLETED_FROM_PROMPT = re.compile(rb'([A-Za-z0-9._:-]{1,128})","state":"completed"' + _COMPLETED_REST.pattern)
+
 _Frames = list[tuple[int | None, bytes]]
 
 
@@ -431,9 +435,19 @@ class SseSubscriber:
         head = self._update_head
         if line.startswith(head):
             frames = _cut_update(line, len(head), self._frame_head)
+        elif line.startswith(self._turn_head):
+            done = _COMPLETED_FROM_PROMPT.fullmatch(line, len(self._turn_head))
+            if done is None:
+                frames = _cut_turn(line, len(self._turn_head), self._sid)
+            else:  # (what _cut_turn writes for it, in one match)
+                prompt_id, reason, digits = done.groups()
+                frames = [(int(digits), b"".join((
+                    b"id: ", digits, b'\nevent: turn_complete\ndata: {"v":1,"type":"turn_complete","data":{"sessionId":"',
+                    self._sid, b'","stopReason":"', reason or b"end_turn", b'","promptId":"', prompt_id,
+                    b'"},"_meta":{"eventId":', digits, b'},"id":', digits, b"}\n\n",
+                )))]
         else:
-            head = self._turn_head
-            frames = _cut_turn(line, len(head), self._sid) if line.startswith(head) else None
+            frames = None
         if frames is None:
             return frames_of(line)
         _last_line = (line, frames)
