@@ -45,6 +45,7 @@ from urllib.parse import unquote
 
 import h11
 import trio
+from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol.events import Body, EndBody, StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
@@ -315,7 +316,11 @@ class LeanStream:
         config: Any = protocol.config
         app: Any = protocol.app
         try:
-            await app(self.scope, self.receive, self.send, trio.to_thread.run_sync, trio.from_thread.run)
+            if type(app) is ASGIWrapper:  # (the ASGI app itself, without the wrapper's coroutine around it)
+                inner: Any = app.app
+                await inner(self.scope, self.receive, self.send)
+            else:
+                await app(self.scope, self.receive, self.send, trio.to_thread.run_sync, trio.from_thread.run)
         except trio.Cancelled:
             raise
         except BaseExceptionGroup as error:
