@@ -100,6 +100,11 @@ class Settlement:
             ticket.call_scope.cancel()
             if session.abandoned is None:
                 session.abandoned = trio.Event()
+        elif ticket.finish is not None:
+            # Started in its enqueuer's step and not yet awaited: the runner cancels the call as it
+            # takes it, and gives back the holds as the call ends.
+            if session.abandoned is None:
+                session.abandoned = trio.Event()
         elif ticket.lease is not None or ticket.seat is not None:
             ticket.release_holds()  # it never reached the backend (or holds what it was given back)
         if self._record is not None:
