@@ -266,7 +266,7 @@ class SessionRunner:
             del fifo[0]
         elif ticket in fifo:
             fifo.remove(ticket)
-        self._settlement.settle(ticket, result, error)  # no-op when it settled first
+        self._settlement.settle(ticket, result, error, ticket.admitted_at)  # admitted in this step
         if fifo:
             self._kick(session)  # something was queued meanwhile
 
