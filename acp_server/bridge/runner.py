@@ -11,6 +11,11 @@ per prompt: with a store each answer waits for a commit, so a busy session's FIF
 turns). :meth:`SessionRunner.stop_idle` ends one parked for a whole sweep period, a closed session's
 at once.
 
+A prompt that nothing precedes (the FIFO empty, the runner parked or gone, no commit or seat to
+wait for) starts in the step that admits it, on a backend with a synchronous start
+(:meth:`SessionRunner._start_now`): the echo agent's whole turn ends there, an agent process's
+request is queued there, and the runner awaits only what is left.
+
 A prompt that settles while its call is still running (cancelled, expired) leaves that call
 *abandoned*: the FIFO's next prompt waits for it (the agent is still busy), while a fork that reaches
 the head then fails at once (:meth:`Settlement.fail_head_forks`).
@@ -207,7 +212,7 @@ class SessionRunner:
         :meth:`enqueue` checked that the session's FIFO is empty and its runner parked or gone, and
         (no store) that there is no commit to wait for; here: its policy seat is held (or none is
         needed), no shared limits apply, the pool's permit is free and the backend has a synchronous
-        start (``start_prompt``, see :class:`~acp_server.backends.base.BaseBackend`). The start runs
+        start (``start_prompt``, see :class:`~acp_server.backends.base.Backend`). The start runs
         here, between the same turn states and updates as in the runner: a turn it completes settles
         at once (no runner step, no extra scheduler pass: its answer leaves in this pass); one still
         under way is awaited by the runner under its cancel scope (:meth:`_finish_call`), so
