@@ -484,6 +484,8 @@ OVERLOAD_RUNS: tuple[tuple[str, int, tuple[str, ...], tuple[str, ...]], ...] = (
     ("3x at once", 3, ("--reconnect",), ()),
     ("3x at once, budget off", 3, (), ("--refusal-budget-rps", "0")),
 )
+#: The overload runs' echo turn length (see scenario_overload)
+OVERLOAD_TURN = ("--echo-delay-ms", "1")
 #: The refusal-cost server refuses on purpose, pipelined: its budget is off.
 BUDGET_OFF = ["--refusal-budget-rps", "0"]
 
@@ -504,7 +506,9 @@ def scenario_overload(report: Report, sizes: Sizes) -> None:
     for _ in range(sizes.reps):
         for label, factor, client, flags in plan:
             # A fresh server per run: the refusal histogram of _acp_server/stats is this run's alone.
-            with TcpServer(list(flags)) as server:
+            # Each turn takes 1 ms, as an agent's would: an echo turn without a delay ends in the step
+            # that admits it, so no session would ever hold a prompt pending (nothing to refuse).
+            with TcpServer([*OVERLOAD_TURN, *flags]) as server:
                 args = ["--sessions", str(sizes.overload_sessions), "--per-limit", str(factor), *timing, *client]
                 if not budget and "--reconnect" in client:
                     args.remove("--reconnect")

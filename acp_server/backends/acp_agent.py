@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, cast, get_args
 
 import msgspec
@@ -37,7 +37,7 @@ from ..errors import (
 )
 from ..jsonrpc import Notification, Request
 from ..types.acp import StopReason
-from .agent_process import AgentProcess, AgentRpcError, ChildExitedError, decode_params
+from .agent_process import AgentProcess, AgentRpcError, ChildExitedError, PendingCall, decode_params
 from .agent_relay import RELAYED_METHODS, TurnRelay
 from .agent_start import (
     BACKOFF_RESET_S,
@@ -424,16 +424,40 @@ class AcpAgentBackend(BaseBackend):
             session.child_sid = agent_sid  # child None: _attach re-opens it
         self._sessions[session_id] = session
 
+    def start_prompt(self, turn: Turn) -> Awaitable[StopReason]:
+        """The turn's synchronous start (see :class:`~.base.Backend`): with the session open on a live
+        child, its ``session/prompt`` request is queued for the child's stdin now, and what is awaited
+        is the answer; otherwise all of :meth:`prompt`."""
+        session = self._sessions.get(turn.session_id)
+        child = self._child
+        child_sid = session.child_sid if session is not None else None
+        if session is None or child is None or not child.alive or session.child is not child or child_sid is None:
+            return self.prompt(turn)
+        run, call = self._send_prompt(session, turn, child, child_sid)
+        return self._prompt_answer(session, turn, child, child_sid, run, call)
+
     async def prompt(self, turn: Turn) -> StopReason:
         session = self._session(turn.session_id)
         child, child_sid = await self._attach(session)
+        run, call = self._send_prompt(session, turn, child, child_sid)
+        return await self._prompt_answer(session, turn, child, child_sid, run, call)
+
+    def _send_prompt(
+        self, session: _Session, turn: Turn, child: AgentProcess, child_sid: str
+    ) -> tuple[TurnRelay, PendingCall]:
+        """Queue the turn's ``session/prompt`` for the child, with the relay of what it asks meanwhile."""
         assert self._nursery is not None
         run = TurnRelay(turn, child, self._nursery)
         session.run = run
         params: dict[str, Any] = {"sessionId": child_sid, "prompt": msgspec.to_builtins(list(turn.prompt))}
         if turn.meta:
             params["_meta"] = turn.meta
-        call = child.start_request("session/prompt", params)
+        return run, child.start_request("session/prompt", params)
+
+    async def _prompt_answer(
+        self, session: _Session, turn: Turn, child: AgentProcess, child_sid: str, run: TurnRelay, call: PendingCall
+    ) -> StopReason:
+        """Wait for the child's answer to the turn's ``session/prompt`` (a cancel asks the child to stop)."""
         try:
             try:
                 with run.waiting:

@@ -160,7 +160,15 @@ class Turn:
 
 @runtime_checkable
 class Backend(Protocol):
-    """An agent the bridge can put turns on."""
+    """An agent the bridge can put turns on.
+
+    A backend may also have ``start_prompt(turn) -> StopReason | Awaitable[StopReason]``: the turn's
+    synchronous start, which the bridge calls instead of :meth:`prompt` when the turn can start in
+    the step that admitted it (nothing queued before it). It returns the stop reason of a turn it
+    ended already, or what to await for the rest (awaited under the turn's cancel scope, as
+    :meth:`prompt` is). What runs in it must not wait: the echo agent's whole turn, an agent
+    process's request written to its queue.
+    """
 
     name: str
 

@@ -9,6 +9,7 @@ cancel ends the wait at once.
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable
 
 import trio
 
@@ -59,6 +60,16 @@ class EchoBackend(BaseBackend):
     def __init__(self, *, delay_ms: int = 0, name: str = "echo") -> None:
         self.name = name
         self.delay_ms = delay_ms
+
+    def start_prompt(self, turn: Turn) -> StopReason | Awaitable[StopReason]:
+        """Without a delay the whole turn: its updates and ``end_turn``, in the admitting step."""
+        if self.delay_ms:
+            return self.prompt(turn)
+        emit = turn.emit
+        for block in turn.prompt:
+            for chunk in split_words(describe_block(block)):
+                emit(AgentMessageChunk(content=TextContent(text=chunk)))
+        return "end_turn"
 
     async def prompt(self, turn: Turn) -> StopReason:
         start = trio.current_time() if self.delay_ms else 0.0

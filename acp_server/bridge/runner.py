@@ -11,6 +11,11 @@ per prompt: with a store each answer waits for a commit, so a busy session's FIF
 turns). :meth:`SessionRunner.stop_idle` ends one parked for a whole sweep period, a closed session's
 at once.
 
+A prompt that nothing precedes (the FIFO empty, the runner parked or gone, no commit or seat to
+wait for) starts in the step that admits it, on a backend with a synchronous start
+(:meth:`SessionRunner._start_now`): the echo agent's whole turn ends there, an agent process's
+request is queued there, and the runner awaits only what is left.
+
 A prompt that settles while its call is still running (cancelled, expired) leaves that call
 *abandoned*: the FIFO's next prompt waits for it (the agent is still busy), while a fork that reaches
 the head then fails at once (:meth:`Settlement.fail_head_forks`).
@@ -82,6 +87,9 @@ class _TurnChannel:
 
 
 _UNSET: Any = object()
+
+#: ``PromptTicket.finish`` while :meth:`SessionRunner._start_now` runs the backend's start
+_STARTING: Any = object()
 
 
 class _PromptTurn(Turn):
@@ -163,14 +171,27 @@ class SessionRunner:
         self.nursery: trio.Nursery | None = None
         #: counts :meth:`stop_idle`'s sweeps; a runner parks with the current one
         self._epoch = 0
+        #: a prompt may start in its enqueuer's step: no commit to wait for (see :meth:`_start_now`)
+        self._eager = not persistence.durable
+        self._seats = policy.enabled  # fixed for the engine's life
 
     def enqueue(self, session: Session, item: PromptTicket | ForkTicket) -> None:
         """Append ``item`` to the session's FIFO, and make sure a runner will take it.
+
+        A prompt that can start at once (see :meth:`_start_now`) starts here, in the caller's step.
 
         Raises:
             InternalError: the bridge is not running.
         """
         fifo = session.fifo
+        if (
+            not fifo
+            and self._eager
+            and type(item) is PromptTicket
+            and (not session.runner_active or session.runner.task is not None)
+            and self._start_now(session, item)
+        ):
+            return
         fifo.append(item)
         if session.runner_active:
             runner = session.runner
@@ -180,6 +201,87 @@ class SessionRunner:
                 else:
                     runner.wake(outcome.Value(True))  # nothing to commit first: as wake(session, True)
             return
+        if self.nursery is None:
+            raise InternalError()
+        session.runner_active = True
+        self.nursery.start_soon(self._run, session)
+
+    def _start_now(self, session: Session, ticket: PromptTicket) -> bool:
+        """Start the prompt's backend call in the enqueuer's step, when nothing comes before it.
+
+        :meth:`enqueue` checked that the session's FIFO is empty and its runner parked or gone, and
+        (no store) that there is no commit to wait for; here: its policy seat is held (or none is
+        needed), no shared limits apply, the pool's permit is free and the backend has a synchronous
+        start (``start_prompt``, see :class:`~acp_server.backends.base.Backend`). The start runs
+        here, between the same turn states and updates as in the runner: a turn it completes settles
+        at once (no runner step, no extra scheduler pass: its answer leaves in this pass); one still
+        under way is awaited by the runner under its cancel scope (:meth:`_finish_call`), so
+        cancellation, deadlines and the FIFO hold as for a call the runner makes.
+
+        Returns:
+            False when nothing was done: the prompt goes through the runner.
+        """
+        lease = ticket.lease
+        if isinstance(lease, SharedHold) or (self._seats and not isinstance(ticket.seat, Seat)):
+            return False
+        start = getattr(session.backend, "start_prompt", None)
+        if start is None or self.nursery is None:
+            return False
+        if lease is not None:
+            try:
+                lease.acquire_permit_nowait()
+            except trio.WouldBlock:
+                return False  # the runner waits for it, reporting waiting_for_dependency
+        session.fifo.append(ticket)
+        ticket.running = True
+        fanout = self._fanout
+        turn = _PromptTurn(ticket, fanout, self._table, ticket.meta)
+        fanout.turn_state(ticket, "running")
+        for block in ticket.prompt:  # the prompt's own text, to the session's other connections
+            fanout.emit(session, UserMessageChunk(content=block), ticket.client_id, exclude=ticket.sender)
+        ticket.finish = _STARTING  # settling meanwhile leaves the holds and abandons the call
+        try:
+            started = start(turn)
+        except AcpError as exc:
+            self._end_now(session, ticket, None, exc)
+            return True
+        except Exception:
+            log.exception("backend %s failed on %s of session %s", session.backend.name, ticket.prompt_id, session.session_id)
+            self._end_now(session, ticket, None, InternalError())
+            return True
+        if isinstance(started, str):
+            self._end_now(session, ticket, _result(ticket, turn, started), None)
+            return True
+        ticket.finish = (started, turn)
+        self._kick(session)
+        return True
+
+    def _end_now(self, session: Session, ticket: PromptTicket, result: PromptResult | None, error: AcpError | None) -> None:
+        """The end of a call that :meth:`_start_now` completed: as :meth:`_call_backend`'s, and the
+        prompt leaves the FIFO before it settles (its answer may bring the connection's next prompt)."""
+        ticket.finish = None
+        if ticket.lease is not None or ticket.seat is not None:
+            ticket.release_holds()
+        abandoned = session.abandoned
+        if abandoned is not None:  # it settled during the start
+            session.abandoned = None
+            abandoned.set()
+        fifo = session.fifo
+        if fifo and fifo[0] is ticket:
+            del fifo[0]
+        elif ticket in fifo:
+            fifo.remove(ticket)
+        self._settlement.settle(ticket, result, error, ticket.admitted_at)  # admitted in this step
+        if fifo:
+            self._kick(session)  # something was queued meanwhile
+
+    def _kick(self, session: Session) -> None:
+        """Make sure a runner looks at the session's FIFO: wake the parked one, or start one."""
+        if session.runner_active:
+            runner = session.runner
+            if runner.task is not None:
+                runner.wake(outcome.Value(True))
+            return  # a runner that is not parked looks at the FIFO before it parks again
         if self.nursery is None:
             raise InternalError()
         session.runner_active = True
@@ -222,6 +324,12 @@ class SessionRunner:
                                 return
                             continue
                         item = fifo[0]
+                        if type(item) is PromptTicket and item.finish is not None:
+                            cancelled = await self._finish_call(item, scope)  # started by _start_now
+                            del fifo[0]
+                            if cancelled:
+                                break
+                            continue
                         if item.settled:
                             del fifo[0]
                             continue
@@ -341,9 +449,7 @@ class SessionRunner:
                 stop_reason = await session.backend.prompt(turn)
             finally:
                 ticket.call_scope = None  # the call is over: settling now abandons nothing
-            extra = turn.result_meta
-            meta = {**extra, "promptId": ticket.prompt_id} if extra else {"promptId": ticket.prompt_id}
-            result = PromptResult(stop_reason=stop_reason, meta=meta)
+            result = _result(ticket, turn, stop_reason)
         except AcpError as exc:
             result, error = None, exc
         except trio.Cancelled:
@@ -360,6 +466,45 @@ class SessionRunner:
                 session.abandoned = None
                 abandoned.set()
         self._settlement.settle(ticket, result, error)  # no-op when it settled first (cancel, deadline, crash)
+        return abandoned is not None
+
+    async def _finish_call(self, ticket: PromptTicket, scope: trio.CancelScope) -> bool:
+        """Await the rest of a call that :meth:`_start_now` started, as :meth:`_call_backend` does its
+        call (a prompt settled since its start has its call cancelled now).
+
+        Returns:
+            Whether ``scope`` was cancelled, so that the next call gets a fresh one.
+        """
+        session = ticket.session
+        call, turn = ticket.finish
+        result: PromptResult | None = None
+        error: AcpError | None = None
+        try:
+            ticket.call_scope = scope
+            if ticket.settled:
+                scope.cancel()  # settling marked the call abandoned, and left this to the runner
+            try:
+                stop_reason = await call
+            finally:
+                ticket.call_scope = None
+                ticket.finish = None
+            result = _result(ticket, turn, stop_reason)
+        except AcpError as exc:
+            result, error = None, exc
+        except trio.Cancelled:
+            self._settlement.settle(ticket, cancelled_result(ticket), None)
+            raise
+        except Exception:
+            log.exception("backend %s failed on %s of session %s", session.backend.name, ticket.prompt_id, session.session_id)
+            result, error = None, InternalError()
+        finally:
+            if ticket.lease is not None or ticket.seat is not None:
+                ticket.release_holds()
+            abandoned = session.abandoned
+            if abandoned is not None:
+                session.abandoned = None
+                abandoned.set()
+        self._settlement.settle(ticket, result, error)
         return abandoned is not None
 
     async def _permit(self, ticket: PromptTicket, lease: Lease | SharedHold) -> None:
@@ -404,6 +549,13 @@ class SessionRunner:
         self._persistence.save_session(new)
         self._persistence.copy_transcript(new)
         item.succeed(new)
+
+
+def _result(ticket: PromptTicket, turn: Turn, stop_reason: Any) -> PromptResult:
+    """A completed call's result: its stop reason, the backend's ``_meta`` keys and the prompt's id."""
+    extra = turn.result_meta
+    meta = {**extra, "promptId": ticket.prompt_id} if extra else {"promptId": ticket.prompt_id}
+    return PromptResult(stop_reason=stop_reason, meta=meta)
 
 
 def _with_fence(meta: dict[str, Any] | None, hold: Any) -> dict[str, Any] | None:

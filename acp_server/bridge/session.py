@@ -107,6 +107,7 @@ class PromptTicket:
         "deadline_ms",
         "done",
         "error",
+        "finish",
         "lease",
         "meta",
         "priority",
@@ -168,6 +169,8 @@ class PromptTicket:
         self.wait_scope: trio.CancelScope | None = None
         #: the head and tail of its ``_acp_server/turn_state`` lines (built by the fan-out at the first)
         self.state_ends: tuple[bytes, bytes] | None = None
+        #: a backend call started in its enqueuer's step, (awaitable, turn), until the runner awaits it
+        self.finish: Any = None
 
     def release_holds(self) -> None:
         """Give back what the prompt holds for its backend call: its pool lease and its policy seat

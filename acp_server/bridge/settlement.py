@@ -71,8 +71,11 @@ class Settlement:
         #: trio's clock (the bridge binds the run's own once it runs)
         self.now: Callable[[], float] = trio.current_time
 
-    def settle(self, ticket: PromptTicket, result: PromptResult | None, error: AcpError | None) -> bool:
-        """Give the prompt its one outcome and release its slot.
+    def settle(
+        self, ticket: PromptTicket, result: PromptResult | None, error: AcpError | None, now: float | None = None
+    ) -> bool:
+        """Give the prompt its one outcome and release its slot (``now``: trio's clock, if the caller
+        read it in this step already).
 
         Returns:
             False when it had settled already (nothing changes then).
@@ -92,12 +95,17 @@ class Settlement:
         session = ticket.session
         session.pending_count -= 1
         assert session.pending_count >= 0, "pending count went negative"
-        session.last_activity = self.now()
+        session.last_activity = self.now() if now is None else now
         self.settled_total += 1
         if ticket.call_scope is not None:
             # The call runs on until the backend returns (at once, for one that honours cancellation);
             # it gives back the lease and the seat as it ends.
             ticket.call_scope.cancel()
+            if session.abandoned is None:
+                session.abandoned = trio.Event()
+        elif ticket.finish is not None:
+            # Started in its enqueuer's step and not yet awaited: the runner cancels the call as it
+            # takes it, and gives back the holds as the call ends.
             if session.abandoned is None:
                 session.abandoned = trio.Event()
         elif ticket.lease is not None or ticket.seat is not None:

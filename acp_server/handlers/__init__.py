@@ -31,7 +31,7 @@ REQUESTS: dict[str, Method] = {
     "session/delete": Method(CloseSessionParams, session.delete),
     "session/set_mode": Method(SetSessionModeParams, session.set_mode),
     "session/set_config_option": Method(SetConfigOptionParams, config_option.set_config_option),
-    "session/prompt": Method(PromptParams, prompt.prompt, sees_cancel=True),
+    "session/prompt": Method(PromptParams, prompt.prompt_request, sees_cancel=True),
     "_acp_server/capabilities": Method(None, ext.capabilities),
     "_acp_server/stats": Method(None, ext.stats),
     "_acp_server/stats/subscribe": Method(None, ext.stats_subscribe),

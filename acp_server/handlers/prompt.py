@@ -4,23 +4,49 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..bridge.session import PromptTicket
 from ..bridge.settlement import PromptWaiter
 from ..bridge.shared_admit import admit_shared
 from ..jsonrpc import Deferred
-from ..types.acp import PromptParams
+from ..types.acp import PromptParams, PromptResult
 from .context import ConnContext
 from .meta import meta_client_id, meta_deadline_ms, meta_priority, meta_str, passthrough_meta
 
-__all__ = ["prompt"]
+__all__ = ["prompt", "prompt_request"]
 
 
 def prompt(ctx: ConnContext, params: PromptParams) -> Deferred:
+    """``session/prompt``'s admission: what waits for the outcome (REST takes the prompt's id from it)."""
+    return _prompt(ctx, params, False)  # type: ignore[return-value]
+
+
+def prompt_request(ctx: ConnContext, params: PromptParams) -> Deferred | PromptResult:
+    """``session/prompt`` as a JSON-RPC request: as :func:`prompt`, but a prompt answered already (its
+    turn ended in the step that admitted it, see :meth:`~acp_server.bridge.runner.SessionRunner.enqueue`,
+    or an idempotent duplicate of one that ended) is answered now, with no waiter.
+
+    Raises:
+        AcpError: the admission's refusal, or the answered prompt's error.
+    """
+    return _prompt(ctx, params, True)
+
+
+def _answered(ticket: PromptTicket) -> PromptResult:
+    if ticket.error is not None:
+        raise ticket.error
+    assert ticket.result is not None
+    return ticket.result
+
+
+def _prompt(ctx: ConnContext, params: PromptParams, now: bool) -> Deferred | PromptResult:
     bridge = ctx.server.bridge
     if not params.meta and bridge.shared is None:  # the usual prompt: none of our _meta keys to read
         ticket, duplicate = bridge.admit(
             params.session_id, params.prompt, peer=ctx.peer, cancelled=ctx.cancelled, channel=ctx.channel(),
             tenant=ctx.tenant,
         )
+        if now and ticket.settled and ticket.done.is_set():
+            return _answered(ticket)
         return PromptWaiter(bridge.settlement, ticket, not duplicate)  # bridge.waiter's, without the call
     meta = params.meta
     terms: dict[str, Any] = {  # the admission's terms, the same for the local and the shared path
@@ -37,4 +63,6 @@ def prompt(ctx: ConnContext, params: PromptParams) -> Deferred:
     if bridge.shared is not None:  # the limits are a cluster's: the shared part is a coordinator call
         return admit_shared(bridge, params.session_id, params.prompt, **terms)
     ticket, duplicate = bridge.admit(params.session_id, params.prompt, **terms)
+    if now and ticket.settled and ticket.done.is_set():
+        return _answered(ticket)
     return bridge.waiter(ticket, owner=not duplicate)
