@@ -81,14 +81,21 @@ _UPDATE_FROM = (
     b'"_meta":{"eventId":%d,"originatorClientId":"%s"}}}\n'
 )
 
-#: the turn states and stop reasons as the bytes a turn state line carries (others are encoded as met)
-_STATES = {state: state.encode() for state in TURN_STATES}
+#: each turn state as the bytes its line carries, and the level a connection needs to receive it
+#: (states met that are not listed here are encoded as met)
+_STATES = {
+    state: (state.encode(), TURN_STATES_TERMINAL if state in TERMINAL_TURN_STATES else TURN_STATES_ALL)
+    for state in TURN_STATES
+}
+#: the stop reasons as the bytes a turn state line carries
 _REASONS = {reason: b',"reason":"%s"' % reason.encode() for reason in get_args(StopReason)}
 
 
 #: a ``_acp_server/turn_state`` line: the prompt's head (:func:`_turn_state_ends`), the state, ``at``, the
 #: optional fields, the ``eventId`` and the prompt's tail
-_TURN_STATE = b'%s%s","at":%d%s,"_meta":{"eventId":%d%s'
+_TURN_STATE = b'%s%s","at":%s%s,"_meta":{"eventId":%d%s'
+#: a terminal turn state as the transcript keeps it (TurnStateBody): prompt id, state, ``at``, the rest
+_TURN_STATE_BODY = b'{"promptId":"%s","state":"%s","at":%s%s}'
 
 
 def _turn_state_ends(session_id: str, prompt_id: str, client_id: str | None) -> tuple[bytes, bytes]:
@@ -129,6 +136,11 @@ class FanOut:
         self._keep = max_history_events
         #: trimmed in steps (a quarter of the bound at a time), so appending stays O(1) amortized
         self._trim_at = max_history_events + max(1, max_history_events // 4)
+        #: a line to one connection goes to its ``send`` at once (:class:`CommitFanOut` holds it instead)
+        self._direct = True
+        #: the last epoch millisecond a turn state carried, and its digits
+        self._at_ms = -1
+        self._at_digits = b""
 
     def _trim(self, session: Session) -> None:
         """Drop the oldest events of ``history`` beyond the bound (on disk with a store, else gone)."""
@@ -161,12 +173,46 @@ class FanOut:
             data = _UPDATE % (session.session_id.encode(), body, event_id)
         else:
             data = _UPDATE_FROM % (session.session_id.encode(), body, event_id, originator.encode())
+        if self._direct and len(attached) == 1 and exclude is None:
+            for peer in attached:  # the usual case: one connection, sent to at once
+                peer.send(data)
+            return
         self.send(session, data, exclude)
 
     def emit_for(self, ticket: PromptTicket, update: Any) -> None:
-        """A running prompt's update, as :meth:`emit` (dropped once the prompt settled)."""
-        if not ticket.settled:
-            self.emit(ticket.session, update, ticket.client_id)
+        """A running prompt's update, as :meth:`emit` (dropped once the prompt settled).
+
+        What every backend's ``Turn.emit`` calls for each update: :meth:`emit`'s steps are inline
+        here (without ``exclude``), a call fewer per update.
+        """
+        if ticket.settled:
+            return
+        session = ticket.session
+        event_id = session.next_event_id
+        session.next_event_id = event_id + 1
+        history = session.history
+        history.append((event_id, update))
+        if len(history) > self._trim_at:
+            self._trim(session)
+        attached = session.attached
+        add_event = self._add_event
+        if not attached:
+            if add_event is not None:
+                add_event(session.session_id, event_id, update)
+            return
+        body = _encoder.encode(update)  # once, for the wire and the store
+        if add_event is not None:
+            add_event(session.session_id, event_id, body)
+        originator = ticket.client_id
+        if originator is None:
+            data = _UPDATE % (session.session_id.encode(), body, event_id)
+        else:
+            data = _UPDATE_FROM % (session.session_id.encode(), body, event_id, originator.encode())
+        if self._direct and len(attached) == 1:
+            for peer in attached:
+                peer.send(data)
+            return
+        self.send(session, data, None)
 
     def turn_state(self, ticket: PromptTicket, state: str, *, reason: str | None = None, position: int | None = None) -> None:
         """Send ``_acp_server/turn_state`` for ``ticket`` to every connection attached to its session
@@ -188,22 +234,30 @@ class FanOut:
         if position is not None:
             extra += b',"positionHint":%d' % position
         at = time_ns() // 1_000_000  # epoch ms, as now_ms()
-        wanted = TURN_STATES_ALL  # the level a peer needs to receive this state
-        if state in TERMINAL_TURN_STATES:
-            wanted = TURN_STATES_TERMINAL
-            text = b'{"promptId":"%s","state":"%s","at":%d%s}' % (ticket.prompt_id.encode(), state.encode(), at, extra)
-            session.history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
-            if len(session.history) > self._trim_at:
+        if at != self._at_ms:  # several turn states a millisecond under load: its digits made once
+            self._at_ms = at
+            self._at_digits = b"%d" % at
+        known = _STATES.get(state)
+        if known is None:
+            known = (state.encode(), TURN_STATES_TERMINAL if state in TERMINAL_TURN_STATES else TURN_STATES_ALL)
+        state_bytes, wanted = known  # wanted: the level a peer needs to receive this state
+        if wanted == TURN_STATES_TERMINAL:
+            text = _TURN_STATE_BODY % (ticket.prompt_id.encode(), state_bytes, self._at_digits, extra)
+            history = session.history
+            history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
+            if len(history) > self._trim_at:
                 self._trim(session)
             if self._add_event is not None:
                 self._add_event(session.session_id, event_id, text, TURN_STATE)
         attached = session.attached
+        if not attached:
+            return
         states = self._peer_states
         if len(attached) == 1:  # the usual case, without a generator
-            (peer,) = attached
-            if states[peer].turn_states < wanted:
-                return
-            peers: tuple[Peer, ...] = (peer,)
+            for peer in attached:
+                if states[peer].turn_states < wanted:
+                    return
+            peers: tuple[Peer, ...] | None = None
         else:
             peers = tuple(p for p in attached if states[p].turn_states >= wanted)
             if not peers:
@@ -211,8 +265,11 @@ class FanOut:
         ends = ticket.state_ends
         if ends is None:
             ends = ticket.state_ends = _turn_state_ends(session.session_id, ticket.prompt_id, ticket.client_id)
-        data = _TURN_STATE % (ends[0], _STATES.get(state) or state.encode(), at, extra, event_id, ends[1])
-        self.send(session, data, None, peers)
+        data = _TURN_STATE % (ends[0], state_bytes, self._at_digits, extra, event_id, ends[1])
+        if peers is None and self._direct:
+            peer.send(data)
+        else:
+            self.send(session, data, None, peers)
 
     def send(self, session: Session, data: bytes, exclude: Peer | None, peers: tuple[Peer, ...] | None = None) -> None:
         """Send ``data`` to ``peers`` (default: every connection attached to ``session``) but ``exclude``."""
@@ -322,6 +379,7 @@ class CommitFanOut(FanOut):
 
     def __init__(self, clients: ClientRegistry, persistence: Persistence, max_history_events: int = 10_000) -> None:
         super().__init__(clients, persistence, max_history_events)
+        self._direct = False
         #: what the current write round's commit lets out, in order (see :meth:`_round`)
         self._held: list[_HeldBack] | None = None
         self._held_generation = 0
