@@ -251,6 +251,33 @@ class Connection:
             if event is not None:
                 return event
 
+    def receive(self, data: bytes | bytearray) -> list[Event]:
+        """Feed bytes read from the peer and return the events of every line they complete, in order.
+
+        The same events :meth:`next_event` returns one by one, for all the lines of one read at once;
+        a :data:`TooLarge` ends the list (the connection is to close). A line is decoded as a single
+        message first: blank lines, batches and errors take the general path after that fails.
+        """
+        events: list[Event] = []
+        for line in self._lines.lines(data):
+            if line is TOO_LARGE:
+                err = MessageTooLargeError(limit=self.max_message_bytes)
+                events.append(TooLarge(encode_error(None, err), self.max_message_bytes))
+                return events
+            assert type(line) is bytes
+            try:
+                env = _decode_envelope(line)
+            except (msgspec.DecodeError, RecursionError):  # ValidationError is a DecodeError
+                stripped = line.strip()
+                if not stripped:
+                    continue
+                event = self._batch(stripped) if stripped[:1] == b"[" else self._one(stripped)
+            else:
+                event = self._message(env)
+            if event is not None:
+                events.append(event)
+        return events
+
     def _batch(self, line: bytes) -> Event:
         try:
             parts: list[bytes] = [bytes(raw) for raw in _decode_batch(line)]
@@ -275,6 +302,10 @@ class Connection:
             env = _decode_envelope(line)
         except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
             return self._undecodable(line, exc)
+        return self._message(env)
+
+    def _message(self, env: _Envelope) -> Request | Notification | Response | ErrorReply | None:
+        """The event of one decoded message; ``None`` for a response that is logged and dropped."""
         id = env.id
         if env.method is UNSET and id is not UNSET and id is not None and id in self._pending and env.jsonrpc != "2.0":
             # A malformed answer to one of our own requests still settles it, as an error.

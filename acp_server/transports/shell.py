@@ -46,7 +46,6 @@ import trio
 
 from ..errors import InvalidRequestError, RequestCancelledError
 from ..jsonrpc import (
-    NEED_DATA,
     Batch,
     Connection,
     Deferred,
@@ -423,20 +422,20 @@ class ConnectionShell(RefusalGuard):
 
     def _received(self, data: bytes | bytearray) -> bool:
         """Dispatch what ``data`` completes; ``False``: the connection must close (a line too large)."""
-        core = self.core
-        core.receive_data(data)
+        events = self.core.receive(data)
         if self._idle_timeout_s is not None:  # only the idle timeout reads it
             self._last_input = trio.current_time()
-        while True:
-            event = core.next_event()
-            if event is NEED_DATA:
-                return True
-            self._got_line = True
-            if isinstance(event, TooLarge):
+        if not events:
+            return True
+        self._got_line = True
+        reply = self.reply
+        for event in events:
+            if type(event) is TooLarge:
                 log.warning("%s: message over %d bytes; closing", self.name, event.limit)
-                self.reply(event.data)
+                reply(event.data)
                 return False
-            self._handle(event, self.reply)
+            self._handle(event, reply)
+        return True
 
     def _handle(self, event: Any, reply: Callable[[bytes], None]) -> None:
         if isinstance(event, Request):
