@@ -50,26 +50,25 @@ class _NeedData:
 NEED_DATA: Final = _NeedData()
 
 
-class Request:
-    """A request from the peer; ``params`` is undecoded until the method (and so its type) is known."""
+class Request(msgspec.Struct, eq=False):
+    """A request from the peer; ``params`` is undecoded until the method (and so its type) is known.
 
-    __slots__ = ("id", "method", "params")
+    A Struct (built by C code, one per request on the hot path), compared by identity.
+    """
 
-    def __init__(self, id: Id, method: str, params: msgspec.Raw | None) -> None:
-        self.id = id
-        self.method = method
-        self.params = params
+    id: Id
+    method: str
+    params: msgspec.Raw | None
 
     def __repr__(self) -> str:
         return f"Request(id={self.id!r}, method={self.method!r})"
 
 
-class Notification:
-    __slots__ = ("method", "params")
+class Notification(msgspec.Struct, eq=False):
+    """A notification from the peer; ``params`` undecoded, as a request's."""
 
-    def __init__(self, method: str, params: msgspec.Raw | None) -> None:
-        self.method = method
-        self.params = params
+    method: str
+    params: msgspec.Raw | None
 
     def __repr__(self) -> str:
         return f"Notification(method={self.method!r})"
