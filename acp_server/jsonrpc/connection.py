@@ -74,55 +74,41 @@ class Notification(msgspec.Struct, eq=False):
         return f"Notification(method={self.method!r})"
 
 
-class Response:
+class Response(msgspec.Struct, eq=False):
     """The peer's answer to one of our requests; ``method`` is the method we called.
 
     ``malformed`` is set (with ``error`` filled in for callers that only look there) when the answer
     carried our id but was not a valid JSON-RPC 2.0 response.
     """
 
-    __slots__ = ("error", "id", "malformed", "method", "result")
-
-    def __init__(
-        self, id: Id, method: str, result: Any, error: dict[str, Any] | None, malformed: str | None = None
-    ) -> None:
-        self.id = id
-        self.method = method
-        self.result = result
-        self.error = error
-        self.malformed = malformed
+    id: Id
+    method: str
+    result: Any
+    error: dict[str, Any] | None
+    malformed: str | None = None
 
     def __repr__(self) -> str:
         return f"Response(id={self.id!r}, method={self.method!r}, error={self.error is not None})"
 
 
-class ErrorReply:
+class ErrorReply(msgspec.Struct, eq=False):
     """A message that could not be taken: ``data`` is the ready-made error response to send."""
 
-    __slots__ = ("data", "error")
-
-    def __init__(self, data: bytes, error: AcpError) -> None:
-        self.data = data
-        self.error = error
+    data: bytes
+    error: AcpError
 
 
-class TooLarge:
+class TooLarge(msgspec.Struct, eq=False):
     """A line over the limit; ``data`` is the error response to send before closing the connection."""
 
-    __slots__ = ("data", "limit")
-
-    def __init__(self, data: bytes, limit: int) -> None:
-        self.data = data
-        self.limit = limit
+    data: bytes
+    limit: int
 
 
-class Batch:
+class Batch(msgspec.Struct, eq=False):
     """A JSON-RPC batch: its items, each a Request, Notification, Response or ErrorReply."""
 
-    __slots__ = ("items",)
-
-    def __init__(self, items: list[Request | Notification | Response | ErrorReply]) -> None:
-        self.items = items
+    items: list[Request | Notification | Response | ErrorReply]
 
 
 Event = Request | Notification | Response | ErrorReply | TooLarge | Batch
