@@ -25,9 +25,21 @@ from acp_server.jsonrpc import (
 
 from .helpers import assert_error_valid
 
+_receive_by = {"mode": "next_event"}
+
+
+@pytest.fixture(autouse=True, params=["next_event", "receive"])
+def receive_by(request: pytest.FixtureRequest) -> str:
+    """Every test that reads events through :func:`events` runs twice: with ``receive_data`` and
+    ``next_event``, and with ``receive``, which returns the events of a whole read at once."""
+    _receive_by["mode"] = request.param
+    return str(request.param)
+
 
 def events(conn: Connection, data: bytes = b"") -> list[Any]:
     """Feed ``data`` and return every event it completes."""
+    if _receive_by["mode"] == "receive":
+        return conn.receive(data)
     if data:
         conn.receive_data(data)
     out: list[Any] = []

@@ -15,11 +15,25 @@ def drain(buf: LineBuffer) -> list[object]:
     return out
 
 
+_split_by = {"mode": "next_line"}
+
+
+@pytest.fixture(autouse=True, params=["next_line", "lines"])
+def split_by(request: pytest.FixtureRequest) -> str:
+    """Every test that frames through :func:`feed_all` runs twice: with ``feed`` and ``next_line``,
+    and with ``lines``, which splits a whole read at once."""
+    _split_by["mode"] = request.param
+    return str(request.param)
+
+
 def feed_all(buf: LineBuffer, *chunks: bytes) -> list[object]:
     out: list[object] = []
     for chunk in chunks:
-        buf.feed(chunk)
-        out += drain(buf)
+        if _split_by["mode"] == "lines":
+            out += buf.lines(chunk)
+        else:
+            buf.feed(chunk)
+            out += drain(buf)
     return out
 
 

@@ -15,6 +15,7 @@ import trio.testing
 from acp_server.admission import Limits
 from acp_server.backends import AcpAgentBackend, Backend, EchoBackend
 from acp_server.backends.agent_process import AgentProcess
+from acp_server.jsonrpc import Event
 from acp_server.server import FIRST_MESSAGE_TIMEOUT_S, Server
 
 from .helpers import ROOT, RawClient, RpcError, connect, running_server
@@ -53,11 +54,11 @@ async def test_a_defect_in_an_agent_reader_ends_that_agent_not_the_server(monkey
     armed = {"on": False}
     take_events = AgentProcess._take_events
 
-    def failing(self: AgentProcess) -> bool:
+    def failing(self: AgentProcess, events: list[Event]) -> bool:
         if armed["on"]:
             armed["on"] = False
             raise RuntimeError("injected into the agent reader")
-        return take_events(self)
+        return take_events(self, events)
 
     monkeypatch.setattr(AgentProcess, "_take_events", failing)
     with trio.fail_after(30):

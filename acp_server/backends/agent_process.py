@@ -25,11 +25,11 @@ import msgspec
 import trio
 
 from ..jsonrpc import (
-    NEED_DATA,
     Batch,
     Connection,
     DecodeFailure,
     ErrorReply,
+    Event,
     Notification,
     Request,
     Response,
@@ -333,8 +333,7 @@ class AgentProcess:
                 data = await stdout.receive_some(_READ_SIZE)
                 if not data:
                     return
-                self._conn.receive_data(data)
-                if not self._take_events():
+                if not self._take_events(self._conn.receive(data)):
                     return
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
@@ -346,10 +345,9 @@ class AgentProcess:
         finally:
             done.set()
 
-    def _take_events(self) -> bool:
-        """Route every complete message received so far; ``False`` after a protocol break."""
-        while True:
-            event = self._conn.next_event()
+    def _take_events(self, events: list[Event]) -> bool:
+        """Route the messages of one read (:meth:`Connection.receive`); ``False`` after a protocol break."""
+        for event in events:
             if isinstance(event, TooLarge):
                 log.error(
                     "agent pid %s sent a message over %d bytes; killing it (its sessions re-open on restart)",
@@ -360,16 +358,14 @@ class AgentProcess:
                 return False
             if isinstance(event, Batch):
                 items = event.items
-            elif isinstance(event, Request | Notification | Response | ErrorReply):
-                items = [event]
             else:
-                assert event is NEED_DATA
-                return True
+                items = [event]
             for item in items:
                 try:
                     self._route(item)
                 except Exception:
                     log.exception("routing %s from agent pid %s failed", clip(item), self.pid)
+        return True
 
     def _route(self, event: Request | Notification | Response | ErrorReply) -> None:
         if isinstance(event, Response):

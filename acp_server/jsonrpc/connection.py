@@ -50,80 +50,65 @@ class _NeedData:
 NEED_DATA: Final = _NeedData()
 
 
-class Request:
-    """A request from the peer; ``params`` is undecoded until the method (and so its type) is known."""
+class Request(msgspec.Struct, eq=False):
+    """A request from the peer; ``params`` is undecoded until the method (and so its type) is known.
 
-    __slots__ = ("id", "method", "params")
+    A Struct (built by C code, one per request on the hot path), compared by identity.
+    """
 
-    def __init__(self, id: Id, method: str, params: msgspec.Raw | None) -> None:
-        self.id = id
-        self.method = method
-        self.params = params
+    id: Id
+    method: str
+    params: msgspec.Raw | None
 
     def __repr__(self) -> str:
         return f"Request(id={self.id!r}, method={self.method!r})"
 
 
-class Notification:
-    __slots__ = ("method", "params")
+class Notification(msgspec.Struct, eq=False):
+    """A notification from the peer; ``params`` undecoded, as a request's."""
 
-    def __init__(self, method: str, params: msgspec.Raw | None) -> None:
-        self.method = method
-        self.params = params
+    method: str
+    params: msgspec.Raw | None
 
     def __repr__(self) -> str:
         return f"Notification(method={self.method!r})"
 
 
-class Response:
+class Response(msgspec.Struct, eq=False):
     """The peer's answer to one of our requests; ``method`` is the method we called.
 
     ``malformed`` is set (with ``error`` filled in for callers that only look there) when the answer
     carried our id but was not a valid JSON-RPC 2.0 response.
     """
 
-    __slots__ = ("error", "id", "malformed", "method", "result")
-
-    def __init__(
-        self, id: Id, method: str, result: Any, error: dict[str, Any] | None, malformed: str | None = None
-    ) -> None:
-        self.id = id
-        self.method = method
-        self.result = result
-        self.error = error
-        self.malformed = malformed
+    id: Id
+    method: str
+    result: Any
+    error: dict[str, Any] | None
+    malformed: str | None = None
 
     def __repr__(self) -> str:
         return f"Response(id={self.id!r}, method={self.method!r}, error={self.error is not None})"
 
 
-class ErrorReply:
+class ErrorReply(msgspec.Struct, eq=False):
     """A message that could not be taken: ``data`` is the ready-made error response to send."""
 
-    __slots__ = ("data", "error")
-
-    def __init__(self, data: bytes, error: AcpError) -> None:
-        self.data = data
-        self.error = error
+    data: bytes
+    error: AcpError
 
 
-class TooLarge:
+class TooLarge(msgspec.Struct, eq=False):
     """A line over the limit; ``data`` is the error response to send before closing the connection."""
 
-    __slots__ = ("data", "limit")
-
-    def __init__(self, data: bytes, limit: int) -> None:
-        self.data = data
-        self.limit = limit
+    data: bytes
+    limit: int
 
 
-class Batch:
+class Batch(msgspec.Struct, eq=False):
     """A JSON-RPC batch: its items, each a Request, Notification, Response or ErrorReply."""
 
-    __slots__ = ("items",)
-
-    def __init__(self, items: list[Request | Notification | Response | ErrorReply]) -> None:
-        self.items = items
+    items: list[Request | Notification | Response | ErrorReply]
 
 
 Event = Request | Notification | Response | ErrorReply | TooLarge | Batch
@@ -251,6 +236,33 @@ class Connection:
             if event is not None:
                 return event
 
+    def receive(self, data: bytes | bytearray) -> list[Event]:
+        """Feed bytes read from the peer and return the events of every line they complete, in order.
+
+        The same events :meth:`next_event` returns one by one, for all the lines of one read at once;
+        a :data:`TooLarge` ends the list (the connection is to close). A line is decoded as a single
+        message first: blank lines, batches and errors take the general path after that fails.
+        """
+        events: list[Event] = []
+        for line in self._lines.lines(data):
+            if line is TOO_LARGE:
+                err = MessageTooLargeError(limit=self.max_message_bytes)
+                events.append(TooLarge(encode_error(None, err), self.max_message_bytes))
+                return events
+            assert type(line) is bytes
+            try:
+                env = _decode_envelope(line)
+            except (msgspec.DecodeError, RecursionError):  # ValidationError is a DecodeError
+                stripped = line.strip()
+                if not stripped:
+                    continue
+                event = self._batch(stripped) if stripped[:1] == b"[" else self._one(stripped)
+            else:
+                event = self._message(env)
+            if event is not None:
+                events.append(event)
+        return events
+
     def _batch(self, line: bytes) -> Event:
         try:
             parts: list[bytes] = [bytes(raw) for raw in _decode_batch(line)]
@@ -275,6 +287,10 @@ class Connection:
             env = _decode_envelope(line)
         except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
             return self._undecodable(line, exc)
+        return self._message(env)
+
+    def _message(self, env: _Envelope) -> Request | Notification | Response | ErrorReply | None:
+        """The event of one decoded message; ``None`` for a response that is logged and dropped."""
         id = env.id
         if env.method is UNSET and id is not UNSET and id is not None and id in self._pending and env.jsonrpc != "2.0":
             # A malformed answer to one of our own requests still settles it, as an error.

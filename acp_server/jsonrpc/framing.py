@@ -56,6 +56,51 @@ class LineBuffer:
         """Bytes held that do not yet form a complete line."""
         return len(self._buf) - self._pos
 
+    def lines(self, data: bytes | bytearray) -> list[bytes | _TooLarge]:
+        """Feed ``data`` and return every line it completes (oldest first), each line too large as
+        :data:`TOO_LARGE`; what is left of an incomplete line is kept for the next call.
+
+        The usual read (nothing held, whole lines) is split by one ``bytes.split``: no copy into the
+        buffer and none out of it, one call for all the lines of the read.
+        """
+        if type(data) is not bytes:
+            data = bytes(data)
+        if self._discarding:
+            nl = data.find(b"\n")
+            if nl < 0:
+                return []
+            self._discarding = False
+            data = data[nl + 1 :]
+        out: list[bytes | _TooLarge] = []
+        if self._pos < len(self._buf):
+            # The start of a line is held: complete it first (the slow path, a line split across reads).
+            nl = data.find(b"\n")
+            if nl < 0:
+                self.feed(data)
+                line = self.next_line()
+                return [] if line is None else [line]
+            self._buf += data[: nl + 1]
+            data = data[nl + 1 :]
+            while (line := self.next_line()) is not None:
+                out.append(line)
+        else:
+            self._buf.clear()
+            self._pos = self._scan = 0
+        if not data:
+            return out
+        parts = data.split(b"\n")
+        rest = parts.pop()
+        if len(data) > self._max:
+            out.extend(TOO_LARGE if len(part) > self._max else part for part in parts)
+        else:
+            out.extend(parts)
+        if rest:
+            self.feed(rest)
+            line = self.next_line()  # the rest holds no newline: only an oversized one comes back
+            if line is not None:
+                out.append(line)
+        return out
+
     def next_line(self) -> bytes | _TooLarge | None:
         """The next complete line, :data:`TOO_LARGE`, or ``None`` when more bytes are needed."""
         buf = self._buf

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import trio
 
 from ..jsonrpc import Deferred
@@ -12,18 +13,23 @@ from ..jsonrpc import Deferred
 __all__ = ["BatchReplies", "Slot"]
 
 
-class Slot:
-    """One request of the peer's, from arrival to answer."""
+class Slot(msgspec.Struct, eq=False):
+    """One request of the peer's, from arrival to answer (a Struct: built by C code, one per request).
 
-    __slots__ = ("cancelled", "deferred", "read_ns", "running", "scope")
+    Attributes:
+        read_ns: ``perf_counter_ns()`` when the read that carried the request returned.
+        cancelled: ``$/cancel_request`` named it.
+        scope: the cancel scope of its task, while one runs it.
+        deferred: the :class:`~acp_server.jsonrpc.Deferred` that answers it, while it waits.
+        running: it counts towards ``max_inflight_requests``, from its start until its work ends (see
+            the shell's ``_release``).
+    """
 
-    def __init__(self, read_ns: int) -> None:
-        self.read_ns = read_ns  # perf_counter_ns() when the reader handed the request to dispatch
-        self.cancelled = False
-        self.scope: trio.CancelScope | None = None
-        self.deferred: Deferred | None = None
-        #: it counts towards max_inflight_requests: from its start until its work ends (see the shell's _release)
-        self.running = False
+    read_ns: int
+    cancelled: bool = False
+    scope: trio.CancelScope | None = None
+    deferred: Deferred | None = None
+    running: bool = False
 
 
 class BatchReplies:

@@ -46,11 +46,11 @@ import trio
 
 from ..errors import InvalidRequestError, RequestCancelledError
 from ..jsonrpc import (
-    NEED_DATA,
     Batch,
     Connection,
     Deferred,
     Dispatcher,
+    EncodedError,
     ErrorReply,
     HandlerContext,
     Notification,
@@ -58,6 +58,7 @@ from ..jsonrpc import (
     Response,
     TooLarge,
     encode_error,
+    encode_result,
 )
 from ..logtext import clip
 from ..types.acp import CancelRequestParams
@@ -423,32 +424,41 @@ class ConnectionShell(RefusalGuard):
 
     def _received(self, data: bytes | bytearray) -> bool:
         """Dispatch what ``data`` completes; ``False``: the connection must close (a line too large)."""
-        core = self.core
-        core.receive_data(data)
+        events = self.core.receive(data)
         if self._idle_timeout_s is not None:  # only the idle timeout reads it
             self._last_input = trio.current_time()
-        while True:
-            event = core.next_event()
-            if event is NEED_DATA:
-                return True
-            self._got_line = True
-            if isinstance(event, TooLarge):
+        if not events:
+            return True
+        self._got_line = True
+        reply = self.reply
+        read_ns = perf_counter_ns()  # the read stamp of its requests (see Slot.read_ns)
+        for event in events:
+            if type(event) is Request:
+                self._take(event, reply, read_ns)
+            elif type(event) is TooLarge:
                 log.warning("%s: message over %d bytes; closing", self.name, event.limit)
-                self.reply(event.data)
+                reply(event.data)
                 return False
-            self._handle(event, self.reply)
+            else:
+                self._handle(event, reply, read_ns)
+        return True
 
-    def _handle(self, event: Any, reply: Callable[[bytes], None]) -> None:
-        if isinstance(event, Request):
-            if event.id in self._slots:
-                reply(encode_error(event.id, InvalidRequestError(detail=f"id {event.id!r} is already in use by a request in flight")))
+    def _take(self, req: Request, reply: Callable[[bytes], None], read_ns: int) -> None:
+        """A request read: started now, or queued behind those that wait (not a batch's item: its
+        answer is joined with the others' at once)."""
+        if req.id in self._slots:
+            reply(encode_error(req.id, InvalidRequestError(detail=f"id {req.id!r} is already in use by a request in flight")))
+            return
+        slot = self._slots[req.id] = Slot(read_ns)
+        if self._waiting or self._inflight - self._finished_unanswered >= self._run_cap:
+            if reply == self.reply:
+                self._waiting.append(req)
                 return
-            self._slots[event.id] = Slot(perf_counter_ns())
-            if self._waiting or self._inflight - self._finished_unanswered >= self._run_cap:
-                if reply == self.reply:
-                    self._waiting.append(event)
-                    return
-            self._start(event, reply)
+        self._start(req, slot, reply)
+
+    def _handle(self, event: Any, reply: Callable[[bytes], None], read_ns: int) -> None:
+        if isinstance(event, Request):
+            self._take(event, reply, read_ns)
         elif isinstance(event, Notification):
             if event.method == "$/cancel_request":
                 self._cancel_request(event)
@@ -464,7 +474,7 @@ class ConnectionShell(RefusalGuard):
             replies = BatchReplies(self.reply)
             replies.missing = sum(1 for item in event.items if isinstance(item, (Request, ErrorReply)))
             for item in event.items:
-                self._handle(item, replies.add)
+                self._handle(item, replies.add, read_ns)
             replies.flush()
 
     def _cancel_request(self, note: Notification) -> None:
@@ -488,8 +498,7 @@ class ConnectionShell(RefusalGuard):
         elif slot.deferred is not None:
             slot.deferred.cancel(connection_lost=False)
 
-    def _start(self, req: Request, reply: Callable[[bytes], None]) -> None:
-        slot = self._slots[req.id]
+    def _start(self, req: Request, slot: Slot, reply: Callable[[bytes], None]) -> None:
         if slot.cancelled:
             method = self.dispatcher.requests.get(req.method)
             if method is None or not method.sees_cancel:
@@ -540,11 +549,12 @@ class ConnectionShell(RefusalGuard):
             if not slot.running:
                 self._finished_unanswered -= 1
         if not self._closed:
-            data = self.dispatcher.shape(req.id, result, error)
-            if error is None or slot is None:
-                reply(data)
+            if error is None:
+                reply(encode_result(req.id, result))  # Dispatcher.shape's result, inline
+            elif slot is None:
+                reply(EncodedError.of(req.id, error))
             else:
-                self._reply_error(data, slot, reply)
+                self._reply_error(EncodedError.of(req.id, error), slot, reply)
         if not self._slots:
             self._slot_done()
         if self._waiting or self._room is not None:
@@ -552,7 +562,8 @@ class ConnectionShell(RefusalGuard):
 
     def _start_waiting(self) -> None:
         while self._waiting and not self._closed and self._inflight - self._finished_unanswered < self._run_cap:
-            self._start(self._waiting.pop(0), self.reply)
+            req = self._waiting.pop(0)
+            self._start(req, self._slots[req.id], self.reply)
         room = self._room
         if room is not None:
             self._room = None
