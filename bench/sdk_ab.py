@@ -215,11 +215,15 @@ def main() -> None:
         for name, per in totals.items():
             t = per[workload]
             p50, p99 = percentile(t.latencies, 0.5), percentile(t.latencies, 0.99)
-            client = sum(r["client_cpu_us_per_prompt"] for r in t.rounds) / max(1, len(t.rounds))
+            def mean(key: str, rounds: list[dict[str, float]] = t.rounds) -> float:
+                return sum(r.get(key, 0.0) for r in rounds) / max(1, len(rounds))
+
             print(
                 f"{workload:10} {name:12} p50 {(p50 or 0) * 1e3:6.2f} ms  p99 {(p99 or 0) * 1e3:6.2f} ms  "
                 f"{t.prompts / t.seconds:7.0f} prompts/s  server CPU {t.cpu_s * 1e6 / t.prompts:6.1f} µs  "
-                f"client CPU {client:6.1f} µs per prompt"
+                f"client CPU {mean('client_cpu_us_per_prompt'):6.1f} µs per prompt; the agent's reads "
+                f"{mean('reads_per_prompt'):.2f}, writes {mean('writes_per_prompt'):.2f}, context switches "
+                f"{mean('context_switches_per_prompt'):.2f} per prompt"
             )
         print("  p99 by round: " + "; ".join(
             f"{name} " + " ".join(f"{v:.2f}" for v in _round_p99(per[workload], sizes, workload))
