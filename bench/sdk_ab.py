@@ -1,6 +1,11 @@
 """Scenario 1: the official SDK client drives two stdio agents, our ``acp-server serve --stdio`` and the
 SDK's own echo agent (bench/peers/sdk_echo_agent.py), in alternating A/B runs.
 
+Run alone it compares any agents by turns in one run, e.g. main's tree against this one:
+``python bench/sdk_ab.py --agent "main=env PYTHONPATH=/tmp/main python -m acp_server serve --stdio"
+--agent ours --agent sdk --words 1 --rounds 4`` (``ours`` and ``sdk`` alone name this venv's
+``acp-server serve --stdio`` and the SDK's echo agent).
+
 Each run spawns the agent, checks that it echoes like ours (one ``agent_message_chunk`` per word,
 whitespace kept, then ``end_turn``), warms up, then times sequential prompts on one session and
 prompts from 8 sessions at once. The agent's CPU time is read from ``/proc`` around each timed part, with
@@ -9,7 +14,10 @@ its read and write system calls and context switches (per round, in the raw figu
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import shlex
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,8 +25,8 @@ from typing import Any, cast
 
 from acp import PROTOCOL_VERSION, Client, spawn_agent_process, text_block
 from acp.schema import AgentMessageChunk, TextContentBlock
-from procfs import cpu_seconds
-from servers import BenchError
+from procfs import cpu_seconds, percentile
+from servers import BenchError, acp_server_argv, sdk_echo_argv
 
 __all__ = ["AbSizes", "Totals", "kernel_counts", "run_ab"]
 
@@ -175,3 +183,59 @@ async def _run(agents: dict[str, list[str]], sizes: AbSizes) -> dict[str, dict[s
 def run_ab(agents: dict[str, list[str]], sizes: AbSizes) -> dict[str, dict[str, Totals]]:
     """Run every round; per agent name and workload (``sequential``, ``concurrent``), the totals."""
     return asyncio.run(_run(agents, sizes))
+
+
+def _agent(spec: str) -> tuple[str, list[str]]:
+    """``NAME=COMMAND`` (split as a shell would), or ``ours`` / ``sdk`` alone."""
+    name, eq, command = spec.partition("=")
+    if eq:
+        return name, shlex.split(command)
+    if spec == "ours":
+        return spec, [*acp_server_argv(), "serve", "--stdio"]
+    if spec == "sdk":
+        return spec, sdk_echo_argv()
+    raise SystemExit(f"--agent {spec!r}: NAME=COMMAND, ours or sdk")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="The SDK client against stdio agents by turns, one run.")
+    parser.add_argument("--agent", action="append", type=_agent, help="NAME=COMMAND, ours or sdk (repeat)")
+    parser.add_argument("--words", type=int, default=1, help="words per prompt (one update each)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--sequential", type=int, default=1000, help="timed prompts on one session")
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--per-session", type=int, default=150, help="timed prompts per session at once")
+    args = parser.parse_args()
+    agents = dict(args.agent or [_agent("ours"), _agent("sdk")])
+    sizes = AbSizes(args.rounds, args.warmup, args.sequential, args.sessions, args.per_session, " ".join(["hello"] * args.words))
+    totals = run_ab(agents, sizes)
+    print(f"{args.words} word(s), {args.rounds} rounds, {args.sessions} sessions x {args.per_session}; {sizes.sequential} sequential")
+    for workload in ("sequential", "concurrent"):
+        for name, per in totals.items():
+            t = per[workload]
+            p50, p99 = percentile(t.latencies, 0.5), percentile(t.latencies, 0.99)
+            def mean(key: str, rounds: list[dict[str, float]] = t.rounds) -> float:
+                return sum(r.get(key, 0.0) for r in rounds) / max(1, len(rounds))
+
+            print(
+                f"{workload:10} {name:12} p50 {(p50 or 0) * 1e3:6.2f} ms  p99 {(p99 or 0) * 1e3:6.2f} ms  "
+                f"{t.prompts / t.seconds:7.0f} prompts/s  server CPU {t.cpu_s * 1e6 / t.prompts:6.1f} µs  "
+                f"client CPU {mean('client_cpu_us_per_prompt'):6.1f} µs per prompt; the agent's reads "
+                f"{mean('reads_per_prompt'):.2f}, writes {mean('writes_per_prompt'):.2f}, context switches "
+                f"{mean('context_switches_per_prompt'):.2f} per prompt"
+            )
+        print("  p99 by round: " + "; ".join(
+            f"{name} " + " ".join(f"{v:.2f}" for v in _round_p99(per[workload], sizes, workload))
+            for name, per in totals.items()
+        ))
+
+
+def _round_p99(t: Totals, sizes: AbSizes, workload: str) -> list[float]:
+    """Each round's own p99 (ms): the latencies are kept in round order."""
+    n = sizes.sequential if workload == "sequential" else sizes.sessions * sizes.per_session
+    return [(percentile(t.latencies[i : i + n], 0.99) or 0) * 1e3 for i in range(0, len(t.latencies), n)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

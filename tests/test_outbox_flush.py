@@ -182,3 +182,52 @@ async def test_a_hold_renewed_every_pass_delays_the_output_once() -> None:
         nursery.cancel_scope.cancel()
     await pipe.aclose()
     await peer.aclose()
+
+
+async def test_the_first_answer_of_a_pass_leaves_at_once_and_the_rest_at_its_end() -> None:
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    pipe = _CountingPipe(r2, w1)
+    peer = PipeStream(r1, w2)
+    box = _Box(pipe)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(box._writer)
+        await trio.testing.wait_all_tasks_blocked()
+        for turn in range(2):  # and again in the next pass
+            box.send(b"update 1\n")
+            box.reply(b"answer 1\n")
+            # written before the pass ends, with what was queued before it
+            assert pipe.nowait == [18, 27] * turn + [18]
+            box.send(b"update 2\n")
+            box.reply(b"answer 2\n")
+            box.send(b"update 3\n")
+            assert pipe.nowait == [18, 27] * turn + [18]
+            assert await _read_exactly(peer, 45) == b"update 1\nanswer 1\nupdate 2\nanswer 2\nupdate 3\n"
+            assert pipe.nowait == [18, 27] * (turn + 1)  # the rest: one write as the pass ended
+        assert pipe.waited == []
+        assert box._drained
+        nursery.cancel_scope.cancel()
+    await pipe.aclose()
+    await peer.aclose()
+
+
+async def test_a_busy_writer_takes_the_first_answer_too() -> None:
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    pipe = _CountingPipe(r2, w1)
+    peer = PipeStream(r1, w2)
+    box = _Box(pipe)
+    big = b"x" * 200_000 + b"\n"  # more than the pipe holds: the writer task takes the rest and waits
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(box._writer)
+        await trio.testing.wait_all_tasks_blocked()
+        box.reply(big)
+        assert len(pipe.nowait) == 1 and pipe.nowait[0] < len(big)
+        await trio.testing.wait_all_tasks_blocked()
+        assert pipe.waited  # the writer waits for the peer to read
+        box.reply(b"next\n")  # not written past the bytes before it: the writer sends it after them
+        assert len(pipe.nowait) == 1
+        assert await _read_exactly(peer, len(big) + 5) == big + b"next\n"
+        nursery.cancel_scope.cancel()
+    await pipe.aclose()
+    await peer.aclose()
