@@ -62,8 +62,9 @@ class EchoBackend(BaseBackend):
         self.delay_ms = delay_ms
 
     def start_prompt(self, turn: Turn) -> StopReason | Awaitable[StopReason]:
-        """Without a delay the whole turn: its updates and ``end_turn``, in the admitting step."""
-        if self.delay_ms:
+        """Without a delay the whole turn: its updates and ``end_turn``, in the admitting step (a
+        subclass with its own :meth:`prompt` gets that instead)."""
+        if self.delay_ms or type(self).prompt is not EchoBackend.prompt:
             return self.prompt(turn)
         emit = turn.emit
         for block in turn.prompt:
