@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import trio
 import trio.testing
@@ -52,7 +54,10 @@ async def _read_exactly(stream: trio.abc.ReceiveStream, size: int) -> bytes:
     return bytes(got)
 
 
-async def test_one_pass_of_messages_is_one_write_without_the_writer() -> None:
+@asynccontextmanager
+async def _pipe_box() -> AsyncIterator[tuple[_CountingPipe, PipeStream, _Box, trio.Nursery]]:
+    """An outbox on a counting pipe, its writer task parked; the peer's end of the pipe; the nursery
+    (cancelled and both ends closed on exit)."""
     r1, w1 = os.pipe()
     r2, w2 = os.pipe()
     pipe = _CountingPipe(r2, w1)
@@ -61,28 +66,26 @@ async def test_one_pass_of_messages_is_one_write_without_the_writer() -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(box._writer)
         await trio.testing.wait_all_tasks_blocked()
+        yield pipe, peer, box, nursery
+        nursery.cancel_scope.cancel()
+    await pipe.aclose()
+    await peer.aclose()
+
+
+async def test_one_pass_of_messages_is_one_write_without_the_writer() -> None:
+    async with _pipe_box() as (pipe, peer, box, nursery):
         box.send(b"one\n")
         box.send(b"two\n")
         box.reply(b"three\n")
         assert await _read_exactly(peer, 14) == b"one\ntwo\nthree\n"
         assert pipe.nowait == [14] and pipe.waited == []
         assert box._drained
-        nursery.cancel_scope.cancel()
-    await pipe.aclose()
-    await peer.aclose()
 
 
 async def test_a_full_pipe_hands_the_rest_to_the_writer_in_order() -> None:
-    r1, w1 = os.pipe()
-    r2, w2 = os.pipe()
-    pipe = _CountingPipe(r2, w1)
-    peer = PipeStream(r1, w2)
-    box = _Box(pipe)
     parts = [bytes([65 + i % 26]) * 50_000 + b"\n" for i in range(12)]  # ~600 KB, far over a pipe's buffer
     expected = b"".join(parts)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(box._writer)
-        await trio.testing.wait_all_tasks_blocked()
+    async with _pipe_box() as (pipe, peer, box, nursery):
         for part in parts:
             box.reply(part)
         assert await _read_exactly(peer, len(expected)) == expected
@@ -92,9 +95,6 @@ async def test_a_full_pipe_hands_the_rest_to_the_writer_in_order() -> None:
         assert box._drained and not box._out
         box.reply(b"after\n")  # the writer parked again: the next pass's end writes this
         assert await _read_exactly(peer, 6) == b"after\n"
-        nursery.cancel_scope.cancel()
-    await pipe.aclose()
-    await peer.aclose()
 
 
 async def test_a_failed_write_at_the_end_of_a_pass_closes_through_the_writer() -> None:
@@ -132,34 +132,18 @@ async def test_a_socket_is_written_at_the_end_of_the_pass() -> None:
 
 
 async def test_a_held_outbox_waits_one_pass_for_the_answer() -> None:
-    r1, w1 = os.pipe()
-    r2, w2 = os.pipe()
-    pipe = _CountingPipe(r2, w1)
-    peer = PipeStream(r1, w2)
-    box = _Box(pipe)
-
     async def answer_next_pass() -> None:
         box.reply(b"answer\n")
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(box._writer)
-        await trio.testing.wait_all_tasks_blocked()
+    async with _pipe_box() as (pipe, peer, box, nursery):
         box.send(b"accepted\n")
         box.hold()
         nursery.start_soon(answer_next_pass)  # runs in the next pass
         assert await _read_exactly(peer, 16) == b"accepted\nanswer\n"
         assert pipe.nowait == [16]
-        nursery.cancel_scope.cancel()
-    await pipe.aclose()
-    await peer.aclose()
 
 
 async def test_a_hold_renewed_every_pass_delays_the_output_once() -> None:
-    r1, w1 = os.pipe()
-    r2, w2 = os.pipe()
-    pipe = _CountingPipe(r2, w1)
-    peer = PipeStream(r1, w2)
-    box = _Box(pipe)
     passes: list[int] = []
 
     async def holding_every_pass() -> None:
@@ -168,9 +152,7 @@ async def test_a_hold_renewed_every_pass_delays_the_output_once() -> None:
             box.hold()
             await trio.lowlevel.cancel_shielded_checkpoint()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(box._writer)
-        await trio.testing.wait_all_tasks_blocked()
+    async with _pipe_box() as (pipe, peer, box, nursery):
         box.send(b"first\n")
         box.hold()
         assert box._flusher is not None
@@ -179,20 +161,10 @@ async def test_a_hold_renewed_every_pass_delays_the_output_once() -> None:
         assert await _read_exactly(peer, 6) == b"first\n"
         passes.append(box._flusher.passes)
         assert passes[1] - passes[0] <= 2, passes  # written at the end of the next pass, not after the 50
-        nursery.cancel_scope.cancel()
-    await pipe.aclose()
-    await peer.aclose()
 
 
 async def test_the_first_answer_of_a_pass_leaves_at_once_and_the_rest_at_its_end() -> None:
-    r1, w1 = os.pipe()
-    r2, w2 = os.pipe()
-    pipe = _CountingPipe(r2, w1)
-    peer = PipeStream(r1, w2)
-    box = _Box(pipe)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(box._writer)
-        await trio.testing.wait_all_tasks_blocked()
+    async with _pipe_box() as (pipe, peer, box, nursery):
         for turn in range(2):  # and again in the next pass
             box.send(b"update 1\n")
             box.reply(b"answer 1\n")
@@ -206,21 +178,11 @@ async def test_the_first_answer_of_a_pass_leaves_at_once_and_the_rest_at_its_end
             assert pipe.nowait == [18, 27] * (turn + 1)  # the rest: one write as the pass ended
         assert pipe.waited == []
         assert box._drained
-        nursery.cancel_scope.cancel()
-    await pipe.aclose()
-    await peer.aclose()
 
 
 async def test_a_busy_writer_takes_the_first_answer_too() -> None:
-    r1, w1 = os.pipe()
-    r2, w2 = os.pipe()
-    pipe = _CountingPipe(r2, w1)
-    peer = PipeStream(r1, w2)
-    box = _Box(pipe)
     big = b"x" * 200_000 + b"\n"  # more than the pipe holds: the writer task takes the rest and waits
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(box._writer)
-        await trio.testing.wait_all_tasks_blocked()
+    async with _pipe_box() as (pipe, peer, box, nursery):
         box.reply(big)
         assert len(pipe.nowait) == 1 and pipe.nowait[0] < len(big)
         await trio.testing.wait_all_tasks_blocked()
@@ -228,6 +190,3 @@ async def test_a_busy_writer_takes_the_first_answer_too() -> None:
         box.reply(b"next\n")  # not written past the bytes before it: the writer sends it after them
         assert len(pipe.nowait) == 1
         assert await _read_exactly(peer, len(big) + 5) == big + b"next\n"
-        nursery.cancel_scope.cancel()
-    await pipe.aclose()
-    await peer.aclose()

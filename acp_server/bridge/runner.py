@@ -429,26 +429,54 @@ class SessionRunner:
             Whether ``scope`` was cancelled (the prompt settled while its call ran: the call was
             abandoned), so that the next call gets a fresh one.
         """
-        session = ticket.session
         ticket.running = True
-        fanout = self._fanout
         lease = ticket.lease
         turn = _PromptTurn(
-            ticket, fanout, self._table, _with_fence(ticket.meta, lease) if isinstance(lease, SharedHold) else ticket.meta
+            ticket, self._fanout, self._table, _with_fence(ticket.meta, lease) if isinstance(lease, SharedHold) else ticket.meta
         )
+        return await self._settle_call(ticket, scope, turn, self._start_call(ticket, turn, lease))
+
+    async def _start_call(self, ticket: PromptTicket, turn: _PromptTurn, lease: Lease | SharedHold | None) -> Any:
+        """A call the runner starts: the pool's permit, ``running``, the prompt's own text to the
+        session's other connections, then the backend's turn."""
+        if lease is not None:
+            await self._permit(ticket, lease)  # at most max_active calls; FIFO
+        fanout = self._fanout
+        session = ticket.session
+        fanout.turn_state(ticket, "running")
+        for block in ticket.prompt:
+            fanout.emit(session, UserMessageChunk(content=block), ticket.client_id, exclude=ticket.sender)
+        return await session.backend.prompt(turn)
+
+    async def _finish_call(self, ticket: PromptTicket, scope: trio.CancelScope) -> bool:
+        """Await the rest of a call that :meth:`_start_now` started, as :meth:`_call_backend` does its
+        call (a prompt settled since its start has its call cancelled now).
+
+        Returns:
+            Whether ``scope`` was cancelled, so that the next call gets a fresh one.
+        """
+        call, turn = ticket.finish
+        if ticket.settled:
+            scope.cancel()  # settling marked the call abandoned, and left this to the runner
+        return await self._settle_call(ticket, scope, turn, call)
+
+    async def _settle_call(self, ticket: PromptTicket, scope: trio.CancelScope, turn: Turn, call: Awaitable[Any]) -> bool:
+        """Await a prompt's ``call`` under ``scope``, release its holds and settle it with the outcome
+        (a no-op when it settled first: cancel, deadline, crash).
+
+        Returns:
+            Whether ``scope`` was cancelled, so that the next call gets a fresh one.
+        """
+        session = ticket.session
         result: PromptResult | None = None
         error: AcpError | None = None
         try:
             ticket.call_scope = scope
             try:
-                if lease is not None:
-                    await self._permit(ticket, lease)  # at most max_active calls; FIFO
-                fanout.turn_state(ticket, "running")
-                for block in ticket.prompt:  # the prompt's own text, to the session's other connections
-                    fanout.emit(session, UserMessageChunk(content=block), ticket.client_id, exclude=ticket.sender)
-                stop_reason = await session.backend.prompt(turn)
+                stop_reason = await call
             finally:
                 ticket.call_scope = None  # the call is over: settling now abandons nothing
+                ticket.finish = None
             result = _result(ticket, turn, stop_reason)
         except AcpError as exc:
             result, error = None, exc
@@ -463,45 +491,6 @@ class SessionRunner:
                 ticket.release_holds()  # the lease with its permit; the seat (busy sessions take turns)
             abandoned = session.abandoned
             if abandoned is not None:  # settling cancelled the scope (it does so only then)
-                session.abandoned = None
-                abandoned.set()
-        self._settlement.settle(ticket, result, error)  # no-op when it settled first (cancel, deadline, crash)
-        return abandoned is not None
-
-    async def _finish_call(self, ticket: PromptTicket, scope: trio.CancelScope) -> bool:
-        """Await the rest of a call that :meth:`_start_now` started, as :meth:`_call_backend` does its
-        call (a prompt settled since its start has its call cancelled now).
-
-        Returns:
-            Whether ``scope`` was cancelled, so that the next call gets a fresh one.
-        """
-        session = ticket.session
-        call, turn = ticket.finish
-        result: PromptResult | None = None
-        error: AcpError | None = None
-        try:
-            ticket.call_scope = scope
-            if ticket.settled:
-                scope.cancel()  # settling marked the call abandoned, and left this to the runner
-            try:
-                stop_reason = await call
-            finally:
-                ticket.call_scope = None
-                ticket.finish = None
-            result = _result(ticket, turn, stop_reason)
-        except AcpError as exc:
-            result, error = None, exc
-        except trio.Cancelled:
-            self._settlement.settle(ticket, cancelled_result(ticket), None)
-            raise
-        except Exception:
-            log.exception("backend %s failed on %s of session %s", session.backend.name, ticket.prompt_id, session.session_id)
-            result, error = None, InternalError()
-        finally:
-            if ticket.lease is not None or ticket.seat is not None:
-                ticket.release_holds()
-            abandoned = session.abandoned
-            if abandoned is not None:
                 session.abandoned = None
                 abandoned.set()
         self._settlement.settle(ticket, result, error)
