@@ -482,15 +482,7 @@ class SseSubscriber:
                 number = int(digits)
                 _last_line = (data, [(number, frame)])
                 self.last_event_id = number
-                size = self.nbytes + len(frame)
-                if self._closed or len(self.frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
-                    self.push(frame)
-                    return
-                self.frames_queued += 1
-                self.frames.append(frame)
-                self.nbytes = size
-                if self._waiting:
-                    self._wake()
+                self._queue(frame)
                 return
         else:
             frames = self._frames_of(data)
