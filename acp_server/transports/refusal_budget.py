@@ -10,14 +10,17 @@ refusals instead of on its neighbours' prompts. Each connection therefore gets a
 ``rate_limited``). Other errors (bad params, unknown session, a deadline) are not hold-offs and cost
 nothing.
 
-A bucket may go into debt. In debt, the peer's next requests wait unstarted (as past
-``--max-inflight-requests``) until the refill has paid the debt back, at most :data:`MAX_PAUSE_S` at a
-time; its notifications, ``session/cancel`` and ``$/cancel_request`` included, are still read and run at
-once, and its admitted prompts run on and are answered. When the wait is over its waiting requests start
-in order until one is refused again, which starts the next wait. So a client that keeps re-sending is
-paced to about ``rate_per_s / ignored_cost`` refusals a second (50 at the defaults, well under 1% of a
-CPU), while whatever of its requests can be admitted still is, at each wait's end: the server spends its
-time on the admissible work, for this client and its neighbours. After a run of ``burst`` refusals in
+A bucket may go into debt. In debt, the peer's next requests that target a scope it was told to hold
+off (:meth:`RefusalBudget.holds_off`: a held session's requests; all of them while a server-wide kind is
+held) wait unstarted until the refill has paid the debt back, at most :data:`MAX_PAUSE_S` at a time, or
+until room opens where they wait: a held session's oldest waiting request starts as soon as one of the
+peer's admitted prompts on that session ends. Its other requests start at once, and its notifications
+(``session/cancel`` and ``$/cancel_request`` included) run at once, its admitted prompts run on and are
+answered. When a wait is over the waiting requests start, one session's after another's, until one is
+refused again, which starts the next wait. So a client that keeps re-sending is paced to about
+``rate_per_s / ignored_cost`` refusals a second (50 at the defaults, well under 1% of a CPU), while its
+admissible work is admitted as soon as there is room for it: a session it keeps full stays busy, and the
+server spends its time on admissible work, this client's and its neighbours'. After a run of ``burst`` refusals in
 debt (ten seconds of pacing at the defaults; the run ends when the bucket is full again) the shell sends
 ``_acp_server/evicted {reason: "ignored_retry_after"}`` and closes the connection; its admitted prompts
 end as on any disconnect. Pacing first, rather than evicting at the first empty bucket, is also what
@@ -48,9 +51,18 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from ..errors import OverloadError, PromptQueueFullError
 
-__all__ = ["DEFAULT_REFUSAL_BUDGET", "EVICTION_REASON", "MAX_PAUSE_S", "RefusalBudget", "RefusalBudgetSettings"]
+__all__ = [
+    "DEFAULT_REFUSAL_BUDGET",
+    "EVICTION_REASON",
+    "MAX_PAUSE_S",
+    "RefusalBudget",
+    "RefusalBudgetSettings",
+    "session_of",
+]
 
 #: ``_acp_server/evicted``'s ``reason`` when a peer's budget is spent
 EVICTION_REASON = "ignored_retry_after"
@@ -95,10 +107,32 @@ DEFAULT_REFUSAL_BUDGET = RefusalBudgetSettings()
 
 
 def _scope(error: OverloadError) -> Any:
-    """What one refusal's hold covers: the session for ``prompt_queue_full``, else its kind."""
+    """What one refusal's hold covers: the session (its id) for ``prompt_queue_full``, else its kind
+    (the error's class: a key no session id can equal)."""
     if type(error) is PromptQueueFullError:
         return error.payload.session_id  # type: ignore[attr-defined]
-    return error.kind
+    return type(error)
+
+
+class _SessionRef(msgspec.Struct, rename="camel"):
+    session_id: str | None = None
+
+
+_decode_session_ref = msgspec.json.Decoder(_SessionRef).decode
+
+
+def session_of(params: bytes | None) -> str | None:
+    """The ``sessionId`` a request's raw params name (the scope ``prompt_queue_full`` holds), if any.
+
+    Params that are not an object with a string ``sessionId`` name none: the request is answered on its
+    own merits once it starts.
+    """
+    if not params:
+        return None
+    try:
+        return _decode_session_ref(params).session_id
+    except (msgspec.DecodeError, RecursionError):  # ValidationError is a DecodeError
+        return None
 
 
 class RefusalBudget:
@@ -114,7 +148,7 @@ class RefusalBudget:
             left the bucket in debt (each made the peer's next requests wait).
     """
 
-    __slots__ = ("_debt_run", "_holds", "ignored", "in_debt", "refusals", "settings", "stamp", "tokens")
+    __slots__ = ("_debt_run", "_holds", "_kinds_until", "ignored", "in_debt", "refusals", "settings", "stamp", "tokens")
 
     def __init__(self, settings: RefusalBudgetSettings, now: float) -> None:
         self.settings = settings
@@ -126,6 +160,16 @@ class RefusalBudget:
         self._debt_run = 0  # refusals in debt since the bucket was last full
         #: scope -> (when its hold opened, when it ends)
         self._holds: dict[Any, tuple[float, float]] = {}
+        self._kinds_until = 0.0  # when the last hold on a kind (not a session) ends
+
+    def holds_off(self, session_id: str | None, now: float) -> bool:
+        """Whether a request naming ``session_id`` (``None``: no session) targets a scope this peer was
+        told to hold off at ``now``: its session's hold, or any kind's (they cover a backend, a
+        tenant, a token or the whole server: every request of the peer)."""
+        if now < self._kinds_until:
+            return True
+        hold = self._holds.get(session_id) if session_id is not None else None
+        return hold is not None and now < hold[1]
 
     def charge(self, error: OverloadError, now: float) -> float:
         """Spend for one hold-off refusal written to this peer at ``now``.
@@ -154,7 +198,10 @@ class RefusalBudget:
                 holds = self._holds
                 if len(holds) >= _MAX_HOLDS:
                     self._prune(now)
-                holds[key] = (now, now + retry_after_ms / 1000)
+                until = now + retry_after_ms / 1000
+                holds[key] = (now, until)
+                if type(key) is not str:
+                    self._kinds_until = max(self._kinds_until, until)
         tokens = self.tokens = self.tokens - cost
         if tokens >= 0:
             return 0.0

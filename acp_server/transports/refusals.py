@@ -13,9 +13,11 @@ Refusals inside a batch are answered in the batch's array and not timed.
 
 Refusal budget: each overload refusal also spends from the peer's own budget
 (:mod:`.refusal_budget`); a peer that spends it by re-sending what it was told to hold off has its
-next requests wait unstarted until the refill pays the debt (its notifications, ``session/cancel``,
-still run at once), and once long in debt it is sent ``_acp_server/evicted {reason:
-"ignored_retry_after"}`` and closed. Accepted requests pay nothing.
+next requests on held scopes *parked*: they wait unstarted, by session, until the refill pays the debt
+or until one of its admitted prompts on that session ends (room for the oldest parked one); its other
+requests and its notifications (``session/cancel``) still run at once. Once long in debt it is sent
+``_acp_server/evicted {reason: "ignored_retry_after"}`` and closed. Accepted requests pay nothing, and
+a connection never in debt pays one float test per request started.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ..errors import OverloadError
-from ..jsonrpc import Connection
+from ..jsonrpc import Connection, Request
 from .outbox import Outbox
-from .refusal_budget import RefusalBudget, RefusalBudgetSettings
+from .refusal_budget import RefusalBudget, RefusalBudgetSettings, session_of
 
 if TYPE_CHECKING:
     from .inflight import Slot
@@ -48,9 +50,11 @@ class RefusalGuard(Outbox):
 
     __slots__ = (
         "_budget_settings",
+        "_parked",
+        "_parked_count",
         "_refusal_kinds",
         "_resume_at",
-        "_run_cap",
+        "_rooms",
         "refusal_budget",
     )
 
@@ -58,12 +62,21 @@ class RefusalGuard(Outbox):
     _budget_settings: RefusalBudgetSettings | None
     _refusal_kinds: dict[str, int] | None
     refusal_budget: RefusalBudget | None
-    _run_cap: int
     _resume_at: float
+    #: in debt: the requests parked on held scopes, by the session they name (``None``: none), oldest first
+    _parked: dict[str | None, list[Request]] | None
+    _parked_count: int
+    #: sessions where room opened, still to start a parked request each (``None``: no wake-up under way)
+    _rooms: list[str | None] | None
     # provided by the subclass (the request dispatch)
     _handlers: trio.Nursery | None
+    _slots: dict[Any, Slot]
+    _waiting: list[Request]
+    _inflight: int
+    _finished_unanswered: int
     max_inflight: int
     _start_waiting: Callable[[], None]
+    _start: Callable[[Request, Slot, Callable[[bytes], None]], None]
 
     def _reply_error(self, data: bytes, slot: Slot, reply: Callable[[bytes], None]) -> None:
         """Queue an error answer; an overload refusal is timed until its bytes are written, and spends
@@ -100,16 +113,82 @@ class RefusalGuard(Outbox):
             self.close()
 
     def _pause_requests(self, until: float) -> None:
-        """Start none of the peer's requests before ``until`` (its refusal budget is in debt): they wait
-        unstarted, as past ``max_inflight_requests``; its notifications (``session/cancel``) still run."""
+        """Until ``until`` (the refusal budget is in debt), park the peer's requests on the scopes it
+        was told to hold off (:meth:`_park`); its other requests and its notifications still run."""
+        first = not self._resume_at
         self._resume_at = max(self._resume_at, until)
-        if self._run_cap and self._handlers is not None and not self._closed:
-            self._run_cap = 0
+        if first and self._handlers is not None and not self._closed:
             self._handlers.start_soon(self._resume_requests)
 
+    def _park(self, req: Request) -> bool:
+        """While in debt, whether ``req`` waits unstarted (parked): it names a session held off (or a
+        kind is held), or one whose earlier requests are parked (a session's order is kept)."""
+        key = session_of(req.params)
+        parked = self._parked
+        if parked is None:
+            parked = self._parked = {}
+        queue = parked.get(key)
+        if queue is None:
+            budget = self.refusal_budget
+            if budget is None or not budget.holds_off(key, trio.current_time()):
+                return False
+            queue = parked[key] = []
+        queue.append(req)
+        self._parked_count += 1
+        return True
+
+    def _room_in(self, req: Request) -> None:
+        """One of the peer's admitted requests (``req``) has its answer while requests are parked: its
+        session has room for one more, so the oldest parked request naming it starts now."""
+        rooms = self._rooms
+        if rooms is not None:  # a wake-up under way (its start answered at once): it takes this one too
+            rooms.append(session_of(req.params))
+            return
+        rooms = self._rooms = [session_of(req.params)]
+        try:
+            while rooms:
+                self._unpark(rooms.pop(0))
+        finally:
+            self._rooms = None
+
+    def _unpark(self, key: str | None) -> bool:
+        """Start the oldest request parked on ``key``, if any and if the run cap allows; whether one started."""
+        parked = self._parked
+        if not parked or self._closed or self._inflight - self._finished_unanswered >= self.max_inflight:
+            return False
+        queue = parked.get(key)
+        if queue is None:
+            return False
+        req = queue.pop(0)
+        if not queue:
+            del parked[key]
+        self._parked_count -= 1
+        self._start(req, self._slots[req.id], self.reply)
+        return True
+
     async def _resume_requests(self) -> None:
+        """At the end of a wait (the debt paid back) start the parked requests, a session's oldest
+        after another's, until one is refused again (a new wait) or none is left; then the rest wait."""
         while trio.current_time() < self._resume_at:  # noqa: ASYNC110 - the deadline moves on with each refusal
             await trio.sleep_until(self._resume_at)
-        self._run_cap = self.max_inflight
         self._resume_at = 0.0
+        while (
+            self._parked
+            and not self._resume_at
+            and not self._closed
+            and self._inflight - self._finished_unanswered < self.max_inflight
+        ):
+            for key in list(self._parked):
+                if self._resume_at:
+                    break
+                self._unpark(key)
+        parked = self._parked
+        if parked and not self._resume_at:
+            # Out of debt, what the run cap held back waits as any request past it, ahead of those read
+            # after it (each was parked when it reached the head of that queue).
+            self._waiting[:0] = [req for queue in parked.values() for req in queue]
+            parked.clear()
+            self._parked_count = 0
+        if not parked:
+            self._parked = None  # an emptied dict keeps its table
         self._start_waiting()

@@ -175,9 +175,10 @@ class ConnectionShell(RefusalGuard):
         self._budget_settings = refusal_budget if refusal_budget is not None and refusal_budget.enabled else None
         #: this peer's refusal budget, from its first hold-off refusal on (``None`` before, or when off)
         self.refusal_budget: RefusalBudget | None = None
-        #: requests started at most at once: max_inflight, 0 while the refusal budget is in debt
-        self._run_cap = max_inflight_requests
-        self._resume_at = 0.0  # trio time: the budget is in debt, no request starts before then
+        self._resume_at = 0.0  # trio time: the budget is in debt, requests on held scopes park until then
+        self._parked = None
+        self._parked_count = 0
+        self._rooms = None
         self.core = Connection(max_message_bytes=max_message_bytes)
         self.dispatcher = dispatcher
         self.max_inflight = max_inflight_requests
@@ -283,7 +284,7 @@ class ConnectionShell(RefusalGuard):
                             reading.cancel()
                         while True:
                             data: bytes | bytearray = b""  # not kept while waiting: an idle connection would hold its last read
-                            while len(self._waiting) >= limit_waiting:
+                            while len(self._waiting) + self._parked_count >= limit_waiting:
                                 room = self._room = trio.Event()
                                 await room.wait()
                             if self._out_bytes > self.max_outbound_bytes:
@@ -450,10 +451,12 @@ class ConnectionShell(RefusalGuard):
             reply(encode_error(req.id, InvalidRequestError(detail=f"id {req.id!r} is already in use by a request in flight")))
             return
         slot = self._slots[req.id] = Slot(read_ns)
-        if self._waiting or self._inflight - self._finished_unanswered >= self._run_cap:
+        if self._waiting or self._inflight - self._finished_unanswered >= self.max_inflight:
             if reply == self.reply:
                 self._waiting.append(req)
                 return
+        elif self._resume_at and reply == self.reply and self._park(req):
+            return
         self._start(req, slot, reply)
 
     def _handle(self, event: Any, reply: Callable[[bytes], None], read_ns: int) -> None:
@@ -557,12 +560,16 @@ class ConnectionShell(RefusalGuard):
                 self._reply_error(EncodedError.of(req.id, error), slot, reply)
         if not self._slots:
             self._slot_done()
+        if self._parked:
+            self._room_in(req)
         if self._waiting or self._room is not None:
             self._start_waiting()
 
     def _start_waiting(self) -> None:
-        while self._waiting and not self._closed and self._inflight - self._finished_unanswered < self._run_cap:
+        while self._waiting and not self._closed and self._inflight - self._finished_unanswered < self.max_inflight:
             req = self._waiting.pop(0)
+            if self._resume_at and self._park(req):
+                continue
             self._start(req, self._slots[req.id], self.reply)
         room = self._room
         if room is not None:
