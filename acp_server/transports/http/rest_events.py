@@ -294,6 +294,8 @@ def _turn_frames(line: bytes) -> _Frames | None:
 
 
 _last_line: tuple[bytes, _Frames] = (b"", [])
+#: the last update line :meth:`SseSubscriber.send` cut: the line, its event id's digits and its frame
+_last_update: tuple[bytes, bytes, bytes] = (b"", b"", b"")
 
 
 def frames_of(line: bytes) -> list[tuple[int | None, bytes]]:
@@ -333,8 +335,10 @@ class SseSubscriber:
         self.nbytes = 0
         self.warned = False
         self.evicted = False
-        #: the newest session event id queued for this stream
-        self.last_event_id = 0
+        #: the newest session event id queued for this stream (:attr:`last_event_id`), or its digits
+        #: as the line had them, read when asked
+        self._last_id = 0
+        self._last_digits: bytes | None = None
         #: frames queued over the stream's life
         self.frames_queued = 0
         self._closed = False
@@ -368,6 +372,25 @@ class SseSubscriber:
         #: originating client id's member (``b""``: none; ``None``: not the bridge's layout). A session's
         #: lines end alike (its prompts' client ids), so that most are a dictionary lookup.
         self._tail_ends: dict[bytes, bytes | None] = {}
+        #: how the update lines end after their event id, as the last one cut did (its originating client
+        #: id's member, then ``}}}\n``), and that member: a line that ends so is cut without looking at
+        #: its end again
+        self._end = b"}}}\n"
+        self._member = b""
+
+    @property
+    def last_event_id(self) -> int:
+        """The newest session event id queued for this stream (0: none yet)."""
+        digits = self._last_digits
+        if digits is not None:
+            self._last_id = int(digits)
+            self._last_digits = None
+        return self._last_id
+
+    @last_event_id.setter
+    def last_event_id(self, value: int) -> None:
+        self._last_id = value
+        self._last_digits = None
 
     @property
     def closed(self) -> bool:
@@ -454,10 +477,32 @@ class SseSubscriber:
         return frames
 
     def send(self, data: bytes) -> None:
-        """The bridge's live fan-out: translate and queue (never waits). A frame that finds the queue
-        below its warning mark is queued here; the others go through :meth:`push`. This session's
-        update line in the bridge's layout, the usual one, is cut here (what :func:`_cut_update` does,
-        without its list of one frame)."""
+        """The bridge's live fan-out: translate and queue (never waits). This session's update line in
+        the bridge's layout, the usual one, is cut here (what :func:`_cut_update` does, without its list
+        of one frame): a line that ends as the last one did (:attr:`_end`) has its event id's digits
+        between its last ``_meta`` and that end, checked as :data:`_UPDATE_TAIL`'s ``[1-9][0-9]{0,15}``."""
+        global _last_update
+        last = _last_update
+        if last[0] is data:  # another subscriber of the session cut this line already
+            self._last_digits = last[1]
+            self._queue(last[2])
+            return
+        if data.startswith(self._update_head) and data.endswith(self._end):
+            cut = data.rfind(_UPDATE_META)
+            digits = data[cut + _META_LEN:len(data) - len(self._end)]
+            if (cut >= self._update_start and 0 < len(digits) <= 16 and digits.isdigit() and digits[0] != 48
+                    and data.find(b"\r") < 0 and data.find(b"\n", 0, cut) < 0):
+                frame = b"".join((b"id: ", digits, self._frame_head, data[self._update_start:cut], b'},"_meta":{"eventId":',
+                                  digits, b'},"id":', digits, self._member, b"}\n\n"))
+                _last_update = (data, digits, frame)
+                self._last_digits = digits
+                self._queue(frame)
+                return
+        self._send_line(data)
+
+    def _send_line(self, data: bytes) -> None:
+        """:meth:`send` of a line its first cut does not take: an update line that ends otherwise than
+        the last one (its end learnt here: :attr:`_end`), a turn state, any other line."""
         global _last_line
         last = _last_line
         if last[0] is data:
@@ -479,6 +524,8 @@ class SseSubscriber:
                 digits = tail[:width]
                 frame = b"".join((b"id: ", digits, self._frame_head, data[self._update_start:cut], b'},"_meta":{"eventId":',
                                   digits, b'},"id":', digits, member, b"}\n\n"))
+                if end.endswith(b"}}}\n"):
+                    self._end, self._member = end, member
                 number = int(digits)
                 _last_line = (data, [(number, frame)])
                 self.last_event_id = number
