@@ -77,6 +77,7 @@ from ...types.acp import (
     PromptParams,
 )
 from .auth import current_caller
+from .lean import LeanStream
 from .rest_events import EVENT_TYPES, PermissionBoard, RestChannel, SseSubscriber
 from .rest_state import RestState
 from .rest_stream import MAX_SUBSCRIBERS, serve_events
@@ -250,6 +251,10 @@ class RestApi:
     async def _json(self, send: Send, status: int, obj: Any, cors: list[tuple[bytes, bytes]]) -> None:
         body = msgspec.json.encode(obj) if obj is not None else b""
         headers = [_JSON, *cors] if obj is not None else list(cors)
+        stream = getattr(send, "__self__", None)
+        if type(stream) is LeanStream:  # (its whole answer in one call)
+            await stream.respond(status, headers, body)
+            return
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 

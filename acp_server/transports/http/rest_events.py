@@ -376,6 +376,7 @@ class SseSubscriber:
         #: id's member, then ``}}}\n``), and that member: a line that ends so is cut without looking at
         #: its end again
         self._end = b"}}}\n"
+        self._end_len = len(self._end)
         self._member = b""
 
     @property
@@ -489,8 +490,8 @@ class SseSubscriber:
             return
         if data.startswith(self._update_head) and data.endswith(self._end):
             cut = data.rfind(_UPDATE_META)
-            digits = data[cut + _META_LEN:len(data) - len(self._end)]
-            if (cut >= self._update_start and 0 < len(digits) <= 16 and digits.isdigit() and digits[0] != 48
+            digits = data[cut + _META_LEN:len(data) - self._end_len]
+            if (cut >= self._update_start and digits.isdigit() and len(digits) <= 16 and digits[0] != 48
                     and data.find(b"\r") < 0 and data.find(b"\n", 0, cut) < 0):
                 frame = b"".join((b"id: ", digits, self._frame_head, data[self._update_start:cut], b'},"_meta":{"eventId":',
                                   digits, b'},"id":', digits, self._member, b"}\n\n"))
@@ -525,7 +526,7 @@ class SseSubscriber:
                 frame = b"".join((b"id: ", digits, self._frame_head, data[self._update_start:cut], b'},"_meta":{"eventId":',
                                   digits, b'},"id":', digits, member, b"}\n\n"))
                 if end.endswith(b"}}}\n"):
-                    self._end, self._member = end, member
+                    self._end, self._end_len, self._member = end, len(end), member
                 number = int(digits)
                 _last_line = (data, [(number, frame)])
                 self.last_event_id = number
