@@ -78,7 +78,8 @@ from ...types.acp import (
 )
 from .auth import current_caller
 from .lean import LeanStream
-from .rest_events import EVENT_TYPES, PermissionBoard, RestChannel, SseSubscriber
+from .rest_events import EVENT_TYPES, SseSubscriber
+from .rest_permissions import PermissionBoard, RestChannel
 from .rest_state import RestState
 from .rest_stream import MAX_SUBSCRIBERS, serve_events
 from .rest_types import (
@@ -167,7 +168,7 @@ class RestCaller:
         """Dropped, as :meth:`send`."""
 
     async def request(self, method: str, params: Any = None) -> Any:
-        """Never asked: a REST prompt's questions go through :class:`~.rest_events.RestChannel`."""
+        """Never asked: a REST prompt's questions go through :class:`~.rest_permissions.RestChannel`."""
         raise trio.EndOfChannel
 
 
