@@ -186,7 +186,7 @@ class HttpGuard:
         if scope["path"] == HEALTH_PATH and not identity.may_scrape:
             return _refusal(InsufficientScopeError(scopes=_SCRAPE_SCOPES), 403)
         caller = HttpCaller(identity, tenant, source, transport, subprotocol)
-        if not _metered_later(scope):
+        if self.auth is not None and not _metered_later(scope):  # (without tokens nothing is metered)
             refusal = self.meter(caller)
             if refusal is not None:
                 return refusal

@@ -366,6 +366,21 @@ class LeanStream:
 
             raise UnexpectedMessageError(self._state, kind)  # type: ignore[arg-type]
 
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """The whole response at once: what ``send`` of ``http.response.start`` then of its one
+        ``http.response.body`` does, without the two messages."""
+        if self._state != "request":
+            await self.send({"type": "http.response.start", "status": status, "headers": headers})
+            await self.send({"type": "http.response.body", "body": body})
+            return
+        self._start_head(status, headers)
+        if self._log.access_logger is not None:
+            self._response = {"type": "http.response.start", "status": status, "headers": headers}
+        if self.closed:
+            self._state = "done"
+            return
+        await self._write_body(body, False)
+
     def _start_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Check the head and queue it held: the first body part settles it, with the framing it
         allows, if it comes before the flusher takes the head; else the head leaves as it is, its
@@ -462,6 +477,23 @@ class LeanStream:
         self._state = "done"
         self.keep_alive = False
         await protocol.lean_done(self)
+
+
+#: a request's method and target as its scope gives them (:func:`_target`), by method and target:
+#: a client asks the same few again and again; cleared when full
+_targets: dict[tuple[bytes, bytes], tuple[str, str, bytes, bytes]] = {}
+
+
+def _target(method: bytes, target: bytes) -> tuple[str, str, bytes, bytes]:
+    """The scope's ``method``, ``path`` (percent-decoded), ``raw_path`` and ``query_string`` of a
+    request line's method and target (kept in :data:`_targets` when short)."""
+    path, _, query_string = target.partition(b"?")
+    parts = (method.decode("ascii").upper(), unquote(path.decode("ascii")), path, query_string)
+    if len(target) <= _HEAD_KEPT_BYTES:
+        if len(_targets) >= _HEADS_KEPT:
+            _targets.clear()
+        _targets[method, target] = parts
+    return parts
 
 
 def _never(method: bytes, path: bytes) -> bool:
@@ -573,14 +605,17 @@ class LeanH11Protocol(H11Protocol):
     def _open_stream(
         self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], *, keep_alive: bool, spawn: bool = True
     ) -> LeanStream:
-        path, _, query_string = target.partition(b"?")
+        try:
+            method_name, path_name, path, query_string = _targets[method, target]
+        except KeyError:
+            method_name, path_name, path, query_string = _target(method, target)
         scope = {
             "type": "http",
             "http_version": "1.1",
             "asgi": {"spec_version": "2.1", "version": "3.0"},
-            "method": method.decode("ascii").upper(),
+            "method": method_name,
             "scheme": "https" if self.ssl else "http",
-            "path": unquote(path.decode("ascii")),
+            "path": path_name,
             "raw_path": path,
             "query_string": query_string,
             "root_path": self.config.root_path,

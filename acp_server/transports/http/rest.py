@@ -77,7 +77,9 @@ from ...types.acp import (
     PromptParams,
 )
 from .auth import current_caller
-from .rest_events import EVENT_TYPES, PermissionBoard, RestChannel, SseSubscriber
+from .lean import LeanStream
+from .rest_events import EVENT_TYPES, SseSubscriber
+from .rest_permissions import PermissionBoard, RestChannel
 from .rest_state import RestState
 from .rest_stream import MAX_SUBSCRIBERS, serve_events
 from .rest_types import (
@@ -166,7 +168,7 @@ class RestCaller:
         """Dropped, as :meth:`send`."""
 
     async def request(self, method: str, params: Any = None) -> Any:
-        """Never asked: a REST prompt's questions go through :class:`~.rest_events.RestChannel`."""
+        """Never asked: a REST prompt's questions go through :class:`~.rest_permissions.RestChannel`."""
         raise trio.EndOfChannel
 
 
@@ -250,6 +252,10 @@ class RestApi:
     async def _json(self, send: Send, status: int, obj: Any, cors: list[tuple[bytes, bytes]]) -> None:
         body = msgspec.json.encode(obj) if obj is not None else b""
         headers = [_JSON, *cors] if obj is not None else list(cors)
+        stream = getattr(send, "__self__", None)
+        if type(stream) is LeanStream:  # (its whole answer in one call)
+            await stream.respond(status, headers, body)
+            return
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 

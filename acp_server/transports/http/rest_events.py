@@ -1,5 +1,5 @@
-"""The REST API's event side: qwen serve's event envelope, one SSE subscriber as a bridge ``Peer``,
-and the channel a REST prompt's agent asks its permission questions on.
+"""The REST API's event side: qwen serve's event envelope and one SSE subscriber as a bridge ``Peer``
+(the channel a REST prompt's agent asks its permission questions on is :mod:`.rest_permissions`).
 
 A subscriber (:class:`SseSubscriber`) is attached to its session with the bridge's own calls
 (``replay`` then live fan-out), so it receives exactly the NDJSON lines an ACP connection receives.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import secrets
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -26,17 +25,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
-from ...types.acp import ClientCapabilities
 from ..outbox import at_pass_end
 
 if TYPE_CHECKING:
     from ...auth.tokens import Identity
-    from ...bridge import Session
 
-__all__ = [
-    "EVENT_TYPES", "PermissionBoard", "RestChannel", "SseSubscriber", "control_event", "encode_frame", "envelope", "envelopes",
-    "frames_of",
-]
+__all__ = ["EVENT_TYPES", "SseSubscriber", "control_event", "encode_frame", "envelope", "envelopes", "frames_of"]
 
 #: Every event type this server sends on ``GET /session/:id/events``.
 EVENT_TYPES = (
@@ -294,6 +288,8 @@ def _turn_frames(line: bytes) -> _Frames | None:
 
 
 _last_line: tuple[bytes, _Frames] = (b"", [])
+#: the last update line :meth:`SseSubscriber.send` cut: the line, its event id's digits and its frame
+_last_update: tuple[bytes, bytes, bytes] = (b"", b"", b"")
 
 
 def frames_of(line: bytes) -> list[tuple[int | None, bytes]]:
@@ -333,8 +329,10 @@ class SseSubscriber:
         self.nbytes = 0
         self.warned = False
         self.evicted = False
-        #: the newest session event id queued for this stream
-        self.last_event_id = 0
+        #: the newest session event id queued for this stream (:attr:`last_event_id`), or its digits
+        #: as the line had them, read when asked
+        self._last_id = 0
+        self._last_digits: bytes | None = None
         #: frames queued over the stream's life
         self.frames_queued = 0
         self._closed = False
@@ -368,6 +366,26 @@ class SseSubscriber:
         #: originating client id's member (``b""``: none; ``None``: not the bridge's layout). A session's
         #: lines end alike (its prompts' client ids), so that most are a dictionary lookup.
         self._tail_ends: dict[bytes, bytes | None] = {}
+        #: how the update lines end after their event id, as the last one cut did (its originating client
+        #: id's member, then ``}}}\n``), and that member: a line that ends so is cut without looking at
+        #: its end again
+        self._end = b"}}}\n"
+        self._end_len = len(self._end)
+        self._member = b""
+
+    @property
+    def last_event_id(self) -> int:
+        """The newest session event id queued for this stream (0: none yet)."""
+        digits = self._last_digits
+        if digits is not None:
+            self._last_id = int(digits)
+            self._last_digits = None
+        return self._last_id
+
+    @last_event_id.setter
+    def last_event_id(self, value: int) -> None:
+        self._last_id = value
+        self._last_digits = None
 
     @property
     def closed(self) -> bool:
@@ -454,10 +472,32 @@ class SseSubscriber:
         return frames
 
     def send(self, data: bytes) -> None:
-        """The bridge's live fan-out: translate and queue (never waits). A frame that finds the queue
-        below its warning mark is queued here; the others go through :meth:`push`. This session's
-        update line in the bridge's layout, the usual one, is cut here (what :func:`_cut_update` does,
-        without its list of one frame)."""
+        """The bridge's live fan-out: translate and queue (never waits). This session's update line in
+        the bridge's layout, the usual one, is cut here (what :func:`_cut_update` does, without its list
+        of one frame): a line that ends as the last one did (:attr:`_end`) has its event id's digits
+        between its last ``_meta`` and that end, checked as :data:`_UPDATE_TAIL`'s ``[1-9][0-9]{0,15}``."""
+        global _last_update
+        last = _last_update
+        if last[0] is data:  # another subscriber of the session cut this line already
+            self._last_digits = last[1]
+            self._queue(last[2])
+            return
+        if data.startswith(self._update_head) and data.endswith(self._end):
+            cut = data.rfind(_UPDATE_META)
+            digits = data[cut + _META_LEN:len(data) - self._end_len]
+            if (cut >= self._update_start and digits.isdigit() and len(digits) <= 16 and digits[0] != 48
+                    and data.find(b"\r") < 0 and data.find(b"\n", 0, cut) < 0):
+                frame = b"".join((b"id: ", digits, self._frame_head, data[self._update_start:cut], b'},"_meta":{"eventId":',
+                                  digits, b'},"id":', digits, self._member, b"}\n\n"))
+                _last_update = (data, digits, frame)
+                self._last_digits = digits
+                self._queue(frame)
+                return
+        self._send_line(data)
+
+    def _send_line(self, data: bytes) -> None:
+        """:meth:`send` of a line its first cut does not take: an update line that ends otherwise than
+        the last one (its end learnt here: :attr:`_end`), a turn state, any other line."""
         global _last_line
         last = _last_line
         if last[0] is data:
@@ -479,6 +519,8 @@ class SseSubscriber:
                 digits = tail[:width]
                 frame = b"".join((b"id: ", digits, self._frame_head, data[self._update_start:cut], b'},"_meta":{"eventId":',
                                   digits, b'},"id":', digits, member, b"}\n\n"))
+                if end.endswith(b"}}}\n"):
+                    self._end, self._end_len, self._member = end, len(end), member
                 number = int(digits)
                 _last_line = (data, [(number, frame)])
                 self.last_event_id = number
@@ -588,83 +630,3 @@ class SseSubscriber:
         self.nbytes = 0
         self._room.set()
         return frames
-
-
-class _Question:
-    __slots__ = ("answer", "done", "session_id")
-
-    def __init__(self, session_id: str) -> None:
-        self.session_id = session_id
-        self.done = trio.Event()
-        self.answer: Any = None
-
-
-class PermissionBoard:
-    """The permission questions REST prompts' agents asked and nobody has answered yet (first answer wins)."""
-
-    def __init__(self) -> None:
-        self.open: dict[str, _Question] = {}
-
-    def ask(self, session_id: str) -> tuple[str, _Question]:
-        """A new open question on ``session_id``: its request id and the question to wait on."""
-        request_id = f"perm_{secrets.token_hex(8)}"
-        question = self.open[request_id] = _Question(session_id)
-        return request_id, question
-
-    def answer(self, session_id: str, request_id: str, outcome: Any) -> bool:
-        """Answer an open question; ``False`` if there is none (unknown, other session, already answered)."""
-        question = self.open.get(request_id)
-        if question is None or question.session_id != session_id:
-            return False
-        del self.open[request_id]
-        question.answer = outcome
-        question.done.set()
-        return True
-
-
-class RestChannel:
-    """A REST prompt as its backend addresses the client: questions go to the session's subscribers.
-
-    ``session/request_permission`` becomes a ``permission_request`` event on every subscriber of the
-    session; the first ``POST /session/:id/permission/:requestId`` answers it. With no subscriber the
-    answer is ``cancelled`` at once. Other requests (``fs/*``, ``terminal/*``) are refused as a client
-    without those capabilities would.
-    """
-
-    def __init__(self, session: Session, board: PermissionBoard) -> None:
-        self._session = session
-        self._board = board
-
-    @property
-    def capabilities(self) -> ClientCapabilities:
-        return ClientCapabilities()
-
-    def _subscribers(self) -> list[SseSubscriber]:
-        return [p for p in self._session.attached if isinstance(p, SseSubscriber) and not p.closed]
-
-    async def request(self, method: str, params: Any) -> Any:
-        """Ask the session's subscribers (see the class docstring)."""
-        cancelled = {"outcome": {"outcome": "cancelled"}}
-        if method != "session/request_permission":
-            from ...backends.base import ClientGoneError
-
-            raise ClientGoneError(f"a REST client cannot answer {method}")
-        subscribers = self._subscribers()
-        if not subscribers:
-            return cancelled
-        session_id = self._session.session_id
-        request_id, question = self._board.ask(session_id)
-        p = params if isinstance(params, dict) else msgspec.to_builtins(params)
-        data = {"requestId": request_id, "sessionId": session_id, "toolCall": p.get("toolCall") or {}, "options": p.get("options", [])}
-        for sub in subscribers:
-            sub.push_event(_event("permission_request", data))
-        try:
-            await question.done.wait()
-        finally:
-            self._board.open.pop(request_id, None)
-        outcome = question.answer if question.answer is not None else cancelled
-        for sub in self._subscribers():
-            sub.push_event(_event("permission_resolved", {
-                "requestId": request_id, "sessionId": session_id, "outcome": outcome["outcome"],
-            }))
-        return outcome
