@@ -224,8 +224,8 @@ class Outbox:
         if not out:
             self._first_out(True)
         out.append(data)
-        self._out_bytes += len(data)
-        if self._out_bytes > self.max_outbound_bytes:
+        queued = self._out_bytes = self._out_bytes + len(data)
+        if queued > self.max_outbound_bytes:
             self._evict()
 
     def reply(self, data: bytes) -> None:
@@ -236,7 +236,11 @@ class Outbox:
         """
         if self.evicted:
             return
-        self._enqueue(data)
+        out = self._out  # _enqueue's, inline
+        if not out:
+            self._first_out(False)
+        out.append(data)
+        self._out_bytes += len(data)
         flusher = self._flusher
         if flusher is not None and self._early_pass != flusher.passes:
             self._early_pass = flusher.passes
