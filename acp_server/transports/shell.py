@@ -270,6 +270,8 @@ class ConnectionShell(RefusalGuard):
         pipe = stream if type(stream) is PipeStream else None
         emptied = False  # the last read was short
         limit_waiting = 4 * self.max_inflight
+        wait_readable = trio.lowlevel.wait_readable
+        received = self._received
         try:
             async with trio.open_nursery() as tasks:
                 self._handlers = tasks
@@ -295,7 +297,7 @@ class ConnectionShell(RefusalGuard):
                                     if (read := _read_now(pipe.open_fd())) is not None:
                                         await trio.lowlevel.cancel_shielded_checkpoint()
                                 while read is None:
-                                    await trio.lowlevel.wait_readable(pipe.open_fd())
+                                    await wait_readable(pipe.open_fd())
                                     read = _read_now(pipe.open_fd())
                                 emptied = len(read) < _READ_SIZE
                                 data, read = read, None
@@ -310,7 +312,7 @@ class ConnectionShell(RefusalGuard):
                                 # Waited for outside any ``except`` block: a handled exception stays
                                 # alive (with its traceback) as long as the block runs, awaits included.
                                 while read is None:
-                                    await trio.lowlevel.wait_readable(fd)
+                                    await wait_readable(fd)
                                     read = _read_now(fd)
                                 emptied = len(read) < _READ_SIZE
                                 data, read = read, None
@@ -318,7 +320,7 @@ class ConnectionShell(RefusalGuard):
                                 log.debug("%s: end of input", self.name)
                                 await self._drain()
                                 break
-                            if not self._received(data):
+                            if not received(data):
                                 break
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     log.info("%s: read failed: %s", self.name, exc)
