@@ -244,11 +244,10 @@ class Connection:
         message first: blank lines, batches and errors take the general path after that fails.
         """
         events: list[Event] = []
-        append, message = events.append, self._message  # looked up once for all the lines of the read
         for line in self._lines.lines(data):
             if type(line) is not bytes:  # TOO_LARGE
                 err = MessageTooLargeError(limit=self.max_message_bytes)
-                append(TooLarge(encode_error(None, err), self.max_message_bytes))
+                events.append(TooLarge(encode_error(None, err), self.max_message_bytes))
                 return events
             try:
                 env = _decode_envelope(line)
@@ -258,9 +257,9 @@ class Connection:
                     continue
                 event = self._batch(stripped) if stripped[:1] == b"[" else self._one(stripped)
             else:
-                event = message(env)
+                event = self._message(env)
             if event is not None:
-                append(event)
+                events.append(event)
         return events
 
     def _batch(self, line: bytes) -> Event:
