@@ -127,12 +127,11 @@ class Dispatcher:
         for m in (*self.requests.values(), *self.notifications.values()):
             if m.params_type is not None and m.params_type not in self._decoders:
                 self._decoders[m.params_type] = msgspec.json.Decoder(m.params_type).decode
-        #: request method -> (its entry, the decoder its params are tried with at once): bound once here,
-        #: so that a call looks up one thing. The decoder is ``None`` where params are not decoded that way
-        #: (no params type, or one an array could decode into: see :func:`_decodes_no_array`)
-        self._calls: dict[str, tuple[Method, Callable[[bytes], Any] | None]] = {
-            name: (m, self._decoders[m.params_type] if m.params_type is not None and _decodes_no_array(m.params_type) else None)
-            for name, m in self.requests.items()
+        #: params type -> its decoder, for the types an array never decodes into (see
+        #: :func:`_decodes_no_array`): their params are decoded at once, and checked for an array only
+        #: if that fails. Looked up by the entry's type at each call: the table may change after this.
+        self._eager: dict[type[Any] | None, Callable[[bytes], Any]] = {
+            t: decode for t, decode in self._decoders.items() if _decodes_no_array(t)
         }
 
     def _params(self, method: Method, raw: msgspec.Raw | None) -> Any:
@@ -156,14 +155,14 @@ class Dispatcher:
 
         An error the handler raised comes back as :class:`EncodedError` (bytes that keep the error).
         """
-        entry = self._calls.get(req.method)
+        method = self.requests.get(req.method)
         try:
-            if entry is None:
+            if method is None:
                 raise MethodNotFoundError(method=req.method)
-            method, decode = entry
             if method.requires_init and not ctx.initialized:
                 raise NotInitializedError(method=req.method)
             raw = req.params
+            decode = self._eager.get(method.params_type)
             if decode is not None and raw is not None:
                 # _params' usual case, inline (this runs for every request). An array cannot decode
                 # into a Struct that is not array-like: it is told apart only once decoding failed.
