@@ -123,8 +123,9 @@ async def test_a_socket_is_written_at_the_end_of_the_pass() -> None:
         await trio.testing.wait_all_tasks_blocked()
         assert box._flusher is not None  # a plain socket takes the direct path
         box.send(b'{"a":1}\n')
-        box.reply(b'{"b":2}\n')
-        assert box._flusher.dirty == [box]
+        assert box._flusher.dirty == [box]  # marked for the end of the pass
+        box.reply(b'{"b":2}\n')  # the pass's first answer: both written at once, the mark dropped
+        assert box._flusher.dirty == [] and not box._out
         assert await _read_exactly(theirs, 16) == b'{"a":1}\n{"b":2}\n'
         nursery.cancel_scope.cancel()
     await ours.aclose()
@@ -190,3 +191,41 @@ async def test_a_busy_writer_takes_the_first_answer_too() -> None:
         box.reply(b"next\n")  # not written past the bytes before it: the writer sends it after them
         assert len(pipe.nowait) == 1
         assert await _read_exactly(peer, len(big) + 5) == big + b"next\n"
+
+
+async def test_the_runs_instruments_still_work_once_their_checks_are_a_dict() -> None:
+    """Installing the flusher makes the run's hook checks dict lookups; instruments added and removed
+    afterwards are called as trio calls them, and one that raises is dropped as trio drops it."""
+    from collections import UserDict
+
+    from trio._core._run import GLOBAL_RUN_CONTEXT
+
+    from acp_server.transports.outbox import _run_flusher
+
+    _run_flusher()
+    instruments = GLOBAL_RUN_CONTEXT.runner.instruments
+    assert not isinstance(instruments, UserDict)
+    assert "before_io_wait" in instruments and "after_task_step" not in instruments
+
+    class Steps(trio.abc.Instrument):
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def after_task_step(self, task: trio.lowlevel.Task) -> None:
+            self.steps += 1
+
+    class Broken(trio.abc.Instrument):
+        def before_task_step(self, task: trio.lowlevel.Task) -> None:
+            raise RuntimeError("an instrument that fails")
+
+    steps, broken = Steps(), Broken()
+    trio.lowlevel.add_instrument(steps)
+    trio.lowlevel.add_instrument(broken)
+    await trio.lowlevel.checkpoint()
+    assert steps.steps >= 1
+    assert "before_task_step" not in instruments  # the broken one was removed, as trio does
+    trio.lowlevel.remove_instrument(steps)
+    assert "after_task_step" not in instruments
+    counted = steps.steps
+    await trio.lowlevel.checkpoint()
+    assert steps.steps == counted

@@ -245,11 +245,10 @@ class Connection:
         """
         events: list[Event] = []
         for line in self._lines.lines(data):
-            if line is TOO_LARGE:
+            if type(line) is not bytes:  # TOO_LARGE
                 err = MessageTooLargeError(limit=self.max_message_bytes)
                 events.append(TooLarge(encode_error(None, err), self.max_message_bytes))
                 return events
-            assert type(line) is bytes
             try:
                 env = _decode_envelope(line)
             except (msgspec.DecodeError, RecursionError):  # ValidationError is a DecodeError
@@ -291,8 +290,32 @@ class Connection:
 
     def _message(self, env: _Envelope) -> Request | Notification | Response | ErrorReply | None:
         """The event of one decoded message; ``None`` for a response that is logged and dropped."""
+        method = env.method
+        if method is not UNSET and env.jsonrpc == "2.0":
+            # A request or a notification.
+            params = env.params
+            if not params:
+                params_raw = None
+            else:
+                first = memoryview(params)[0]  # a byte as an int: no allocation
+                if first == _OBJECT or first == _ARRAY:
+                    params_raw = params
+                elif first == _NULL:
+                    params_raw = None
+                else:
+                    id = env.id
+                    return self._reply(
+                        None if id is UNSET else id,
+                        InvalidRequestError(detail='"params" must be an object, an array or null'),
+                    )
+            id = env.id
+            if id is UNSET:
+                return Notification(method, params_raw)
+            if id is None:
+                return self._reply(None, InvalidRequestError(detail='"id" must not be null in a request'))
+            return Request(id, method, params_raw)
         id = env.id
-        if env.method is UNSET and id is not UNSET and id is not None and id in self._pending and env.jsonrpc != "2.0":
+        if method is UNSET and id is not UNSET and id is not None and id in self._pending and env.jsonrpc != "2.0":
             # A malformed answer to one of our own requests still settles it, as an error.
             why = '"jsonrpc" must be "2.0"'
             return Response(id, self._pending.pop(id), None, {"code": -32600, "message": f"malformed response: {why}"}, why)
@@ -300,24 +323,7 @@ class Connection:
             return self._reply(
                 None if id is UNSET else id, InvalidRequestError(detail='"jsonrpc" must be "2.0"')
             )
-        method = env.method
-        if method is not UNSET:
-            params = env.params
-            first = memoryview(params)[0] if params else 0  # a byte as an int: no allocation
-            if first == 0 or first == _NULL:
-                params_raw = None
-            elif first == _OBJECT or first == _ARRAY:
-                params_raw = params
-            else:
-                return self._reply(
-                    None if id is UNSET else id,
-                    InvalidRequestError(detail='"params" must be an object, an array or null'),
-                )
-            if id is UNSET:
-                return Notification(method, params_raw)
-            if id is None:
-                return self._reply(None, InvalidRequestError(detail='"id" must not be null in a request'))
-            return Request(id, method, params_raw)
+        # From here on, a response (a request whose "jsonrpc" is wrong was answered just above).
         if id is UNSET or id is None or (not env.result and env.error is UNSET):
             if id is None and env.error is not UNSET:
                 # The peer could not parse something we sent; nothing to route it to.

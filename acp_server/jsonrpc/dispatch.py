@@ -29,7 +29,8 @@ from ..errors import (
 )
 from ..logtext import clip
 from ..types.base import validation_location
-from .connection import EncodedError, Id, Notification, Request, encode_result
+from .connection import EncodedError, Id, Notification, Request, _ResultMsg, encode_result
+from .connection import _encoder as _connection_encoder
 from .guard import error_of
 
 __all__ = ["Deferred", "Dispatcher", "HandlerContext", "Method", "invalid_params_from"]
@@ -90,6 +91,19 @@ class Method(NamedTuple):
     sees_cancel: bool = False
 
 
+_encode = _connection_encoder.encode
+
+
+def _decodes_no_array(params_type: type[Any]) -> bool:
+    """Whether a JSON array can never decode into ``params_type`` (a Struct that is not array-like), so
+    that its params may be decoded before they are checked for an array (by-position params)."""
+    return (
+        isinstance(params_type, type)
+        and issubclass(params_type, msgspec.Struct)
+        and not params_type.__struct_config__.array_like
+    )
+
+
 def invalid_params_from(exc: msgspec.ValidationError) -> InvalidParamsError:
     """Turn msgspec's message into ``invalid_params`` with the dotted path of the offending field."""
     path, detail = validation_location(exc)
@@ -113,6 +127,12 @@ class Dispatcher:
         for m in (*self.requests.values(), *self.notifications.values()):
             if m.params_type is not None and m.params_type not in self._decoders:
                 self._decoders[m.params_type] = msgspec.json.Decoder(m.params_type).decode
+        #: params type -> its decoder, for the types an array never decodes into (see
+        #: :func:`_decodes_no_array`): their params are decoded at once, and checked for an array only
+        #: if that fails. Looked up by the entry's type at each call: the table may change after this.
+        self._eager: dict[type[Any] | None, Callable[[bytes], Any]] = {
+            t: decode for t, decode in self._decoders.items() if _decodes_no_array(t)
+        }
 
     def _params(self, method: Method, raw: msgspec.Raw | None) -> Any:
         if method.params_type is None:
@@ -142,10 +162,15 @@ class Dispatcher:
             if method.requires_init and not ctx.initialized:
                 raise NotInitializedError(method=req.method)
             raw = req.params
-            if method.params_type is not None and raw is not None and memoryview(raw)[0] != _ARRAY:
-                try:  # _params' usual case, inline (this runs for every request)
-                    params = self._decoders[method.params_type](raw)
+            decode = self._eager.get(method.params_type)
+            if decode is not None and raw is not None:
+                # _params' usual case, inline (this runs for every request). An array cannot decode
+                # into a Struct that is not array-like: it is told apart only once decoding failed.
+                try:
+                    params = decode(raw)
                 except msgspec.ValidationError as exc:
+                    if memoryview(raw)[0] == _ARRAY:
+                        params = self._params(method, raw)  # raises its by-name error
                     raise invalid_params_from(exc) from None
                 except (msgspec.DecodeError, RecursionError):
                     params = self._params(method, raw)  # its error, as _params words it
@@ -159,7 +184,7 @@ class Dispatcher:
             return EncodedError.of(req.id, InternalError())
         if type(out) is CoroutineType or isinstance(out, Deferred):
             return out
-        return encode_result(req.id, out)
+        return _encode(_ResultMsg("2.0", req.id, out)) + b"\n"  # encode_result's, inline
 
     @staticmethod
     def shape(req_id: Id, result: Any, error: AcpError | None) -> bytes:

@@ -65,6 +65,18 @@ class LineBuffer:
         """
         if type(data) is not bytes:
             data = bytes(data)
+        if not self._buf and not self._discarding:
+            # Nothing held (the usual read): its lines are the split, less what follows the last newline.
+            parts = data.split(b"\n")
+            rest = parts.pop()
+            if len(data) > self._max:
+                parts = [TOO_LARGE if len(part) > self._max else part for part in parts]  # type: ignore[misc]
+            if rest:
+                self.feed(rest)
+                line = self.next_line()  # the rest holds no newline: only an oversized one comes back
+                if line is not None:
+                    parts.append(line)  # type: ignore[arg-type]
+            return parts  # type: ignore[return-value]
         if self._discarding:
             nl = data.find(b"\n")
             if nl < 0:

@@ -131,9 +131,52 @@ def _run_flusher() -> _PassFlusher:
         return _FLUSHER.get()
     except LookupError:
         flusher = _PassFlusher()
+        _hook_checks_in_c()
         trio.lowlevel.add_instrument(flusher)
         _FLUSHER.set(flusher)
         return flusher
+
+
+_dict_instruments: type | None = None
+
+
+def _hook_checks_in_c() -> None:
+    """Make the current run's checks for instruments (``"before_io_wait" in runner.instruments``) dict
+    lookups in C.
+
+    trio keeps a run's instruments in ``trio._core._instrumentation.Instruments``, a ``UserDict`` from hook
+    name to instruments, and asks it with ``in`` before every hook it could call: five times per pass with
+    one task step, each a Python call of ``UserDict.__contains__`` (~0.3 us here). Once the flusher is
+    installed every pass has an instrument. The same table is then held in a ``dict`` subclass that keeps
+    ``Instruments``' own methods (they only use ``self.data``, set to the dict itself). Without those
+    internals (another trio), nothing changes.
+    """
+    global _dict_instruments
+    try:
+        from trio._core import _instrumentation
+        from trio._core import _run as trio_run
+
+        runner = trio_run.GLOBAL_RUN_CONTEXT.runner
+        current = runner.instruments
+        base = _instrumentation.Instruments
+    except (ImportError, AttributeError):
+        return
+    if type(current) is not base or type(getattr(current, "data", None)) is not dict:
+        return
+    if _dict_instruments is None:
+        _dict_instruments = type(
+            "DictInstruments",
+            (dict,),
+            {
+                "__doc__": "trio's Instruments as a dict (see outbox._hook_checks_in_c).",
+                "add_instrument": base.add_instrument,
+                "remove_instrument": base.remove_instrument,
+                "call": base.call,
+            },
+        )
+    instruments = _dict_instruments(current.data)
+    instruments.data = instruments  # an attribute, not a property: read at every hook call
+    runner.instruments = instruments
 
 
 def at_pass_end(callback: Callable[[], bool]) -> None:
@@ -224,8 +267,8 @@ class Outbox:
         if not out:
             self._first_out(True)
         out.append(data)
-        self._out_bytes += len(data)
-        if self._out_bytes > self.max_outbound_bytes:
+        queued = self._out_bytes = self._out_bytes + len(data)
+        if queued > self.max_outbound_bytes:
             self._evict()
 
     def reply(self, data: bytes) -> None:
@@ -236,11 +279,21 @@ class Outbox:
         """
         if self.evicted:
             return
-        self._enqueue(data)
+        out = self._out  # _enqueue's, inline
+        if not out:
+            self._first_out(False)
+        out.append(data)
+        self._out_bytes += len(data)
         flusher = self._flusher
         if flusher is not None and self._early_pass != flusher.passes:
             self._early_pass = flusher.passes
             self._flush_now()
+            if not self._out and self._held_pass == -1:
+                # All written, nothing held: this outbox's mark for the pass's end (the last one, made
+                # when its queue began) would find nothing to write.
+                dirty = flusher.dirty
+                if dirty and dirty[-1] is self:
+                    dirty.pop()
 
     async def send_reliably(self, data: bytes) -> None:
         """Queue a message that must arrive (a replay): paced by the writer, it waits while more than

@@ -271,6 +271,8 @@ class ConnectionShell(RefusalGuard):
         pipe = stream if type(stream) is PipeStream else None
         emptied = False  # the last read was short
         limit_waiting = 4 * self.max_inflight
+        wait_readable = trio.lowlevel.wait_readable
+        received = self._received
         try:
             async with trio.open_nursery() as tasks:
                 self._handlers = tasks
@@ -296,7 +298,7 @@ class ConnectionShell(RefusalGuard):
                                     if (read := _read_now(pipe.open_fd())) is not None:
                                         await trio.lowlevel.cancel_shielded_checkpoint()
                                 while read is None:
-                                    await trio.lowlevel.wait_readable(pipe.open_fd())
+                                    await wait_readable(pipe.open_fd())
                                     read = _read_now(pipe.open_fd())
                                 emptied = len(read) < _READ_SIZE
                                 data, read = read, None
@@ -311,7 +313,7 @@ class ConnectionShell(RefusalGuard):
                                 # Waited for outside any ``except`` block: a handled exception stays
                                 # alive (with its traceback) as long as the block runs, awaits included.
                                 while read is None:
-                                    await trio.lowlevel.wait_readable(fd)
+                                    await wait_readable(fd)
                                     read = _read_now(fd)
                                 emptied = len(read) < _READ_SIZE
                                 data, read = read, None
@@ -319,7 +321,7 @@ class ConnectionShell(RefusalGuard):
                                 log.debug("%s: end of input", self.name)
                                 await self._drain()
                                 break
-                            if not self._received(data):
+                            if not received(data):
                                 break
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     log.info("%s: read failed: %s", self.name, exc)
@@ -446,18 +448,34 @@ class ConnectionShell(RefusalGuard):
 
     def _take(self, req: Request, reply: Callable[[bytes], None], read_ns: int) -> None:
         """A request read: started now, or queued behind those that wait (not a batch's item: its
-        answer is joined with the others' at once)."""
-        if req.id in self._slots:
+        answer is joined with the others' at once).
+
+        A request started now gets its :class:`Slot` only once its synchronous part is over and it still
+        runs: one answered by that part (an echo prompt's turn ended, a refusal) never had anything in
+        flight that a ``$/cancel_request`` or the drain could find, since nothing else ran meanwhile.
+        """
+        slots = self._slots
+        if req.id in slots:
             reply(encode_error(req.id, InvalidRequestError(detail=f"id {req.id!r} is already in use by a request in flight")))
             return
-        slot = self._slots[req.id] = Slot(read_ns)
         if self._waiting or self._inflight - self._finished_unanswered >= self.max_inflight:
             if reply == self.reply:
+                slots[req.id] = Slot(read_ns)
                 self._waiting.append(req)
                 return
         elif self._resume_at and reply == self.reply and self._park(req):
+            slots[req.id] = Slot(read_ns)
             return
-        self._start(req, slot, reply)
+        out = self.dispatcher.call(self.ctx, req)  # never cancelled yet: ctx.cancelled stays False
+        if type(out) is bytes:
+            reply(out)
+            return
+        slot = Slot(read_ns)
+        if isinstance(out, bytes):  # an error answer (EncodedError): a refusal is timed from the read
+            self._reply_error(out, slot, reply)
+            return
+        slots[req.id] = slot
+        self._run(req, slot, out, reply)
 
     def _handle(self, event: Any, reply: Callable[[bytes], None], read_ns: int) -> None:
         if isinstance(event, Request):
@@ -526,6 +544,13 @@ class ConnectionShell(RefusalGuard):
                 self._reply_error(out, slot, reply)
             self._slot_done()
             return
+        self._run(req, slot, out, reply)
+
+    def _run(
+        self, req: Request, slot: Slot, out: Coroutine[Any, Any, Any] | Deferred, reply: Callable[[bytes], None]
+    ) -> None:
+        """``req``'s synchronous part left work that runs on (``slot`` is in ``_slots``): count it in
+        flight and have its answer come from the deferred's callback or a task."""
         self._inflight += 1
         slot.running = True
         self.hold()  # its answer comes from a task of the next pass: what is queued waits to leave with it
