@@ -32,6 +32,10 @@ _WORD = re.compile(r"\s*\S+\s*|\s+")
 
 def split_words(text: str) -> list[str]:
     """``text`` in chunks of one word each, whitespace kept: ``"".join(split_words(t)) == t``."""
+    # One word and no whitespace, the commonest prompt of all, without the expression: what ``\s``
+    # matches is the space or a character ``isprintable`` rejects (a control or a separator).
+    if " " not in text and text.isprintable() and text:
+        return [text]
     return _WORD.findall(text)
 
 

@@ -216,11 +216,14 @@ class PromptWaiter(Deferred):
     def subscribe(self, done: Callable[[Any, AcpError | None], None]) -> None:
         """``done(result, error)`` runs once with the prompt's outcome (now, if it is answered already)."""
         ticket = self.ticket
-        if ticket.settled and ticket.done.is_set():
+        if ticket.settled and ticket._answered:
             done(ticket.result, ticket.error)
             return
         self._done = done
-        ticket.waiters.append(self)
+        if ticket.waiters:
+            ticket.waiters.append(self)
+        else:
+            ticket.waiters = [self]
 
     def notify(self, result: Any, error: AcpError | None) -> None:
         """Deliver the outcome to the subscriber (once)."""
@@ -257,7 +260,7 @@ class PromptWaiter(Deferred):
             self.settlement.caller_gone(ticket)  # settles (and so notifies us), unless the prompt runs on
             if ticket.settled:
                 return
-        ticket.waiters.remove(self)
+        ticket.waiters.remove(self)  # type: ignore[union-attr]
         if connection_lost:
             self._done = None
         else:

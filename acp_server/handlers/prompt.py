@@ -45,7 +45,7 @@ def _prompt(ctx: ConnContext, params: PromptParams, now: bool) -> Deferred | Pro
             params.session_id, params.prompt, peer=ctx.peer, cancelled=ctx.cancelled, channel=ctx.channel(),
             tenant=ctx.tenant,
         )
-        if now and ticket.settled and ticket.done.is_set():
+        if now and ticket.settled and ticket.is_set():
             return _answered(ticket)
         return PromptWaiter(bridge.settlement, ticket, not duplicate)  # bridge.waiter's, without the call
     meta = params.meta
@@ -63,6 +63,6 @@ def _prompt(ctx: ConnContext, params: PromptParams, now: bool) -> Deferred | Pro
     if bridge.shared is not None:  # the limits are a cluster's: the shared part is a coordinator call
         return admit_shared(bridge, params.session_id, params.prompt, **terms)
     ticket, duplicate = bridge.admit(params.session_id, params.prompt, **terms)
-    if now and ticket.settled and ticket.done.is_set():
+    if now and ticket.settled and ticket.is_set():
         return _answered(ticket)
     return bridge.waiter(ticket, owner=not duplicate)
