@@ -72,7 +72,8 @@ class EchoBackend(BaseBackend):
             return self.prompt(turn)
         emit = turn.emit
         for block in turn.prompt:
-            for chunk in split_words(describe_block(block)):
+            text = block.text if type(block) is TextContent else describe_block(block)
+            for chunk in split_words(text):
                 emit(AgentMessageChunk(content=TextContent(text=chunk)))
         return "end_turn"
 

@@ -35,7 +35,7 @@ import trio
 
 from ..backends.base import Turn
 from ..store import TURN_STATE, StoredEvent
-from ..types.acp import StopReason
+from ..types.acp import StopReason, UserMessageChunk
 from ..types.ext import TERMINAL_TURN_STATES, TURN_STATES
 from .clients import TURN_STATES_ALL, TURN_STATES_TERMINAL, ClientRegistry
 from .persistence import Persistence
@@ -182,7 +182,27 @@ class FanOut:
             return
         self.send(session, data, exclude)
 
-    def turn_state(self, ticket: PromptTicket, state: str, *, reason: str | None = None, position: int | None = None) -> None:
+    def own_text(self, ticket: PromptTicket) -> None:
+        """A starting prompt's own text (a ``user_message_chunk`` per content block), recorded and sent
+        to the session's connections but its sender, as :meth:`emit` does for each."""
+        session = ticket.session
+        attached = session.attached
+        sender = ticket.sender
+        if self._add_event is None and (not attached or (len(attached) == 1 and sender in attached)):
+            # the usual case: nobody else to tell and no store, so the history is all there is to do
+            history = session.history
+            event_id = session.next_event_id
+            for block in ticket.prompt:
+                history.append((event_id, UserMessageChunk(content=block)))
+                event_id += 1
+            session.next_event_id = event_id
+            if len(history) > self._trim_at:
+                self._trim(session)
+            return
+        for block in ticket.prompt:
+            self.emit(session, UserMessageChunk(content=block), ticket.client_id, exclude=sender)
+
+    def turn_state(self, ticket: PromptTicket, state: str, reason: str | None = None, position: int | None = None) -> None:
         """Send ``_acp_server/turn_state`` for ``ticket`` to every connection attached to its session
         that takes turn states.
 

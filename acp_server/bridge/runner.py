@@ -37,7 +37,7 @@ from ..admission.pool import Lease
 from ..admission.shared import SharedHold
 from ..backends.base import ClientChannel, TranscriptEntry
 from ..errors import AcpError, InternalError
-from ..types.acp import PromptResult, UserMessageChunk
+from ..types.acp import PromptResult
 from .fanout import FanOut, TicketTurn
 from .persistence import Persistence
 from .session import ForkTicket, PromptTicket, Session
@@ -249,8 +249,7 @@ class SessionRunner:
         fanout = self._fanout
         turn = _PromptTurn(ticket, fanout, self._table, ticket.meta)
         fanout.turn_state(ticket, "running")
-        for block in ticket.prompt:  # the prompt's own text, to the session's other connections
-            fanout.emit(session, UserMessageChunk(content=block), ticket.client_id, exclude=ticket.sender)
+        fanout.own_text(ticket)  # the prompt's own text, to the session's other connections
         ticket.finish = _STARTING  # settling meanwhile leaves the holds and abandons the call
         try:
             started = start(turn)
@@ -456,8 +455,7 @@ class SessionRunner:
         fanout = self._fanout
         session = ticket.session
         fanout.turn_state(ticket, "running")
-        for block in ticket.prompt:
-            fanout.emit(session, UserMessageChunk(content=block), ticket.client_id, exclude=ticket.sender)
+        fanout.own_text(ticket)
         return await session.backend.prompt(turn)
 
     async def _finish_call(self, ticket: PromptTicket, scope: trio.CancelScope) -> bool:

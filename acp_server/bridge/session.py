@@ -73,9 +73,9 @@ class PromptTicket:
     """
 
     __slots__ = (
-        "_answered",
         "_answered_event",
         "admitted_at",
+        "answered",
         "call_scope",
         "channel",
         "client_id",
@@ -123,7 +123,8 @@ class PromptTicket:
         self.settled = False
         self.result: PromptResult | None = None
         self.error: AcpError | None = None
-        self._answered = False
+        #: the done latch is up: the answer may go out (with a store: the outcome is committed)
+        self.answered = False
         self._answered_event: trio.Event | None = None
         self.call_scope: trio.CancelScope | None = None
         #: the requests waiting on this prompt (see PromptWaiter): a list once one subscribes (most
@@ -156,17 +157,17 @@ class PromptTicket:
 
     def is_set(self) -> bool:
         """The answer may go out (the prompt settled and, with a store, its outcome is committed)."""
-        return self._answered
+        return self.answered
 
     def set(self) -> None:
         """Raise the latch and wake whoever waits on it."""
-        self._answered = True
+        self.answered = True
         if self._answered_event is not None:
             self._answered_event.set()
 
     async def wait(self) -> None:
         """Return once the latch is raised (a checkpoint either way)."""
-        if self._answered:
+        if self.answered:
             await trio.lowlevel.checkpoint()
             return
         if self._answered_event is None:

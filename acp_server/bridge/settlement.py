@@ -89,7 +89,7 @@ class Settlement:
             state, reason = "completed", result.stop_reason  # the usual outcome, without the call
         else:
             state, reason = _terminal_state(result, error)
-        self._fanout.turn_state(ticket, state, reason=reason)
+        self._fanout.turn_state(ticket, state, reason)
         ticket.settled = True
         ticket.result, ticket.error = result, error
         session = ticket.session
@@ -216,7 +216,7 @@ class PromptWaiter(Deferred):
     def subscribe(self, done: Callable[[Any, AcpError | None], None]) -> None:
         """``done(result, error)`` runs once with the prompt's outcome (now, if it is answered already)."""
         ticket = self.ticket
-        if ticket.settled and ticket._answered:
+        if ticket.answered:
             done(ticket.result, ticket.error)
             return
         self._done = done
