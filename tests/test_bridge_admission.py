@@ -770,25 +770,29 @@ async def test_close_ends_the_parked_runner_at_once() -> None:
         assert not session.runner_active and session.runner.task is None
 
 
-async def test_latch_behaves_like_an_event() -> None:
-    """A ticket's ``done`` latch: set before or after the wait, every waiter wakes, once set it stays."""
-    from acp_server.bridge.session import Latch
+async def test_ticket_done_latch_behaves_like_an_event() -> None:
+    """A ticket's ``done`` latch (the ticket itself): set before or after the wait, every waiter wakes,
+    once set it stays."""
+    from acp_server.backends import EchoBackend
+    from acp_server.bridge.session import PromptTicket, Session
 
-    early = Latch()
-    early.set()
+    session = Session("s", "/", [], EchoBackend(), 0.0, 0)
+    early = PromptTicket(session, "prompt_1", [], None, None, 0.0, 0)
+    assert early.done is early
+    early.done.set()
     with trio.testing.assert_checkpoints():
-        await early.wait()
-    late = Latch()
+        await early.done.wait()
+    late = PromptTicket(session, "prompt_2", [], None, None, 0.0, 0)
     woken: list[int] = []
 
     async def waiter(n: int) -> None:
-        await late.wait()
+        await late.done.wait()
         woken.append(n)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(waiter, 1)
         nursery.start_soon(waiter, 2)
         await wait_all_tasks_blocked()
-        assert not late.is_set() and woken == []
-        late.set()
-    assert late.is_set() and sorted(woken) == [1, 2]
+        assert not late.done.is_set() and woken == []
+        late.done.set()
+    assert late.done.is_set() and sorted(woken) == [1, 2]

@@ -407,6 +407,11 @@ class CapacityManager:
     def __repr__(self) -> str:
         return f"<CapacityManager {sorted(self._pools)}>"
 
+    @property
+    def pools(self) -> dict[str, CapacityPool]:
+        """The limited backends' pools by backend id (the manager's own table: read, do not change)."""
+        return self._pools
+
     def pool(self, backend_id: str) -> CapacityPool | None:
         """The pool of ``backend_id``, or ``None`` when that backend is unlimited."""
         return self._pools.get(backend_id)

@@ -32,6 +32,10 @@ _WORD = re.compile(r"\s*\S+\s*|\s+")
 
 def split_words(text: str) -> list[str]:
     """``text`` in chunks of one word each, whitespace kept: ``"".join(split_words(t)) == t``."""
+    # One word and no whitespace, the commonest prompt of all, without the expression: what ``\s``
+    # matches is the space or a character ``isprintable`` rejects (a control or a separator).
+    if " " not in text and text.isprintable() and text:
+        return [text]
     return _WORD.findall(text)
 
 
@@ -68,7 +72,8 @@ class EchoBackend(BaseBackend):
             return self.prompt(turn)
         emit = turn.emit
         for block in turn.prompt:
-            for chunk in split_words(describe_block(block)):
+            text = block.text if type(block) is TextContent else describe_block(block)
+            for chunk in split_words(text):
                 emit(AgentMessageChunk(content=TextContent(text=chunk)))
         return "end_turn"
 

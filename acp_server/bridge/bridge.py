@@ -122,6 +122,9 @@ class SessionBridge:
         self.capacity = capacity or CapacityManager()
         #: the admission policy: global seats, tenant caps, priority classes; off by default
         self.policy = policy or PolicyEngine()
+        self._policy_on = self.policy.enabled  # fixed for the engine's life
+        #: backend id -> its pool (the limited ones; empty: no backend is limited)
+        self._pools = self.capacity.pools
         #: with --coordinator: the limits counted across replicas (then the policy and pools are not used)
         self.shared = shared if shared is not None and shared.enabled else None
         #: session id -> the shared admission its next prompt waits for (arrival order through the
@@ -427,7 +430,6 @@ class SessionBridge:
         self,
         session_id: str,
         prompt: list[ContentBlock],
-        *,
         peer: Peer | None,
         client_id: str | None = None,
         deadline_ms: int | None = None,
@@ -472,7 +474,7 @@ class SessionBridge:
             effective = deadline_ms
         policy = self.policy
         seat: Seat | Queued | None = None
-        if policy.enabled and not session.pending_count:
+        if self._policy_on and not session.pending_count:
             try:
                 seat = policy.decide(
                     tenant=session.tenant,
@@ -483,7 +485,7 @@ class SessionBridge:
             except AcpError:
                 self._refused += 1
                 raise
-        pool = self.capacity.pool(session.backend.name)
+        pool = self._pools.get(session.backend.name) if self._pools else None
         lease = None
         if pool is not None:
             try:
@@ -494,9 +496,9 @@ class SessionBridge:
                     policy.revoke(seat)  # all or nothing
                 raise
         session.pending_count += 1
-        ticket = self.make_ticket(
-            session, prompt, peer, client, effective, channel=channel, meta=meta, priority=priority,
-            seat=seat, lease=lease, queued_at=seat.position_hint if isinstance(seat, Queued) else None, now=now,
+        ticket = self.make_ticket(  # positional: a call with keywords costs more
+            session, prompt, peer, client, effective, channel, meta, priority, seat, lease,
+            seat.position_hint if isinstance(seat, Queued) else None, now,
         )
         if idempotency_key is not None:
             self._remember(session_id, idempotency_key, fingerprint, ticket)
@@ -509,7 +511,6 @@ class SessionBridge:
         peer: Peer | None,
         client: str | None,
         effective_deadline_ms: int,
-        *,
         channel: ClientChannel | None,
         meta: dict[str, Any] | None,
         priority: str,

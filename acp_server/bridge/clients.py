@@ -174,7 +174,7 @@ class ClientRegistry:
             reg = session.clients.get(own) if own is not None else None
             if reg is None:
                 return None
-        reg.last_seen, reg.last_seen_ms = now, now_ms()
+        reg.last_seen, reg.last_seen_ms = now, time.time_ns() // 1_000_000  # now_ms(), inline
         session.last_activity = now
         return reg.client_id
 

@@ -33,14 +33,15 @@ from typing import Any, TypeAlias, get_args
 import msgspec
 import trio
 
+from ..backends.base import Turn
 from ..store import TURN_STATE, StoredEvent
-from ..types.acp import StopReason
+from ..types.acp import StopReason, UserMessageChunk
 from ..types.ext import TERMINAL_TURN_STATES, TURN_STATES
 from .clients import TURN_STATES_ALL, TURN_STATES_TERMINAL, ClientRegistry
 from .persistence import Persistence
 from .session import Peer, PromptTicket, Session
 
-__all__ = ["PAGE_EVENTS", "REPLAY_TRUNCATED", "CommitFanOut", "FanOut", "encode_update"]
+__all__ = ["PAGE_EVENTS", "REPLAY_TRUNCATED", "CommitFanOut", "FanOut", "TicketTurn", "encode_update"]
 
 log = logging.getLogger("acp_server.bridge")
 
@@ -112,10 +113,12 @@ def _turn_state_ends(session_id: str, prompt_id: str, client_id: str | None) -> 
 
 def answer(ticket: PromptTicket) -> None:
     """Wake whoever waits on a settled prompt."""
-    ticket.done.set()
-    waiters, ticket.waiters = ticket.waiters, []
-    for waiter in waiters:
-        waiter.notify(ticket.result, ticket.error)
+    ticket.set()
+    waiters = ticket.waiters
+    if waiters:
+        ticket.waiters = ()
+        for waiter in waiters:
+            waiter.notify(ticket.result, ticket.error)
 
 
 class FanOut:
@@ -179,42 +182,27 @@ class FanOut:
             return
         self.send(session, data, exclude)
 
-    def emit_for(self, ticket: PromptTicket, update: Any) -> None:
-        """A running prompt's update, as :meth:`emit` (dropped once the prompt settled).
-
-        What every backend's ``Turn.emit`` calls for each update: :meth:`emit`'s steps are inline
-        here (without ``exclude``), a call fewer per update.
-        """
-        if ticket.settled:
-            return
+    def own_text(self, ticket: PromptTicket) -> None:
+        """A starting prompt's own text (a ``user_message_chunk`` per content block), recorded and sent
+        to the session's connections but its sender, as :meth:`emit` does for each."""
         session = ticket.session
-        event_id = session.next_event_id
-        session.next_event_id = event_id + 1
-        history = session.history
-        history.append((event_id, update))
-        if len(history) > self._trim_at:
-            self._trim(session)
         attached = session.attached
-        add_event = self._add_event
-        if not attached:
-            if add_event is not None:
-                add_event(session.session_id, event_id, update)
+        sender = ticket.sender
+        if self._add_event is None and (not attached or (len(attached) == 1 and sender in attached)):
+            # the usual case: nobody else to tell and no store, so the history is all there is to do
+            history = session.history
+            event_id = session.next_event_id
+            for block in ticket.prompt:
+                history.append((event_id, UserMessageChunk(content=block)))
+                event_id += 1
+            session.next_event_id = event_id
+            if len(history) > self._trim_at:
+                self._trim(session)
             return
-        body = _encoder.encode(update)  # once, for the wire and the store
-        if add_event is not None:
-            add_event(session.session_id, event_id, body)
-        originator = ticket.client_id
-        if originator is None:
-            data = _UPDATE % (session.session_id.encode(), body, event_id)
-        else:
-            data = _UPDATE_FROM % (session.session_id.encode(), body, event_id, originator.encode())
-        if self._direct and len(attached) == 1:
-            for peer in attached:
-                peer.send(data)
-            return
-        self.send(session, data, None)
+        for block in ticket.prompt:
+            self.emit(session, UserMessageChunk(content=block), ticket.client_id, exclude=sender)
 
-    def turn_state(self, ticket: PromptTicket, state: str, *, reason: str | None = None, position: int | None = None) -> None:
+    def turn_state(self, ticket: PromptTicket, state: str, reason: str | None = None, position: int | None = None) -> None:
         """Send ``_acp_server/turn_state`` for ``ticket`` to every connection attached to its session
         that takes turn states.
 
@@ -226,6 +214,25 @@ class FanOut:
         session = ticket.session
         event_id = session.next_event_id
         session.next_event_id = event_id + 1
+        known = _STATES.get(state)
+        if known is None:
+            known = (state.encode(), TURN_STATES_TERMINAL if state in TERMINAL_TURN_STATES else TURN_STATES_ALL)
+        state_bytes, wanted = known  # wanted: the level a peer needs to receive this state
+        # Who receives it, first: a live-only state that nobody takes costs nothing more.
+        attached = session.attached
+        peer: Peer | None = None
+        peers: tuple[Peer, ...] | None = None
+        if attached:
+            states = self._peer_states
+            if len(attached) == 1:  # the usual case, without a generator
+                for peer in attached:
+                    if states[peer].turn_states < wanted:
+                        peer = None
+            else:
+                peers = tuple(p for p in attached if states[p].turn_states >= wanted) or None
+        terminal = wanted == TURN_STATES_TERMINAL
+        if peer is None and peers is None and not terminal:
+            return
         # TurnStateParams' shape (tests decode every one into it); the reason (a stop reason may come
         # from an agent) is JSON-encoded.
         extra = b""
@@ -237,11 +244,7 @@ class FanOut:
         if at != self._at_ms:  # several turn states a millisecond under load: its digits made once
             self._at_ms = at
             self._at_digits = b"%d" % at
-        known = _STATES.get(state)
-        if known is None:
-            known = (state.encode(), TURN_STATES_TERMINAL if state in TERMINAL_TURN_STATES else TURN_STATES_ALL)
-        state_bytes, wanted = known  # wanted: the level a peer needs to receive this state
-        if wanted == TURN_STATES_TERMINAL:
+        if terminal:
             text = _TURN_STATE_BODY % (ticket.prompt_id.encode(), state_bytes, self._at_digits, extra)
             history = session.history
             history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
@@ -249,27 +252,16 @@ class FanOut:
                 self._trim(session)
             if self._add_event is not None:
                 self._add_event(session.session_id, event_id, text, TURN_STATE)
-        attached = session.attached
-        if not attached:
-            return
-        states = self._peer_states
-        if len(attached) == 1:  # the usual case, without a generator
-            for peer in attached:
-                if states[peer].turn_states < wanted:
-                    return
-            peers: tuple[Peer, ...] | None = None
-        else:
-            peers = tuple(p for p in attached if states[p].turn_states >= wanted)
-            if not peers:
+            if peer is None and peers is None:
                 return
         ends = ticket.state_ends
         if ends is None:
             ends = ticket.state_ends = _turn_state_ends(session.session_id, ticket.prompt_id, ticket.client_id)
         data = _TURN_STATE % (ends[0], state_bytes, self._at_digits, extra, event_id, ends[1])
-        if peers is None and self._direct:
+        if peer is not None and self._direct:
             peer.send(data)
         else:
-            self.send(session, data, None, peers)
+            self.send(session, data, None, peers or (peer,))  # type: ignore[arg-type]
 
     def send(self, session: Session, data: bytes, exclude: Peer | None, peers: tuple[Peer, ...] | None = None) -> None:
         """Send ``data`` to ``peers`` (default: every connection attached to ``session``) but ``exclude``."""
@@ -294,13 +286,15 @@ class FanOut:
 
     def hold_answer(self, ticket: PromptTicket) -> None:
         """A prompt settled: its waiters may be answered (:meth:`answer_waiters`)."""
-        ticket.done.set()
+        ticket.set()
 
     def answer_waiters(self, ticket: PromptTicket) -> None:
         """Answer the waiters of a settled prompt now."""
-        waiters, ticket.waiters = ticket.waiters, []
-        for waiter in waiters:  # last: a callback may start the connection's next request
-            waiter.notify(ticket.result, ticket.error)
+        waiters = ticket.waiters
+        if waiters:
+            ticket.waiters = ()
+            for waiter in waiters:  # last: a callback may start the connection's next request
+                waiter.notify(ticket.result, ticket.error)
 
     async def history_pages(
         self, session: Session, after_event_id: int, upto: int | None = None
@@ -372,6 +366,50 @@ class FanOut:
 
 def _event_id(entry: tuple[int, Any]) -> int:
     return entry[0]
+
+
+class TicketTurn(Turn):
+    """The :class:`~acp_server.backends.base.Turn` of an admitted prompt, whose ``emit`` is the
+    fan-out's for its ticket (:meth:`FanOut.emit`'s steps inline, without ``exclude``): a method, not
+    a ``partial`` made per prompt. The runner's turn (``runner._PromptTurn``) sets the rest."""
+
+    __slots__ = ("_fanout", "_ticket")
+
+    _fanout: FanOut
+    _ticket: PromptTicket
+
+    def emit(self, update: Any) -> None:
+        """Record and send one of the running prompt's updates (dropped once the prompt settled)."""
+        ticket = self._ticket
+        if ticket.settled:
+            return
+        fanout = self._fanout
+        session = ticket.session
+        event_id = session.next_event_id
+        session.next_event_id = event_id + 1
+        history = session.history
+        history.append((event_id, update))
+        if len(history) > fanout._trim_at:
+            fanout._trim(session)
+        attached = session.attached
+        add_event = fanout._add_event
+        if not attached:
+            if add_event is not None:
+                add_event(session.session_id, event_id, update)
+            return
+        body = _encoder.encode(update)  # once, for the wire and the store
+        if add_event is not None:
+            add_event(session.session_id, event_id, body)
+        originator = ticket.client_id
+        if originator is None:
+            data = _UPDATE % (session.session_id.encode(), body, event_id)
+        else:
+            data = _UPDATE_FROM % (session.session_id.encode(), body, event_id, originator.encode())
+        if fanout._direct and len(attached) == 1:
+            for peer in attached:
+                peer.send(data)
+            return
+        fanout.send(session, data, None)
 
 
 class CommitFanOut(FanOut):

@@ -35,10 +35,10 @@ import trio
 from ..admission.policy import PolicyEngine, Queued, Seat, WaitDeadlineExpired
 from ..admission.pool import Lease
 from ..admission.shared import SharedHold
-from ..backends.base import ClientChannel, TranscriptEntry, Turn
+from ..backends.base import ClientChannel, TranscriptEntry
 from ..errors import AcpError, InternalError
-from ..types.acp import PromptResult, UserMessageChunk
-from .fanout import FanOut
+from ..types.acp import PromptResult
+from .fanout import FanOut, TicketTurn
 from .persistence import Persistence
 from .session import ForkTicket, PromptTicket, Session
 from .sessions import SessionTable
@@ -92,29 +92,41 @@ _UNSET: Any = object()
 _STARTING: Any = object()
 
 
-class _PromptTurn(Turn):
-    """The :class:`Turn` of a prompt the runner calls. Its ``client`` (the prompt's channel as a
-    :class:`_TurnChannel`, which reports ``paused_for_approval``) and its ``transcript`` reader are
-    made when a backend first reads them: most turns never do, and each was an object per prompt."""
+class _PromptTurn(TicketTurn):
+    """The :class:`Turn` of a prompt the runner calls; its ``emit`` is the fan-out's
+    (:class:`~.fanout.TicketTurn`). Its ``client`` (the prompt's channel as a :class:`_TurnChannel`,
+    which reports ``paused_for_approval``), its ``transcript`` reader and its ``result_meta`` are made
+    when a backend first reads them: most turns never do, and each was an object per prompt."""
 
-    __slots__ = ("_client", "_fanout", "_table", "_ticket", "_transcript", "_upto")
+    __slots__ = ("_client", "_result_meta", "_table", "_transcript", "_upto")
 
     def __init__(self, ticket: PromptTicket, fanout: FanOut, table: SessionTable, meta: dict[str, Any] | None) -> None:
         session = ticket.session
         self.session_id = session.session_id
         self.prompt_id = ticket.prompt_id
         self.prompt = ticket.prompt
-        self.emit = partial(fanout.emit_for, ticket)
         self.meta = meta
         self.permit = ticket.lease  # a pool lease or a shared hold: a backend may hand it back between calls
         self.deadline = ticket.deadline if ticket.deadline_ms else None
-        self.result_meta = {}
         self._ticket = ticket
         self._fanout = fanout
         self._table = table
         self._upto = session.next_event_id - 1  # the transcript before this prompt
         self._client: Any = _UNSET
         self._transcript: Any = _UNSET
+        self._result_meta: dict[str, Any] | None = None
+
+    @property
+    def result_meta(self) -> dict[str, Any]:
+        """Keys the backend adds to the result's ``_meta`` (made on first use and kept)."""
+        extra = self._result_meta
+        if extra is None:
+            extra = self._result_meta = {}
+        return extra
+
+    @result_meta.setter
+    def result_meta(self, value: dict[str, Any]) -> None:
+        self._result_meta = value
 
     @property
     def client(self) -> ClientChannel | None:
@@ -237,8 +249,7 @@ class SessionRunner:
         fanout = self._fanout
         turn = _PromptTurn(ticket, fanout, self._table, ticket.meta)
         fanout.turn_state(ticket, "running")
-        for block in ticket.prompt:  # the prompt's own text, to the session's other connections
-            fanout.emit(session, UserMessageChunk(content=block), ticket.client_id, exclude=ticket.sender)
+        fanout.own_text(ticket)  # the prompt's own text, to the session's other connections
         ticket.finish = _STARTING  # settling meanwhile leaves the holds and abandons the call
         try:
             started = start(turn)
@@ -444,8 +455,7 @@ class SessionRunner:
         fanout = self._fanout
         session = ticket.session
         fanout.turn_state(ticket, "running")
-        for block in ticket.prompt:
-            fanout.emit(session, UserMessageChunk(content=block), ticket.client_id, exclude=ticket.sender)
+        fanout.own_text(ticket)
         return await session.backend.prompt(turn)
 
     async def _finish_call(self, ticket: PromptTicket, scope: trio.CancelScope) -> bool:
@@ -460,7 +470,9 @@ class SessionRunner:
             scope.cancel()  # settling marked the call abandoned, and left this to the runner
         return await self._settle_call(ticket, scope, turn, call)
 
-    async def _settle_call(self, ticket: PromptTicket, scope: trio.CancelScope, turn: Turn, call: Awaitable[Any]) -> bool:
+    async def _settle_call(
+        self, ticket: PromptTicket, scope: trio.CancelScope, turn: _PromptTurn, call: Awaitable[Any]
+    ) -> bool:
         """Await a prompt's ``call`` under ``scope``, release its holds and settle it with the outcome
         (a no-op when it settled first: cancel, deadline, crash).
 
@@ -540,9 +552,9 @@ class SessionRunner:
         item.succeed(new)
 
 
-def _result(ticket: PromptTicket, turn: Turn, stop_reason: Any) -> PromptResult:
+def _result(ticket: PromptTicket, turn: _PromptTurn, stop_reason: Any) -> PromptResult:
     """A completed call's result: its stop reason, the backend's ``_meta`` keys and the prompt's id."""
-    extra = turn.result_meta
+    extra = turn._result_meta
     meta = {**extra, "promptId": ticket.prompt_id} if extra else {"promptId": ticket.prompt_id}
     return PromptResult(stop_reason=stop_reason, meta=meta)
 

@@ -89,7 +89,7 @@ class Settlement:
             state, reason = "completed", result.stop_reason  # the usual outcome, without the call
         else:
             state, reason = _terminal_state(result, error)
-        self._fanout.turn_state(ticket, state, reason=reason)
+        self._fanout.turn_state(ticket, state, reason)
         ticket.settled = True
         ticket.result, ticket.error = result, error
         session = ticket.session
@@ -216,11 +216,14 @@ class PromptWaiter(Deferred):
     def subscribe(self, done: Callable[[Any, AcpError | None], None]) -> None:
         """``done(result, error)`` runs once with the prompt's outcome (now, if it is answered already)."""
         ticket = self.ticket
-        if ticket.settled and ticket.done.is_set():
+        if ticket.answered:
             done(ticket.result, ticket.error)
             return
         self._done = done
-        ticket.waiters.append(self)
+        if ticket.waiters:
+            ticket.waiters.append(self)
+        else:
+            ticket.waiters = [self]
 
     def notify(self, result: Any, error: AcpError | None) -> None:
         """Deliver the outcome to the subscriber (once)."""
@@ -257,7 +260,7 @@ class PromptWaiter(Deferred):
             self.settlement.caller_gone(ticket)  # settles (and so notifies us), unless the prompt runs on
             if ticket.settled:
                 return
-        ticket.waiters.remove(self)
+        ticket.waiters.remove(self)  # type: ignore[union-attr]
         if connection_lost:
             self._done = None
         else:

@@ -41,12 +41,15 @@ def _answered(ticket: PromptTicket) -> PromptResult:
 def _prompt(ctx: ConnContext, params: PromptParams, now: bool) -> Deferred | PromptResult:
     bridge = ctx.server.bridge
     if not params.meta and bridge.shared is None:  # the usual prompt: none of our _meta keys to read
-        ticket, duplicate = bridge.admit(
-            params.session_id, params.prompt, peer=ctx.peer, cancelled=ctx.cancelled, channel=ctx.channel(),
-            tenant=ctx.tenant,
+        ticket, duplicate = bridge.admit(  # positional (a call with keywords costs more): no client id,
+            # deadline, _meta or idempotency key
+            params.session_id, params.prompt, ctx.peer, None, None, ctx.cancelled, ctx.channel(), None, None,
+            ctx.tenant,
         )
-        if now and ticket.settled and ticket.done.is_set():
-            return _answered(ticket)
+        if now and ticket.answered:
+            if ticket.error is not None:
+                raise ticket.error
+            return ticket.result  # type: ignore[return-value]
         return PromptWaiter(bridge.settlement, ticket, not duplicate)  # bridge.waiter's, without the call
     meta = params.meta
     terms: dict[str, Any] = {  # the admission's terms, the same for the local and the shared path
@@ -63,6 +66,6 @@ def _prompt(ctx: ConnContext, params: PromptParams, now: bool) -> Deferred | Pro
     if bridge.shared is not None:  # the limits are a cluster's: the shared part is a coordinator call
         return admit_shared(bridge, params.session_id, params.prompt, **terms)
     ticket, duplicate = bridge.admit(params.session_id, params.prompt, **terms)
-    if now and ticket.settled and ticket.done.is_set():
+    if now and ticket.answered:
         return _answered(ticket)
     return bridge.waiter(ticket, owner=not duplicate)
