@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -240,6 +241,34 @@ async def hammer(client: RawClient, session_id: str, *, most: int) -> int:
     return refused
 
 
+@dataclass
+class PacedPeer:
+    """A connection in debt: its prompt ``held`` runs (held by the backend) on ``session_id``, which it
+    then hammered until the budget (1 a second, burst 10) ran out."""
+
+    server: Server
+    client: RawClient
+    shell: Any  # the server's ConnectionShell of ``client``
+    session_id: str
+    held_answer: trio.MemoryReceiveChannel[dict[str, Any]]
+
+
+@asynccontextmanager
+async def paced_peer(backend: FakeBackend) -> AsyncIterator[PacedPeer]:
+    """A budget server with one :class:`PacedPeer` on it (``backend`` holds its prompt ``held``)."""
+    backend.hold("held")
+    async with budget_server(RefusalBudgetSettings(rate_per_s=1, burst=10), backend) as (server, nursery):
+        rude = await raw_client(server, nursery)
+        session_id, _ = await rude.new_session()
+        held_id, held_answer = rude.start_request("session/prompt")
+        await rude.send(prompt_msg(held_id, session_id, "held"))
+        await backend.started("held")
+        assert await hammer(rude, session_id, most=11) == 11
+        shell = next(iter(server.connections))
+        assert shell._resume_at > trio.current_time(), "in debt: its next request on the session waits"
+        yield PacedPeer(server, rude, shell, session_id, held_answer)
+
+
 def most_refusals(settings: RefusalBudgetSettings, window: int, elapsed_s: float) -> float:
     """The most refusals a peer flooding ``window`` at a time can get before its eviction, ``elapsed_s``
     after its first: the full bucket (one token each at least), what refilled meanwhile, the run of
@@ -392,17 +421,9 @@ async def test_session_cancel_of_a_paced_peer_is_honoured_at_once(autojump_clock
     its session/cancel run at once: its running prompt ends cancelled, which leaves room in the session,
     so the parked re-send starts then and is admitted."""
     backend = FakeBackend()
-    backend.hold("held")
     with trio.fail_after(60):
-        async with budget_server(RefusalBudgetSettings(rate_per_s=1, burst=10), backend) as (server, nursery):
-            rude = await raw_client(server, nursery)
-            session_id, _ = await rude.new_session()
-            held_id, held_answer = rude.start_request("session/prompt")
-            await rude.send(prompt_msg(held_id, session_id, "held"))
-            await backend.started("held")
-            assert await hammer(rude, session_id, most=11) == 11
-            shell = next(iter(server.connections))
-            assert shell._resume_at > trio.current_time(), "in debt: its next request waits"
+        async with paced_peer(backend) as paced:
+            rude, shell, session_id, held_answer = paced.client, paced.shell, paced.session_id, paced.held_answer
             sent = trio.current_time()
             # a re-send (it waits unstarted) and the cancel behind it (it runs at once)
             id, again = rude.start_request("session/prompt")

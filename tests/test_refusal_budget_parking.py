@@ -23,12 +23,11 @@ from acp_server.server import Server
 from acp_server.transports.refusal_budget import (
     DEFAULT_REFUSAL_BUDGET,
     RefusalBudget,
-    RefusalBudgetSettings,
     session_of,
 )
 
 from .fakes import FakeBackend
-from .test_refusal_budget import budget_server, hammer, prompt_msg, queue_full, raw_client
+from .test_refusal_budget import budget_server, paced_peer, prompt_msg, queue_full
 
 # --- the scopes, without I/O ----------------------------------------------------------------------
 
@@ -159,19 +158,11 @@ async def test_a_peer_in_debt_runs_its_requests_on_other_sessions_at_once(autoju
     """In debt after hammering a held session, the peer's re-send there waits for the refill, while its
     prompt on another session (and a request naming none) is answered at once."""
     backend = FakeBackend()
-    backend.hold("held")
     with trio.fail_after(60):
-        async with budget_server(RefusalBudgetSettings(rate_per_s=1, burst=10), backend) as (server, nursery):
-            rude = await raw_client(server, nursery)
-            held_session, _ = await rude.new_session()
-            other_session, _ = await rude.new_session()
-            held_id, _ = rude.start_request("session/prompt")
-            await rude.send(prompt_msg(held_id, held_session, "held"))
-            await backend.started("held")
-            assert await hammer(rude, held_session, most=11) == 11
-            shell = next(iter(server.connections))
-            assert shell._resume_at > trio.current_time(), "in debt"
+        async with paced_peer(backend) as paced:
+            rude, shell, held_session = paced.client, paced.shell, paced.session_id
             sent = trio.current_time()
+            other_session, _ = await rude.new_session()
             id, again = rude.start_request("session/prompt")
             await rude.send(prompt_msg(id, held_session, "again"))
             assert (await rude.prompt(other_session, "elsewhere"))["stopReason"] == "end_turn"
@@ -189,16 +180,9 @@ async def test_parked_requests_of_a_session_start_in_order_each_answered_once(au
     """Three prompts parked on a held session start one by one as the room opens, in the order sent,
     before the refill; each is answered exactly once, in that order."""
     backend = FakeBackend()
-    backend.hold("held")
     with trio.fail_after(60):
-        async with budget_server(RefusalBudgetSettings(rate_per_s=1, burst=10), backend) as (server, nursery):
-            rude = await raw_client(server, nursery)
-            session_id, _ = await rude.new_session()
-            held_id, held_answer = rude.start_request("session/prompt")
-            await rude.send(prompt_msg(held_id, session_id, "held"))
-            await backend.started("held")
-            assert await hammer(rude, session_id, most=11) == 11
-            shell = next(iter(server.connections))
+        async with paced_peer(backend) as paced:
+            rude, shell, session_id, held_answer = paced.client, paced.shell, paced.session_id, paced.held_answer
             sent = trio.current_time()
             ids = []
             for text in ("p1", "p2", "p3"):
