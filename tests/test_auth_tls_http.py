@@ -110,26 +110,26 @@ async def test_silent_and_plain_clients_are_dropped_while_others_are_served(
     with trio.fail_after(TIMEOUT_S):
         async with https_server(certs, handshake_timeout_s=0.5) as (_s, _n, url, _tls):
             port = _port(url)
+            # before the silent client connects: the server's handshake timer cannot start earlier
+            started = trio.current_time()
             silent = await trio.open_tcp_stream("127.0.0.1", port)
             plain = await trio.open_tcp_stream("127.0.0.1", port)
-            await plain.send_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            started = trio.current_time()
-            async with httpx.AsyncClient(verify=client_context(certs.ca)) as client:
-                for _ in range(3):
-                    assert (await client.get(url + "/health")).status_code == 200
-            # the plain client gets no HTTP answer: its bytes were not a TLS hello
-            leftover = b""
-            with trio.move_on_after(3):
-                while chunk := await plain.receive_some(4096):
-                    leftover += chunk
-            assert b"HTTP/1.1" not in leftover
-            with trio.fail_after(3):
-                assert await silent.receive_some(1) == b""  # closed by the server
-            assert trio.current_time() - started >= 0.4
-            async with httpx.AsyncClient(verify=client_context(certs.ca)) as client:
-                assert (await client.get(url + "/health")).status_code == 200  # still serving
-            await silent.aclose()
-            await plain.aclose()
+            async with silent, plain:  # closed even when an assertion fails (no socket left to the GC)
+                await plain.send_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                async with httpx.AsyncClient(verify=client_context(certs.ca)) as client:
+                    for _ in range(3):
+                        assert (await client.get(url + "/health")).status_code == 200
+                # the plain client gets no HTTP answer: its bytes were not a TLS hello
+                leftover = b""
+                with trio.move_on_after(3):
+                    while chunk := await plain.receive_some(4096):
+                        leftover += chunk
+                assert b"HTTP/1.1" not in leftover
+                with trio.fail_after(3):
+                    assert await silent.receive_some(1) == b""  # closed by the server
+                assert trio.current_time() - started >= 0.4
+                async with httpx.AsyncClient(verify=client_context(certs.ca)) as client:
+                    assert (await client.get(url + "/health")).status_code == 200  # still serving
     reasons = [r.getMessage() for r in caplog.records if "TLS handshake" in r.getMessage()]
     assert any("timeout" in r for r in reasons) and any("failed" in r for r in reasons), reasons
 

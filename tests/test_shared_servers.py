@@ -79,7 +79,8 @@ async def replicas(
 async def test_replicas_never_run_more_than_the_clusters_seats(redis_server: RedisServer) -> None:  # noqa: F811
     policy = PolicyLimits(max_running_prompts=3, max_queued_prompts=1000)
     prompts = scaled(400, 60)
-    async with replicas(redis_server, 3, policy) as servers, trio.open_nursery() as nursery:
+    # each turn held 50 ms: long against a Redis round trip on a loaded machine, so 12 clients fill the 3 seats
+    async with replicas(redis_server, 3, policy, hold_s=0.05) as servers, trio.open_nursery() as nursery:
         clients: list[RawClient] = [await connect(s, nursery) for s in servers for _ in range(4)]
         answered = 0
 
