@@ -522,17 +522,11 @@ class SessionBridge:
         """The ticket of a prompt admitted now (its pending slot counted already): recorded, watched for
         its deadline, announced (``accepted``, then ``queued`` at ``queued_at`` when it waits for a seat)
         and put in its session's FIFO. ``now``: trio's clock, if the caller read it already."""
-        self._prompt_seq += 1
+        seq = self._prompt_seq = self._prompt_seq + 1
         ticket = PromptTicket(
-            session, f"prompt_{self._prompt_seq}", prompt, peer, client, self._now() if now is None else now,
-            effective_deadline_ms,
+            session, f"prompt_{seq}", prompt, peer, client, self._now() if now is None else now,
+            effective_deadline_ms, channel, meta, lease, priority, seat, seq,
         )
-        ticket.channel = channel
-        ticket.meta = meta
-        ticket.lease = lease
-        ticket.priority = priority
-        ticket.seat = seat
-        ticket.seq = self._prompt_seq
         if self.persistence.durable:
             ticket.store_op = self.persistence.admit(ticket)
         if effective_deadline_ms:
@@ -540,11 +534,19 @@ class SessionBridge:
         self._admitted += 1
         if peer is not None and peer not in session.attached:
             self.clients.attach(session, peer)
-        fanout = self.fanout
-        fanout.turn_state(ticket, "accepted")
         if queued_at is not None:
+            fanout = self.fanout
+            fanout.turn_state(ticket, "accepted")
             fanout.turn_state(ticket, "queued", position=queued_at)
+            self.runner.enqueue(session, ticket)
+            return ticket
+        # A prompt that starts in this step sends ``accepted`` with ``running`` (FanOut.start); one
+        # queued sends it now: nothing was sent for the session in between.
+        ticket.accepted_due = True
         self.runner.enqueue(session, ticket)
+        if ticket.accepted_due:
+            ticket.accepted_due = False
+            self.fanout.turn_state(ticket, "accepted")
         return ticket
 
     def pending_total(self) -> int:

@@ -202,6 +202,55 @@ class FanOut:
         for block in ticket.prompt:
             self.emit(session, UserMessageChunk(content=block), ticket.client_id, exclude=sender)
 
+    def start(self, ticket: PromptTicket) -> None:
+        """A prompt's backend call starts: its ``accepted`` turn state if it is still due
+        (``ticket.accepted_due``: it starts in the step that admitted it), ``running``, then its own
+        text, as :meth:`turn_state` twice and :meth:`own_text` would (one call for the three).
+
+        Both states take their event ids and carry the same ``at``; nothing is built for a
+        connection that takes no live turn states.
+        """
+        accepted = ticket.accepted_due
+        ticket.accepted_due = False
+        session = ticket.session
+        attached = session.attached
+        if len(attached) != 1 or not self._direct:
+            if accepted:
+                self.turn_state(ticket, "accepted")
+            self.turn_state(ticket, "running")
+            self.own_text(ticket)
+            return
+        (peer,) = attached
+        event_id = session.next_event_id
+        if self._peer_states[peer].turn_states < TURN_STATES_ALL:
+            # Nobody takes them: they still take their event ids (updates count on from there).
+            event_id += 1 if accepted else 0
+        else:
+            at = time_ns() // 1_000_000  # epoch ms, as in turn_state
+            if at != self._at_ms:
+                self._at_ms = at
+                self._at_digits = b"%d" % at
+            ends = ticket.state_ends
+            if ends is None:
+                ends = ticket.state_ends = _turn_state_ends(session.session_id, ticket.prompt_id, ticket.client_id)
+            if accepted:
+                peer.send(_TURN_STATE % (ends[0], b"accepted", self._at_digits, b"", event_id, ends[1]))
+                event_id += 1
+            peer.send(_TURN_STATE % (ends[0], b"running", self._at_digits, b"", event_id, ends[1]))
+        event_id += 1
+        if self._add_event is not None or peer is not ticket.sender:
+            session.next_event_id = event_id
+            self.own_text(ticket)
+            return
+        # own_text's usual case, inline: nobody else to tell and no store, the history is all to do
+        history = session.history
+        for block in ticket.prompt:
+            history.append((event_id, UserMessageChunk(content=block)))
+            event_id += 1
+        session.next_event_id = event_id
+        if len(history) > self._trim_at:
+            self._trim(session)
+
     def turn_state(self, ticket: PromptTicket, state: str, reason: str | None = None, position: int | None = None) -> None:
         """Send ``_acp_server/turn_state`` for ``ticket`` to every connection attached to its session
         that takes turn states.

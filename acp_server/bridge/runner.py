@@ -248,8 +248,7 @@ class SessionRunner:
         ticket.running = True
         fanout = self._fanout
         turn = _PromptTurn(ticket, fanout, self._table, ticket.meta)
-        fanout.turn_state(ticket, "running")
-        fanout.own_text(ticket)  # the prompt's own text, to the session's other connections
+        fanout.start(ticket)  # accepted (still due) and running, the prompt's own text to the others
         ticket.finish = _STARTING  # settling meanwhile leaves the holds and abandons the call
         try:
             started = start(turn)

@@ -74,6 +74,7 @@ class PromptTicket:
 
     __slots__ = (
         "_answered_event",
+        "accepted_due",
         "admitted_at",
         "answered",
         "call_scope",
@@ -110,6 +111,12 @@ class PromptTicket:
         client_id: str | None,
         admitted_at: float,
         deadline_ms: int,
+        channel: Any = None,
+        meta: dict[str, Any] | None = None,
+        lease: Any = None,
+        priority: str = "interactive",
+        seat: Any = None,
+        seq: int = 0,
     ) -> None:
         self.session = session
         self.prompt_id = prompt_id
@@ -131,24 +138,27 @@ class PromptTicket:
         #: prompts are answered before anybody does)
         self.waiters: list[Any] | tuple[()] = ()
         #: the sender, for the agent's own requests (permission, fs, terminal)
-        self.channel: Any = None
+        self.channel = channel
         #: the request's ``_meta`` without our own keys, passed to the agent
-        self.meta: dict[str, Any] | None = None
+        self.meta = meta
         #: the backend pool lease, held from admission to settlement
-        self.lease: Any = None
+        self.lease = lease
         #: the prompt's number (its id is ``prompt_<seq>``) and its admission record's op in the store
-        self.seq = 0
+        self.seq = seq
         self.store_op = 0
         #: its class for the admission policy: ``_meta.priority``, default interactive
-        self.priority = "interactive"
+        self.priority = priority
         #: with the policy on: its policy seat, or its ticket in the global waiting room
-        self.seat: Any = None
+        self.seat = seat
         #: set while the runner waits in the waiting room: settling cancels the wait
         self.wait_scope: trio.CancelScope | None = None
         #: the head and tail of its ``_acp_server/turn_state`` lines (built by the fan-out at the first)
         self.state_ends: tuple[bytes, bytes] | None = None
         #: a backend call started in its enqueuer's step, (awaitable, turn), until the runner awaits it
         self.finish: Any = None
+        #: its ``accepted`` turn state is still to be sent: with ``running`` if the prompt starts in the
+        #: step that admits it (:meth:`~acp_server.bridge.fanout.FanOut.start`), else once it is queued
+        self.accepted_due = False
 
     @property
     def done(self) -> PromptTicket:
