@@ -73,6 +73,9 @@ class EchoBackend(BaseBackend):
         emit = turn.emit
         for block in turn.prompt:
             text = block.text if type(block) is TextContent else describe_block(block)
+            if " " not in text and text.isprintable() and text:  # split_words' one-word case, inline
+                emit(AgentMessageChunk(content=TextContent(text=text)))
+                continue
             for chunk in split_words(text):
                 emit(AgentMessageChunk(content=TextContent(text=chunk)))
         return "end_turn"

@@ -61,6 +61,10 @@ class Settlement:
 
     def __init__(self, fanout: FanOut, persistence: Persistence) -> None:
         self._fanout = fanout
+        #: the fan-out answers at once (no store): its hold_answer and answer_waiters are inlined
+        self._direct = (
+            type(fanout).hold_answer is FanOut.hold_answer and type(fanout).answer_waiters is FanOut.answer_waiters
+        )
         #: where outcomes are recorded (``None`` without a store: nothing to call)
         self._record = persistence.settle if persistence.durable else None
         #: prompts settled so far
@@ -112,10 +116,22 @@ class Settlement:
             ticket.release_holds()  # it never reached the backend (or holds what it was given back)
         if self._record is not None:
             self._record(ticket)
-        self._fanout.hold_answer(ticket)
+        if not self._direct:
+            self._fanout.hold_answer(ticket)
+            if session.abandoned is not None:
+                self.fail_head_forks(session)
+            self._fanout.answer_waiters(ticket)
+            return True
+        ticket.answered = True  # FanOut.hold_answer's ticket.set(), inline
+        if ticket._answered_event is not None:
+            ticket._answered_event.set()
         if session.abandoned is not None:
             self.fail_head_forks(session)
-        self._fanout.answer_waiters(ticket)
+        waiters = ticket.waiters  # FanOut.answer_waiters', inline
+        if waiters:
+            ticket.waiters = ()
+            for waiter in waiters:  # last: a callback may start the connection's next request
+                waiter.notify(result, error)
         return True
 
     @staticmethod

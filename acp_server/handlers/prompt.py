@@ -28,7 +28,19 @@ def prompt_request(ctx: ConnContext, params: PromptParams) -> Deferred | PromptR
     Raises:
         AcpError: the admission's refusal, or the answered prompt's error.
     """
-    return _prompt(ctx, params, True)
+    bridge = ctx.server.bridge
+    if params.meta or bridge.shared is not None:
+        return _prompt(ctx, params, True)
+    # _prompt's usual case, inline (this runs for every prompt): none of our _meta keys to read
+    ticket, duplicate = bridge.admit(
+        params.session_id, params.prompt, ctx.peer, None, None, ctx.cancelled, ctx._channel or ctx.channel(), None,
+        None, ctx.tenant,
+    )
+    if ticket.answered:
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket.result  # type: ignore[return-value]
+    return PromptWaiter(bridge.settlement, ticket, not duplicate)
 
 
 def _answered(ticket: PromptTicket) -> PromptResult:
