@@ -420,11 +420,19 @@ class SessionBridge:
                 return session, client, fingerprint, seen[1]
         limit = self.limits.max_pending_prompts_per_session
         if limit and session.pending_count >= limit:
-            self._refused += 1
-            raise PromptQueueFullError(
-                session_id=session_id, limit=limit, pending_count=session.pending_count, retry_after_ms=RETRY_AFTER_MS
-            )
+            self._queue_full(session, limit)
         return session, client, fingerprint, None
+
+    def _queue_full(self, session: Session, limit: int) -> None:
+        """Refuse a prompt to ``session``, whose pending limit is reached.
+
+        Raises:
+            PromptQueueFullError: always.
+        """
+        self._refused += 1
+        raise PromptQueueFullError(
+            session_id=session.session_id, limit=limit, pending_count=session.pending_count, retry_after_ms=RETRY_AFTER_MS
+        )
 
     def admit(
         self,
@@ -461,11 +469,20 @@ class SessionBridge:
                 in this order of checks; a refusal changes nothing.
         """
         now = self._now()
-        session, client, fingerprint, earlier = self.check_local(
-            session_id, prompt, peer, client_id, cancelled, idempotency_key, tenant, now
-        )
-        if earlier is not None:
-            return earlier, True
+        session = self.sessions.get(session_id)
+        if session is not None and idempotency_key is None and not cancelled and (tenant is None or session.tenant == tenant):
+            # check_local's usual case, inline: a live session, no key, a request not cancelled
+            client = self.clients.resolve(session, peer, client_id, now)
+            limit = self.limits.max_pending_prompts_per_session
+            if limit and session.pending_count >= limit:
+                self._queue_full(session, limit)
+            fingerprint = b""
+        else:
+            session, client, fingerprint, earlier = self.check_local(
+                session_id, prompt, peer, client_id, cancelled, idempotency_key, tenant, now
+            )
+            if earlier is not None:
+                return earlier, True
         if self.draining:
             self._refused += 1
             raise draining_refusal()

@@ -231,8 +231,13 @@ class FanOut:
                 self._at_ms = at
                 self._at_digits = b"%d" % at
             ends = ticket.state_ends
-            if ends is None:
-                ends = ticket.state_ends = _turn_state_ends(session.session_id, ticket.prompt_id, ticket.client_id)
+            if ends is None:  # _turn_state_ends', inline: a started prompt's first line is built here
+                client_id = ticket.client_id
+                ends = ticket.state_ends = (
+                    f'{{"jsonrpc":"2.0","method":"{TURN_STATE}","params":{{"sessionId":"{session.session_id}",'
+                    f'"promptId":"{ticket.prompt_id}","state":"'.encode(),
+                    b"}}}\n" if client_id is None else f',"originatorClientId":"{client_id}"}}}}}}\n'.encode(),
+                )
             if accepted:
                 peer.send(_TURN_STATE % (ends[0], b"accepted", self._at_digits, b"", event_id, ends[1]))
                 event_id += 1
