@@ -317,6 +317,36 @@ class FanOut:
         else:
             self.send(session, data, None, peers or (peer,))  # type: ignore[arg-type]
 
+    def completed(self, ticket: PromptTicket, reason: str) -> None:
+        """``turn_state(ticket, "completed", reason)``, its usual case (one connection, no store) inline:
+        the state is kept in the transcript whoever takes it, and sent if the connection takes turn
+        states."""
+        session = ticket.session
+        attached = session.attached
+        if len(attached) != 1 or not self._direct or self._add_event is not None:
+            self.turn_state(ticket, "completed", reason)
+            return
+        (peer,) = attached
+        event_id = session.next_event_id
+        session.next_event_id = event_id + 1
+        extra = _REASONS.get(reason) or b',"reason":' + _encoder.encode(reason)
+        at = time_ns() // 1_000_000  # epoch ms, as in turn_state
+        if at != self._at_ms:
+            self._at_ms = at
+            self._at_digits = b"%d" % at
+        # _TURN_STATE_BODY's bytes, joined
+        text = b"".join((b'{"promptId":"', ticket.prompt_id.encode(), b'","state":"completed","at":', self._at_digits, extra, b"}"))
+        history = session.history
+        history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
+        if len(history) > self._trim_at:
+            self._trim(session)
+        if self._peer_states[peer].turn_states < TURN_STATES_TERMINAL:
+            return
+        ends = ticket.state_ends
+        if ends is None:
+            ends = ticket.state_ends = _turn_state_ends(session.session_id, ticket.prompt_id, ticket.client_id)
+        peer.send(_TURN_STATE % (ends[0], b"completed", self._at_digits, extra, event_id, ends[1]))
+
     def send(self, session: Session, data: bytes, exclude: Peer | None, peers: tuple[Peer, ...] | None = None) -> None:
         """Send ``data`` to ``peers`` (default: every connection attached to ``session``) but ``exclude``."""
         if peers is None:

@@ -88,12 +88,11 @@ class Settlement:
             return False
         if error is not None:
             error = error.for_prompt(ticket.prompt_id)
-            state, reason = _terminal_state(result, error)
+            self._fanout.turn_state(ticket, *_terminal_state(result, error))
         elif result is not None and result.stop_reason != "cancelled":
-            state, reason = "completed", result.stop_reason  # the usual outcome, without the call
+            self._fanout.completed(ticket, result.stop_reason)  # the usual outcome
         else:
-            state, reason = _terminal_state(result, error)
-        self._fanout.turn_state(ticket, state, reason)
+            self._fanout.turn_state(ticket, *_terminal_state(result, error))
         ticket.settled = True
         ticket.result, ticket.error = result, error
         session = ticket.session
