@@ -12,7 +12,7 @@ from acp_server.store import TURN_STATE, StoredEvent
 from acp_server.types.ext import TurnStateBody, TurnStateParams
 
 from .fakes import FakeBackend, send_prompt, serving
-from .helpers import RpcError, connect
+from .helpers import RpcError, connect, running_server
 
 
 async def test_turn_state_text_matches_the_wire_type_and_escapes_the_reason() -> None:
@@ -149,3 +149,44 @@ async def test_live_turn_states_name_the_client_whose_prompt_it_is() -> None:
         await later.call("session/load", {"sessionId": sid, "cwd": "/tmp", "mcpServers": []})
         assert [t["state"] for t in later.turn_states] == ["completed", "completed"]
         assert all("originatorClientId" not in t["_meta"] for t in later.turn_states)
+
+
+async def test_a_prompt_started_in_its_admitting_step_on_one_connection() -> None:
+    """The echo agent's turn runs in the step that admits it (FanOut.start, FanOut.completed): on a
+    connection that takes turn states its lines are accepted, running, the update, completed, in that
+    order with consecutive event ids but the one of its own text (kept, not sent to its sender), each the
+    bytes its wire type encodes; one that takes none gets the update with the same event id; both leave
+    the same transcript."""
+    from acp_server.backends.echo import EchoBackend
+
+    seen: dict[bool, tuple[list[dict[str, object]], list[dict[str, object]], list[tuple[int, object]]]] = {}
+    for asks in (True, False):
+        async with running_server(Limits(), EchoBackend()) as (server, nursery):
+            client = await connect(server, nursery, initialize=False)
+            await client.initialize(turn_states=asks)
+            sid, _ = await client.new_session()
+            for text in ("hello", "again"):
+                assert (await client.prompt(sid, text))["stopReason"] == "end_turn"
+            await client.call("_acp_server/stats")  # every notification before this answer has arrived
+            seen[asks] = (client.turn_states, client.updates(sid), server.bridge.sessions[sid].history)
+    states, updates, history = seen[True]
+    assert [t["state"] for t in states] == ["accepted", "running", "completed"] * 2
+    for first in (0, 3):
+        accepted, running, completed = states[first : first + 3]
+        ids = [t["_meta"]["eventId"] for t in (accepted, running, completed)]
+        update = updates[first // 3]
+        assert ids[1] == ids[0] + 1 and update["_meta"]["eventId"] == ids[0] + 3 and ids[2] == ids[0] + 4
+        assert accepted["at"] == running["at"] and completed["reason"] == "end_turn"
+        assert len({t["promptId"] for t in (accepted, running, completed)}) == 1
+        for got in (accepted, running, completed):
+            assert msgspec.json.decode(msgspec.json.encode(msgspec.convert(got, TurnStateParams))) == got
+        event_id, stored = next(e for e in history if e[0] == ids[2])
+        assert isinstance(stored, StoredEvent) and stored.method == TURN_STATE
+        body = msgspec.json.decode(stored.body, type=TurnStateBody)
+        assert (body.prompt_id, body.state, body.reason, body.at) == (completed["promptId"], "completed", "end_turn", completed["at"])
+        assert msgspec.json.decode(stored.body) == msgspec.json.decode(msgspec.json.encode(body))
+    quiet_states, quiet_updates, quiet_history = seen[False]
+    assert quiet_states == []
+    assert [u["_meta"]["eventId"] for u in quiet_updates] == [u["_meta"]["eventId"] for u in updates]
+    assert [e[0] for e in quiet_history] == [e[0] for e in history]
+    assert [type(e[1]) for e in quiet_history] == [type(e[1]) for e in history]
