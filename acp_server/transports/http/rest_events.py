@@ -288,6 +288,24 @@ def _turn_frames(line: bytes) -> _Frames | None:
 
 
 _last_line: tuple[bytes, _Frames] = (b"", [])
+#: the last run of lines :func:`_lines_of` split, and its lines
+_last_split: tuple[bytes, list[bytes]] = (b"", [])
+
+
+def _lines_of(data: bytes) -> list[bytes]:
+    """The NDJSON lines of ``data``, each with its line feed: the bridge sends a run of lines in one
+    ``send`` when it holds them for a store's commit (``fanout.CommitFanOut``), and each is a message of
+    its own, as an ACP connection's client reads them. The last run split is kept: every subscriber of
+    the session is sent the same run."""
+    global _last_split
+    if _last_split[0] is data:
+        return _last_split[1]
+    parts = data.split(b"\n")
+    lines = [part + b"\n" for part in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    _last_split = (data, lines)
+    return lines
 #: the last update line :meth:`SseSubscriber.send` cut: the line, its event id's digits and its frame
 _last_update: tuple[bytes, bytes, bytes] = (b"", b"", b"")
 
@@ -502,6 +520,10 @@ class SseSubscriber:
         last = _last_line
         if last[0] is data:
             frames = last[1]
+        elif -1 < data.find(b"\n") < len(data) - 1:
+            for line in _lines_of(data):
+                self.send(line)
+            return
         elif data.startswith(self._update_head) and data.find(b"\r") < 0:
             # the line's end after its last ``_meta``: the event id's digits (as _UPDATE_TAIL's
             # ``[1-9][0-9]{0,15}``), then an end seen before or checked once against _TAIL_END
