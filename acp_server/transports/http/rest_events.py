@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from ...bridge.fanout import encode_update
 from ..outbox import at_pass_end
 
 if TYPE_CHECKING:
@@ -197,6 +198,8 @@ _UPDATE_TAIL = re.compile(rb'([1-9][0-9]{0,15})(,"originatorClientId":"[A-Za-z0-
 #: :data:`_UPDATE_TAIL` after its event id: 1, the originating client id's member
 _TAIL_END = re.compile(rb'(,"originatorClientId":"[A-Za-z0-9._:-]{1,128}")?\}\}\}\n?')
 _DIGITS = b"0123456789"
+#: the first event id past :data:`_UPDATE_TAIL`'s 16 digits
+_MAX_CUT_ID = 10**16
 #: the most line ends (:data:`_TAIL_END`) a subscriber keeps
 _TAIL_ENDS_KEPT = 64
 _FRAME_HEAD = b'\nevent: session_update\ndata: {"v":1,"type":"session_update","data":{"sessionId":"'
@@ -390,6 +393,12 @@ class SseSubscriber:
         self._end = b"}}}\n"
         self._end_len = len(self._end)
         self._member = b""
+        #: an update's frame as a format of its event id, its JSON, its event id twice and the originating
+        #: client id's member (:meth:`send_update`; ``None``: a session id that is not plain)
+        self._update_format = (b"id: %d" + self._frame_head.replace(b"%", b"%%") + b'%s},"_meta":{"eventId":%d},"id":%d%s}\n\n'
+                               if plain else None)
+        #: originating client ids -> their member in a frame (``None``: not plain, the line's path decides)
+        self._members: dict[str | None, bytes | None] = {None: b""}
 
     @property
     def last_event_id(self) -> int:
@@ -512,6 +521,31 @@ class SseSubscriber:
                 self._queue(frame)
                 return
         self._send_line(data)
+
+    def send_update(self, event_id: int, body: bytes, originator: str | None) -> None:
+        """The bridge's live update to this subscriber alone, as its parts (``fanout.FanOut.update_sinks``):
+        queues the frame :meth:`send` cuts from its line (``fanout.encode_update``), built from them. The
+        update's JSON is msgspec's (no line feed or carriage return); an event id past 16 digits, a
+        session id or an originating client id that is not plain take the line's path."""
+        member = self._members.get(originator, b"-")
+        if member == b"-":
+            member = self._member_of(originator)
+        form = self._update_format
+        if member is None or form is None or event_id >= _MAX_CUT_ID:
+            self.send(encode_update(self.session_id, event_id, body, originator))
+            return
+        self._last_id = event_id
+        self._last_digits = None
+        self._queue(form % (event_id, body, event_id, event_id, member))
+
+    def _member_of(self, originator: str | None) -> bytes | None:
+        """The ``originatorClientId`` member of ``originator``'s frames (``None``: not plain), kept."""
+        raw = (originator or "").encode()
+        member = b',"originatorClientId":"%s"' % raw if _PLAIN_ID.fullmatch(raw) else None
+        if len(self._members) >= _TAIL_ENDS_KEPT:
+            self._members = {None: b""}
+        self._members[originator] = member
+        return member
 
     def _send_line(self, data: bytes) -> None:
         """:meth:`send` of a line its first cut does not take: an update line that ends otherwise than
