@@ -383,6 +383,8 @@ class SseSubscriber:
         self._frame_head = _FRAME_HEAD + sid + b'","update":'
         self._turn_head = _TURN_PREFIX + sid + b'","promptId":"' if plain else b"\n"
         self._update_start = len(self._update_head)
+        self._turn_start = len(self._turn_head)
+        self._turn_frame_head = b'\nevent: turn_complete\ndata: {"v":1,"type":"turn_complete","data":{"sessionId":"' + sid + b'","stopReason":"'
         #: the ends of update lines after their event id seen already (:data:`_TAIL_END`) -> the
         #: originating client id's member (``b""``: none; ``None``: not the bridge's layout). A session's
         #: lines end alike (its prompts' client ids), so that most are a dictionary lookup.
@@ -520,6 +522,16 @@ class SseSubscriber:
                 self._last_digits = digits
                 self._queue(frame)
                 return
+        elif data.startswith(self._turn_head):  # a completed turn's line, as _frames_of cuts it
+            done = _COMPLETED_FROM_PROMPT.fullmatch(data, self._turn_start)
+            if done is not None:
+                prompt_id, reason, digits = done.groups()
+                frame = b"".join((b"id: ", digits, self._turn_frame_head, reason or b"end_turn", b'","promptId":"', prompt_id,
+                                  b'"},"_meta":{"eventId":', digits, b'},"id":', digits, b"}\n\n"))
+                _last_update = (data, digits, frame)
+                self._last_digits = digits
+                self._queue(frame)
+                return
         self._send_line(data)
 
     def send_update(self, event_id: int, body: bytes, originator: str | None) -> None:
@@ -536,7 +548,17 @@ class SseSubscriber:
             return
         self._last_id = event_id
         self._last_digits = None
-        self._queue(form % (event_id, body, event_id, event_id, member))
+        frame = form % (event_id, body, event_id, event_id, member)
+        size = self.nbytes + len(frame)  # (:meth:`_queue`, inline)
+        frames = self.frames
+        if self._closed or len(frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
+            self.push(frame)
+            return
+        self.frames_queued += 1
+        frames.append(frame)
+        self.nbytes = size
+        if self._waiting:
+            self._wake()
 
     def _member_of(self, originator: str | None) -> bytes | None:
         """The ``originatorClientId`` member of ``originator``'s frames (``None``: not plain), kept."""
