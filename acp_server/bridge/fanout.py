@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from functools import partial
 from time import time_ns
@@ -141,6 +141,10 @@ class FanOut:
         self._trim_at = max_history_events + max(1, max_history_events // 4)
         #: a line to one connection goes to its ``send`` at once (:class:`CommitFanOut` holds it instead)
         self._direct = True
+        #: connections that take a live update as its parts (event id, the update's JSON, the originating
+        #: client id) instead of its line, when it goes to them alone and at once: an SSE subscriber
+        #: builds its frame from them, with no line to format and cut apart again
+        self.update_sinks: dict[Peer, Callable[[int, bytes, str | None], None]] = {}
         #: the last epoch millisecond a turn state carried, and its digits
         self._at_ms = -1
         self._at_digits = b""
@@ -172,6 +176,13 @@ class FanOut:
         body = _encoder.encode(update)  # once, for the wire and the store
         if add_event is not None:
             add_event(session.session_id, event_id, body)
+        sinks = self.update_sinks
+        if sinks and self._direct and len(attached) == 1:  # (not ``exclude``: that returned above)
+            for peer in attached:
+                sink = sinks.get(peer)
+                if sink is not None:
+                    sink(event_id, body, originator)
+                    return
         if originator is None:  # encode_update's lines, inline (this runs for every update)
             data = _UPDATE % (session.session_id.encode(), body, event_id)
         else:
@@ -485,6 +496,13 @@ class TicketTurn(Turn):
         if add_event is not None:
             add_event(session.session_id, event_id, body)
         originator = ticket.client_id
+        sinks = fanout.update_sinks
+        if sinks and fanout._direct and len(attached) == 1:
+            for peer in attached:
+                sink = sinks.get(peer)
+                if sink is not None:
+                    sink(event_id, body, originator)
+                    return
         if originator is None:
             data = _UPDATE % (session.session_id.encode(), body, event_id)
         else:

@@ -1,13 +1,12 @@
-"""The REST API's event side: qwen serve's event envelope and one SSE subscriber as a bridge ``Peer``
-(the channel a REST prompt's agent asks its permission questions on is :mod:`.rest_permissions`).
+"""The REST API's event side: one SSE subscriber as a bridge ``Peer``, and the cuts that turn the bridge's
+own lines into their frames without decoding them (the envelope and its general translation are
+:mod:`.rest_envelope`; the channel a REST prompt's agent asks its permission questions on is
+:mod:`.rest_permissions`).
 
 A subscriber (:class:`SseSubscriber`) is attached to its session with the bridge's own calls
-(``replay`` then live fan-out), so it receives exactly the NDJSON lines an ACP connection receives.
-:func:`envelope` turns each line into qwen's ``{id?, v: 1, type, data, _meta, originatorClientId?}``:
-``session/update`` -> ``session_update {sessionId, update}``; the terminal ``_acp_server/turn_state``
-(completed, cancelled, failed) -> exactly one ``turn_complete`` or ``turn_error`` per prompt, live and
-in replay (the transcript keeps the terminal states); the other turn states are not sent (the bridge
-gives a subscriber the terminal ones only).
+(``replay`` then live fan-out), so it receives exactly the NDJSON lines an ACP connection receives,
+each turned into qwen's envelope (:func:`~.rest_envelope.envelope`); a live update sent to it alone
+comes as its parts instead (:meth:`SseSubscriber.send_update`), and its frame is the one of its line.
 
 Bounds: a subscriber's queue holds at most ``max_frames`` frames and ``max_bytes`` bytes. Past 75 % of
 either it is sent one ``slow_client_warning``; past the bound it gets ``client_evicted`` and its
@@ -25,117 +24,17 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from ...bridge.fanout import encode_update
 from ..outbox import at_pass_end
+from .rest_envelope import EVENT_TYPES, HEARTBEAT, _event, control_event, encode_frame, envelope, envelopes
 
 if TYPE_CHECKING:
     from ...auth.tokens import Identity
 
 __all__ = ["EVENT_TYPES", "SseSubscriber", "control_event", "encode_frame", "envelope", "envelopes", "frames_of"]
 
-#: Every event type this server sends on ``GET /session/:id/events``.
-EVENT_TYPES = (
-    "session_update",
-    "permission_request",
-    "permission_resolved",
-    "turn_complete",
-    "turn_error",
-    "prompt_cancelled",
-    "session_closed",
-    "client_evicted",
-    "slow_client_warning",
-    "state_resync_required",
-    "replay_complete",
-)
-
-#: the comment an idle stream is sent (proxies keep the connection open)
-HEARTBEAT = b": heartbeat\n\n"
-_TURN_STATE = "_acp_server/turn_state"
-_REPLAY_TRUNCATED = "_acp_server/replay_truncated"
-_encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder()
 #: REST peers' ids stay clear of the socket shells' (small counters).
 _ids = itertools.count(1 << 40)
-
-
-def _event(type: str, data: dict[str, Any], event_id: int | None = None, originator: str | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"v": 1, "type": type, "data": data, "_meta": {}}
-    if event_id is not None:
-        out["id"] = event_id
-        out["_meta"] = {"eventId": event_id}
-    if originator is not None:
-        out["originatorClientId"] = originator
-    return out
-
-
-def envelopes(line: bytes) -> list[dict[str, Any]]:
-    """qwen's event envelopes for one NDJSON line the bridge sent (none: not sent over REST).
-
-    A cancelled turn is ``prompt_cancelled`` then its ``turn_complete`` (which carries the event id);
-    a replay that starts past a gap (``_acp_server/replay_truncated``) is ``state_resync_required``.
-    """
-    try:
-        msg = _decoder.decode(line)
-    except msgspec.DecodeError:
-        return []
-    if not isinstance(msg, dict) or not isinstance(msg.get("params"), dict):
-        return []
-    method = msg.get("method")
-    params: dict[str, Any] = msg["params"]
-    raw_meta = params.get("_meta")
-    meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
-    event_id = meta.get("eventId")
-    if not isinstance(event_id, int) or isinstance(event_id, bool) or event_id < 1:
-        event_id = None
-    session_id = params.get("sessionId")
-    if method == "session/update":
-        data = {"sessionId": session_id, "update": params.get("update")}
-        return [_event("session_update", data, event_id, meta.get("originatorClientId"))]
-    if method == _TURN_STATE:
-        return _turn_end(params, event_id)
-    if method == _REPLAY_TRUNCATED:
-        return [_event("state_resync_required", {
-            "sessionId": session_id, "reason": "replay_window_exceeded",
-            "lastDeliveredId": params.get("requestedAfterEventId", 0), "earliestAvailableId": params.get("firstEventId", 1),
-        })]
-    return []
-
-
-def _turn_end(params: dict[str, Any], event_id: int | None) -> list[dict[str, Any]]:
-    """The frames of a terminal turn state (none for the others)."""
-    state = params.get("state")
-    session_id = params.get("sessionId")
-    prompt_id = params.get("promptId")
-    if state == "completed":
-        stop = params.get("reason") or "end_turn"
-        return [_event("turn_complete", {"sessionId": session_id, "stopReason": stop, "promptId": prompt_id}, event_id)]
-    if state == "cancelled":
-        cancelled: dict[str, Any] = {"sessionId": session_id, "promptId": prompt_id}
-        if params.get("reason"):
-            cancelled["reason"] = params["reason"]
-        data = {"sessionId": session_id, "stopReason": "cancelled", "promptId": prompt_id}
-        return [_event("prompt_cancelled", cancelled), _event("turn_complete", data, event_id)]
-    if state == "failed":
-        code = params.get("reason") or "internal"
-        data = {"sessionId": session_id, "message": f"the prompt failed: {code}", "code": code, "promptId": prompt_id}
-        return [_event("turn_error", data, event_id)]
-    return []
-
-
-def envelope(line: bytes) -> dict[str, Any] | None:
-    """The last of :func:`envelopes` (the one that carries the line's event id), or ``None``."""
-    events = envelopes(line)
-    return events[-1] if events else None
-
-
-def control_event(type: str, data: dict[str, Any]) -> dict[str, Any]:
-    """An envelope without a session event id (replay_complete, state_resync_required, session_closed)."""
-    return _event(type, data)
-
-
-def encode_frame(event: dict[str, Any]) -> bytes:
-    """One SSE frame: ``id:`` (only with a session event id), ``event:`` and ``data:``."""
-    head = f"id: {event['id']}\n" if "id" in event else ""
-    return f"{head}event: {event['type']}\n".encode() + b"data: " + _encoder.encode(event) + b"\n\n"
 
 
 class _UpdateMeta(msgspec.Struct):
@@ -197,6 +96,8 @@ _UPDATE_TAIL = re.compile(rb'([1-9][0-9]{0,15})(,"originatorClientId":"[A-Za-z0-
 #: :data:`_UPDATE_TAIL` after its event id: 1, the originating client id's member
 _TAIL_END = re.compile(rb'(,"originatorClientId":"[A-Za-z0-9._:-]{1,128}")?\}\}\}\n?')
 _DIGITS = b"0123456789"
+#: the first event id past :data:`_UPDATE_TAIL`'s 16 digits
+_MAX_CUT_ID = 10**16
 #: the most line ends (:data:`_TAIL_END`) a subscriber keeps
 _TAIL_ENDS_KEPT = 64
 _FRAME_HEAD = b'\nevent: session_update\ndata: {"v":1,"type":"session_update","data":{"sessionId":"'
@@ -288,6 +189,24 @@ def _turn_frames(line: bytes) -> _Frames | None:
 
 
 _last_line: tuple[bytes, _Frames] = (b"", [])
+#: the last run of lines :func:`_lines_of` split, and its lines
+_last_split: tuple[bytes, list[bytes]] = (b"", [])
+
+
+def _lines_of(data: bytes) -> list[bytes]:
+    """The NDJSON lines of ``data``, each with its line feed: the bridge sends a run of lines in one
+    ``send`` when it holds them for a store's commit (``fanout.CommitFanOut``), and each is a message of
+    its own, as an ACP connection's client reads them. The last run split is kept: every subscriber of
+    the session is sent the same run."""
+    global _last_split
+    if _last_split[0] is data:
+        return _last_split[1]
+    parts = data.split(b"\n")
+    lines = [part + b"\n" for part in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    _last_split = (data, lines)
+    return lines
 #: the last update line :meth:`SseSubscriber.send` cut: the line, its event id's digits and its frame
 _last_update: tuple[bytes, bytes, bytes] = (b"", b"", b"")
 
@@ -362,6 +281,8 @@ class SseSubscriber:
         self._frame_head = _FRAME_HEAD + sid + b'","update":'
         self._turn_head = _TURN_PREFIX + sid + b'","promptId":"' if plain else b"\n"
         self._update_start = len(self._update_head)
+        self._turn_start = len(self._turn_head)
+        self._turn_frame_head = b'\nevent: turn_complete\ndata: {"v":1,"type":"turn_complete","data":{"sessionId":"' + sid + b'","stopReason":"'
         #: the ends of update lines after their event id seen already (:data:`_TAIL_END`) -> the
         #: originating client id's member (``b""``: none; ``None``: not the bridge's layout). A session's
         #: lines end alike (its prompts' client ids), so that most are a dictionary lookup.
@@ -372,6 +293,12 @@ class SseSubscriber:
         self._end = b"}}}\n"
         self._end_len = len(self._end)
         self._member = b""
+        #: an update's frame as a format of its event id, its JSON, its event id twice and the originating
+        #: client id's member (:meth:`send_update`; ``None``: a session id that is not plain)
+        self._update_format = (b"id: %d" + self._frame_head.replace(b"%", b"%%") + b'%s},"_meta":{"eventId":%d},"id":%d%s}\n\n'
+                               if plain else None)
+        #: originating client ids -> their member in a frame (``None``: not plain, the line's path decides)
+        self._members: dict[str | None, bytes | None] = {None: b""}
 
     @property
     def last_event_id(self) -> int:
@@ -493,7 +420,52 @@ class SseSubscriber:
                 self._last_digits = digits
                 self._queue(frame)
                 return
+        elif data.startswith(self._turn_head):  # a completed turn's line, as _frames_of cuts it
+            done = _COMPLETED_FROM_PROMPT.fullmatch(data, self._turn_start)
+            if done is not None:
+                prompt_id, reason, digits = done.groups()
+                frame = b"".join((b"id: ", digits, self._turn_frame_head, reason or b"end_turn", b'","promptId":"', prompt_id,
+                                  b'"},"_meta":{"eventId":', digits, b'},"id":', digits, b"}\n\n"))
+                _last_update = (data, digits, frame)
+                self._last_digits = digits
+                self._queue(frame)
+                return
         self._send_line(data)
+
+    def send_update(self, event_id: int, body: bytes, originator: str | None) -> None:
+        """The bridge's live update to this subscriber alone, as its parts (``fanout.FanOut.update_sinks``):
+        queues the frame :meth:`send` cuts from its line (``fanout.encode_update``), built from them. The
+        update's JSON is msgspec's (no line feed or carriage return); an event id past 16 digits, a
+        session id or an originating client id that is not plain take the line's path."""
+        member = self._members.get(originator, b"-")
+        if member == b"-":
+            member = self._member_of(originator)
+        form = self._update_format
+        if member is None or form is None or event_id >= _MAX_CUT_ID:
+            self.send(encode_update(self.session_id, event_id, body, originator))
+            return
+        self._last_id = event_id
+        self._last_digits = None
+        frame = form % (event_id, body, event_id, event_id, member)
+        size = self.nbytes + len(frame)  # (:meth:`_queue`, inline)
+        frames = self.frames
+        if self._closed or len(frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
+            self.push(frame)
+            return
+        self.frames_queued += 1
+        frames.append(frame)
+        self.nbytes = size
+        if self._waiting:
+            self._wake()
+
+    def _member_of(self, originator: str | None) -> bytes | None:
+        """The ``originatorClientId`` member of ``originator``'s frames (``None``: not plain), kept."""
+        raw = (originator or "").encode()
+        member = b',"originatorClientId":"%s"' % raw if _PLAIN_ID.fullmatch(raw) else None
+        if len(self._members) >= _TAIL_ENDS_KEPT:
+            self._members = {None: b""}
+        self._members[originator] = member
+        return member
 
     def _send_line(self, data: bytes) -> None:
         """:meth:`send` of a line its first cut does not take: an update line that ends otherwise than
@@ -502,6 +474,10 @@ class SseSubscriber:
         last = _last_line
         if last[0] is data:
             frames = last[1]
+        elif -1 < data.find(b"\n") < len(data) - 1:
+            for line in _lines_of(data):
+                self.send(line)
+            return
         elif data.startswith(self._update_head) and data.find(b"\r") < 0:
             # the line's end after its last ``_meta``: the event id's digits (as _UPDATE_TAIL's
             # ``[1-9][0-9]{0,15}``), then an end seen before or checked once against _TAIL_END

@@ -10,7 +10,8 @@ import msgspec
 import trio
 
 from ...types.acp import ClientCapabilities
-from .rest_events import SseSubscriber, _event
+from .rest_envelope import _event
+from .rest_events import SseSubscriber
 
 if TYPE_CHECKING:
     from ...bridge import Session

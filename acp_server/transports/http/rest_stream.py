@@ -82,7 +82,9 @@ async def serve_events(
     await send({"type": "http.response.body", "body": b"retry: 3000\n\n", "more_body": True})
     # on plain HTTP/1.1 (lean.LeanStream) live frames are written as their pass ends, not by the pump
     sub.direct = getattr(getattr(send, "__self__", None), "send_chunk_nowait", None)
+    fanout = bridge.fanout
     try:
+        fanout.update_sinks[sub] = sub.send_update  # its live updates as their parts, not lines
         if auth is not None:
             auth.streams.add(sub)  # evicted with its token (SIGHUP revocation, expiry)
         async with trio.open_nursery() as nursery:
@@ -93,6 +95,7 @@ async def serve_events(
     finally:
         sub.close()
         bridge.peer_closed(sub)
+        fanout.update_sinks.pop(sub, None)
         if auth is not None:
             auth.streams.discard(sub)
     with trio.CancelScope(shield=True):
