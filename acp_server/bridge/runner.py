@@ -325,6 +325,7 @@ class SessionRunner:
             return
         fifo = session.fifo
         persistence = self._persistence
+        session.runner_idle_epoch = self._epoch  # busy: the parked runner is not idle for stop_idle
         self._draining = session
         try:
             while fifo:
