@@ -14,7 +14,9 @@ at once.
 A prompt that nothing precedes (the FIFO empty, the runner parked or gone, no commit or seat to
 wait for) starts in the step that admits it, on a backend with a synchronous start
 (:meth:`SessionRunner._start_now`): the echo agent's whole turn ends there, an agent process's
-request is queued there, and the runner awaits only what is left.
+request is queued there, and the runner awaits only what is left. With a store, the prompts at a
+parked runner's FIFO head start that way in the step that learns their admission records are
+committed (:meth:`SessionRunner._committed`), one after the other, instead of waking the runner.
 
 A prompt that settles while its call is still running (cancelled, expired) leaves that call
 *abandoned*: the FIFO's next prompt waits for it (the agent is still busy), while a fork that reaches
