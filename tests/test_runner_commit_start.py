@@ -17,9 +17,9 @@ from acp_server.backends.echo import EchoBackend
 from acp_server.bridge import SessionBridge
 from acp_server.bridge.session import PromptTicket
 from acp_server.store import SessionStore
-from acp_server.types.acp import StopReason
+from acp_server.types.acp import StopReason, TextContent
 
-from .fakes import FakePeer, admit_ticket, hang_guard, open_session, prompt_outcome, text_blocks
+from .fakes import FakeBackend, FakePeer, admit_ticket, hang_guard, open_session, prompt_outcome, text_blocks
 from .test_runner_start_now import SplitBackend, _methods
 
 
@@ -62,12 +62,22 @@ class _StartedSplit(SplitBackend):
         return super().start_prompt(turn)
 
 
+class _SlowFirstEcho(EchoBackend):
+    """The echo agent, but a prompt ``slow`` is not over at its synchronous start (the runner awaits it)."""
+
+    def start_prompt(self, turn: Turn) -> StopReason | Awaitable[StopReason]:
+        block = turn.prompt[0]
+        if isinstance(block, TextContent) and block.text == "slow":
+            return self.prompt(turn)
+        return super().start_prompt(turn)
+
+
 async def test_committed_prompts_run_in_the_commit_step_without_waking_the_runner(tmp_path: pathlib.Path) -> None:
-    async with durable_bridge(tmp_path, EchoBackend()) as bridge:
+    async with durable_bridge(tmp_path, _SlowFirstEcho()) as bridge:
         peer = FakePeer()
         session, _ = await open_session(bridge, peer)
         bridge.clients.peers[peer].turn_states = 2  # every turn state (TURN_STATES_ALL)
-        first = admit_ticket(bridge, session.session_id, text_blocks("zero"), peer=peer)
+        first = admit_ticket(bridge, session.session_id, text_blocks("slow"), peer=peer)  # makes a runner
         await prompt_outcome(bridge, first)
         await trio.testing.wait_all_tasks_blocked()
         assert session.runner.parked and not session.fifo
@@ -120,3 +130,27 @@ async def test_a_call_under_way_after_the_commit_step_goes_to_the_runner(tmp_pat
         results = [await prompt_outcome(bridge, t) for t in tickets]
         assert [r.stop_reason for r in results] == ["end_turn", "end_turn"]
         assert backend.ends == ["one"] and backend.calls[-1].text == "two"  # the runner's call, in FIFO order
+
+
+async def test_a_session_without_a_runner_gets_none_for_prompts_that_start_at_once(tmp_path: pathlib.Path) -> None:
+    async with durable_bridge(tmp_path, EchoBackend()) as bridge:
+        peer = FakePeer()
+        session, _ = await open_session(bridge, peer)
+        for words in (("one",), ("two", "three")):
+            tickets = [admit_ticket(bridge, session.session_id, text_blocks(w), peer=peer) for w in words]
+            results = [await prompt_outcome(bridge, t) for t in tickets]
+            assert [r.stop_reason for r in results] == ["end_turn"] * len(words)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not session.runner_active and session.runner.task is None and not session.fifo
+
+
+async def test_a_prompt_that_cannot_start_at_once_gets_a_runner_at_its_commit(tmp_path: pathlib.Path) -> None:
+    backend = FakeBackend()  # no synchronous start: every call is the runner's
+    async with durable_bridge(tmp_path, backend) as bridge:
+        peer = FakePeer()
+        session, _ = await open_session(bridge, peer)
+        tickets = [admit_ticket(bridge, session.session_id, text_blocks(w), peer=peer) for w in ("one", "two")]
+        assert not session.runner_active  # until the commit
+        results = [await prompt_outcome(bridge, t) for t in tickets]
+        assert [r.stop_reason for r in results] == ["end_turn", "end_turn"]
+        assert backend.texts_started() == ["one", "two"] and session.runner_active

@@ -194,7 +194,9 @@ class SessionRunner:
     def enqueue(self, session: Session, item: PromptTicket | ForkTicket) -> None:
         """Append ``item`` to the session's FIFO, and make sure a runner will take it.
 
-        A prompt that can start at once (see :meth:`_start_now`) starts here, in the caller's step.
+        A prompt that can start at once (see :meth:`_start_now`) starts here, in the caller's step;
+        with a store, one on a session without a runner starts in the step of its commit (see
+        :meth:`_committed`), and no runner task is made for it.
 
         Raises:
             InternalError: the bridge is not running.
@@ -217,6 +219,15 @@ class SessionRunner:
                 else:
                     runner.wake(outcome.Value(True))  # nothing to commit first: as wake(session, True)
             return
+        if self._persistence.durable:
+            # No runner: the commit of the head's admission record runs the FIFO (_committed), and
+            # starts a runner only for what it cannot start at once. A FIFO longer than this item
+            # has that commit pending already.
+            if len(fifo) > 1:
+                return
+            if type(item) is PromptTicket and self._persistence.committed < item.store_op:
+                self._persistence.when_committed(item.store_op, partial(self._committed, session))
+                return
         if self.nursery is None:
             raise InternalError()
         session.runner_active = True
