@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from operator import attrgetter
+from time import time_ns
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
 from ..store import StoredEvent, StoredSession
-from .clients import now_ms
 from .session import PromptTicket, Session
 
 if TYPE_CHECKING:
@@ -169,6 +170,10 @@ class NullPersistence:
 class StorePersistence:
     """Records through a :class:`SessionStore` (see the module docstring).
 
+    What the bridge calls several times per prompt goes to the store without a call of its own here:
+    :attr:`committed` and :attr:`generation` read the store's (no Python frame), and
+    :meth:`add_event`, :meth:`when_committed` and :meth:`after_round` are the store's own methods.
+
     Args:
         store: the store, opened.
         stored: its session index, as :meth:`SessionStore.open` returned it.
@@ -176,19 +181,25 @@ class StorePersistence:
 
     durable = True
 
+    #: the store's highest committed op
+    committed = property(attrgetter("store.committed"))
+    #: the store's write-round generation
+    generation = property(attrgetter("store.generation"))
+
+    #: append one transcript entry (``session_id, event_id, update, method=None``): the store's
+    #: :meth:`~acp_server.store.SessionStore.add_event`
+    add_event: Callable[..., None]
+    #: run ``callback`` once op ``op`` is committed: the store's ``when_committed``
+    when_committed: Callable[[int, Callable[[], None]], None]
+    #: run ``callback`` once the current write round is committed: the store's ``after_round``
+    after_round: Callable[[Callable[[], None]], None]
+
     def __init__(self, store: SessionStore, stored: dict[str, StoredSession]) -> None:
         self.store = store
         self.stored = dict(stored)
-
-    @property
-    def committed(self) -> int:
-        """The store's highest committed op."""
-        return self.store.committed
-
-    @property
-    def generation(self) -> int:
-        """The store's write-round generation."""
-        return self.store.generation
+        self.add_event = store.add_event
+        self.when_committed = store.when_committed
+        self.after_round = store.after_round
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the store's writer, unless it runs already."""
@@ -223,10 +234,6 @@ class StorePersistence:
         self.store.delete_session(session_id)
         return True
 
-    def add_event(self, session_id: str, event_id: int, update: Any, method: str | None = None) -> None:
-        """Append one transcript entry."""
-        self.store.add_event(session_id, event_id, update, method)
-
     def copy_transcript(self, session: Session) -> None:
         """Append every entry of the session's history."""
         store = self.store
@@ -244,16 +251,8 @@ class StorePersistence:
         """Record the prompt's outcome (its stop reason or error kind); the session was updated now."""
         result, error = ticket.result, ticket.error
         outcome = result.stop_reason if result is not None else error.kind if error is not None else "internal"
-        ticket.session.updated_ms = now_ms()
+        ticket.session.updated_ms = time_ns() // 1_000_000  # now_ms(), inline: once per prompt
         self.store.settle(ticket.seq, outcome)
-
-    def when_committed(self, op: int, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once op ``op`` is committed."""
-        self.store.when_committed(op, callback)
-
-    def after_round(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once the current write round is committed."""
-        self.store.after_round(callback)
 
     async def read_transcript(self, session_id: str, upto: int) -> list[StoredEvent]:
         """Read the session's stored entries up to ``upto``."""

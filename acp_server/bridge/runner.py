@@ -14,7 +14,9 @@ at once.
 A prompt that nothing precedes (the FIFO empty, the runner parked or gone, no commit or seat to
 wait for) starts in the step that admits it, on a backend with a synchronous start
 (:meth:`SessionRunner._start_now`): the echo agent's whole turn ends there, an agent process's
-request is queued there, and the runner awaits only what is left.
+request is queued there, and the runner awaits only what is left. With a store, the prompts at a
+parked runner's FIFO head start that way in the step that learns their admission records are
+committed (:meth:`SessionRunner._committed`), one after the other, instead of waking the runner.
 
 A prompt that settles while its call is still running (cancelled, expired) leaves that call
 *abandoned*: the FIFO's next prompt waits for it (the agent is still busy), while a fork that reaches
@@ -186,11 +188,15 @@ class SessionRunner:
         #: a prompt may start in its enqueuer's step: no commit to wait for (see :meth:`_start_now`)
         self._eager = not persistence.durable
         self._seats = policy.enabled  # fixed for the engine's life
+        #: the session whose FIFO :meth:`_committed` runs now (its kicks wait until it stops)
+        self._draining: Session | None = None
 
     def enqueue(self, session: Session, item: PromptTicket | ForkTicket) -> None:
         """Append ``item`` to the session's FIFO, and make sure a runner will take it.
 
-        A prompt that can start at once (see :meth:`_start_now`) starts here, in the caller's step.
+        A prompt that can start at once (see :meth:`_start_now`) starts here, in the caller's step;
+        with a store, one on a session without a runner starts in the step of its commit (see
+        :meth:`_committed`), and no runner task is made for it.
 
         Raises:
             InternalError: the bridge is not running.
@@ -213,6 +219,15 @@ class SessionRunner:
                 else:
                     runner.wake(outcome.Value(True))  # nothing to commit first: as wake(session, True)
             return
+        if self._persistence.durable:
+            # No runner: the commit of the head's admission record runs the FIFO (_committed), and
+            # starts a runner only for what it cannot start at once. A FIFO longer than this item
+            # has that commit pending already.
+            if len(fifo) > 1:
+                return
+            if type(item) is PromptTicket and self._persistence.committed < item.store_op:
+                self._persistence.when_committed(item.store_op, partial(self._committed, session))
+                return
         if self.nursery is None:
             raise InternalError()
         session.runner_active = True
@@ -244,7 +259,7 @@ class SessionRunner:
                 lease.acquire_permit_nowait()
             except trio.WouldBlock:
                 return False  # the runner waits for it, reporting waiting_for_dependency
-        session.fifo.append(ticket)
+        session.fifo.insert(0, ticket)  # its head: the FIFO is empty, or (after a commit) holds what follows
         ticket.running = True
         fanout = self._fanout
         turn = _PromptTurn(ticket, fanout, self._table, ticket.meta)
@@ -286,7 +301,10 @@ class SessionRunner:
             self._kick(session)  # something was queued meanwhile
 
     def _kick(self, session: Session) -> None:
-        """Make sure a runner looks at the session's FIFO: wake the parked one, or start one."""
+        """Make sure a runner looks at the session's FIFO: wake the parked one, or start one (not while
+        :meth:`_committed` runs that FIFO: it looks at the FIFO again, and kicks when it stops)."""
+        if session is self._draining:
+            return
         if session.runner_active:
             runner = session.runner
             if runner.task is not None:
@@ -302,9 +320,46 @@ class SessionRunner:
         the head's admission record is committed."""
         head = session.fifo[0]
         if isinstance(head, PromptTicket) and self._persistence.committed < head.store_op:
-            self._persistence.when_committed(head.store_op, partial(self.wake, session, True))
+            self._persistence.when_committed(head.store_op, partial(self._committed, session))
         else:
             self.wake(session, True)
+
+    def _committed(self, session: Session) -> None:
+        """The admission record of the session's FIFO head is committed (a store callback, in the step
+        that reads the writer's report): start the prompts at the head that can start at once
+        (:meth:`_start_now`), one after the other while each ends there, instead of waking the runner
+        for them; what is left goes to the runner.
+
+        Nothing is done for a runner that is not parked: it looks at its FIFO before it parks again.
+        A head whose record is not committed yet waits for its commit here again.
+        """
+        if session.runner_active and session.runner.task is None:
+            return
+        fifo = session.fifo
+        persistence = self._persistence
+        session.runner_idle_epoch = self._epoch  # busy: the parked runner is not idle for stop_idle
+        self._draining = session
+        try:
+            while fifo:
+                head = fifo[0]
+                if type(head) is not PromptTicket or head.finish is not None:
+                    break  # a fork, or a call under way: the runner's
+                if head.settled:
+                    del fifo[0]
+                    continue
+                if persistence.committed < head.store_op:
+                    persistence.when_committed(head.store_op, partial(self._committed, session))
+                    return
+                del fifo[0]
+                if not self._start_now(session, head):
+                    fifo.insert(0, head)
+                    break
+                if fifo and fifo[0] is head:
+                    break  # its call is under way: the runner awaits the rest
+        finally:
+            self._draining = None
+        if fifo:
+            self._kick(session)
 
     @staticmethod
     def wake(session: Session, go: bool) -> None:
@@ -349,7 +404,7 @@ class SessionRunner:
                             continue
                         if persistence.committed < item.store_op:
                             # its admission record first
-                            persistence.when_committed(item.store_op, partial(self.wake, session, True))
+                            persistence.when_committed(item.store_op, partial(self._committed, session))
                             await session.runner.park()
                             continue  # re-check: it may have settled meanwhile
                         if (seats or isinstance(item.lease, SharedHold)) and not await self._take_seat(item):

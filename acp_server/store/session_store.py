@@ -83,14 +83,6 @@ def _run_callbacks(callbacks: list[Callable[[], None]]) -> None:
             log.exception("a store commit callback failed")
 
 
-def _body(update: Any) -> bytes:
-    if isinstance(update, bytes):
-        return update
-    if isinstance(update, msgspec.Raw):
-        return bytes(update)
-    return _encode(update)
-
-
 @dataclass(slots=True, eq=False)
 class _Round:
     """One frame's worth of ops sent to the writer, and what runs once they are committed."""
@@ -232,7 +224,12 @@ class SessionStore:
         Raises:
             TypeError: msgspec cannot encode ``update`` (nothing is queued).
         """
-        body = update if type(update) is bytes else _body(update)
+        if isinstance(update, bytes):
+            body = update
+        elif isinstance(update, msgspec.Raw):
+            body = bytes(update)
+        else:
+            body = _encode(update)  # a prompt's own text, unsent (no other connection): encoded here
         entries = self._events.get(session_id)
         if entries is None:
             self._events[session_id] = [event_id, method, body]
