@@ -95,10 +95,12 @@ def _head(status: int, headers: list[tuple[bytes, bytes]]) -> tuple[bytes, int]:
     """The status line and header lines, and which framing and connection headers the app gave
     (:data:`_LENGTH`, ...); raises ``ValueError`` for a header h11 would refuse. An app answers with the
     same few heads again and again: they are read once (:data:`_heads_out`)."""
+    key: tuple[int, tuple[Any, ...]] | None = (status, tuple(headers))
     try:
-        key = (status, tuple(headers))
-        return _heads_out[key]
-    except (KeyError, TypeError):  # (a header given as a list is read each time)
+        return _heads_out[key]  # type: ignore[index]
+    except KeyError:
+        pass
+    except TypeError:  # (a header given as a list is read each time)
         key = None
     lines = [b"HTTP/1.1 %d \r\n" % status]
     seen = 0

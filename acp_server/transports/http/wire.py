@@ -324,7 +324,9 @@ class BatchedTCPServer(TCPServer):
         #: the keep-alive timer's state: a request is being served, or since when the connection is idle
         #: (the timer reads them when it fires, so a request moves no deadline)
         self._busy = False
-        self._idle_since = trio.current_time()
+        #: the run's clock, read straight (``trio.current_time`` finds it anew on each call)
+        self._clock = trio.lowlevel.current_clock()
+        self._idle_since = self._clock.current_time()
         self._idle_started = False
 
     @property
@@ -370,7 +372,7 @@ class BatchedTCPServer(TCPServer):
     def mark_idle(self) -> None:
         """The connection is idle from now (``Updated(idle=True)``)."""
         self._busy = False
-        self._idle_since = trio.current_time()
+        self._idle_since = self._clock.current_time()
 
     async def _read_data(self) -> None:
         """hypercorn's read loop; without a ``read_timeout`` it makes no deadline scope per read."""
