@@ -363,11 +363,16 @@ class _KernelMeter:
 
 def _user_system_us(pid: int) -> dict[str, int]:
     """The process's user and system CPU time so far, in µs (``/proc/PID/stat``, clock ticks: read
-    over many prompts)."""
+    over many prompts), and its main thread's voluntary and nonvoluntary context switches apart."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     tick_us = 1_000_000 // os.sysconf("SC_CLK_TCK")
-    return {"user_us": int(fields[11]) * tick_us, "system_us": int(fields[12]) * tick_us}
+    out = {"user_us": int(fields[11]) * tick_us, "system_us": int(fields[12]) * tick_us}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                out[line.split("_", 1)[0] + "_switches"] = int(line.split()[1])
+    return out
 
 
 def _strace_counts(text: str) -> dict[str, int]:
