@@ -77,6 +77,9 @@ _CONNECTION_KEY = CONNECTION_HEADER.lower().encode()
 #: evicted connection ids remembered for their 429 answers
 _EVICTED_KEPT = 1024
 _SESSION_KEY = SESSION_HEADER.lower().encode()
+#: the most answers :meth:`AcpHttpApp.inline_request` keeps, and the longest path kept
+_INLINE_KEPT = 1024
+_INLINE_PATH_KEPT = 512
 
 
 @dataclass(frozen=True)
@@ -169,12 +172,24 @@ class AcpHttpApp:
         #: why the server should get no new prompts now (``/health?ready=1`` answers 503 with it), or
         #: ``None`` when it is ready; unset: always ready
         self.readiness: Callable[[], AcpError | None] | None = None
+        #: :meth:`inline_request`'s answers by method and path (a client asks the same few); cleared when full
+        self._inline: dict[tuple[bytes, bytes], bool] = {}
 
     def inline_request(self, method: bytes, path: bytes) -> bool:
         """Whether a whole request may be served in its connection's reading task (no task of its own;
         see :mod:`.lean`): a REST ``POST`` or ``DELETE``, whose handler reads its body and answers,
         and never waits on anything the same connection brings later (its client waits for the answer)."""
-        return method in (b"POST", b"DELETE") and self.rest is not None and self.rest.handles(path.decode("latin-1"))
+        key = (method, path)
+        try:
+            return self._inline[key]
+        except KeyError:
+            pass
+        inline = method in (b"POST", b"DELETE") and self.rest is not None and self.rest.handles(path.decode("latin-1"))
+        if len(key[1]) <= _INLINE_PATH_KEPT:
+            if len(self._inline) >= _INLINE_KEPT:
+                self._inline.clear()
+            self._inline[key] = inline
+        return inline
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         kind = scope["type"]

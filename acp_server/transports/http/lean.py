@@ -347,6 +347,20 @@ class LeanStream:
         self._wake_reader()
         return message
 
+    def body_nowait(self) -> bytes | None:
+        """The request's whole body, taken, when it is all in already as the next message (what
+        :meth:`receive` would give, to the end of the body); ``None``: read it with :meth:`receive`."""
+        inbox = self._inbox
+        if len(inbox) != 1:
+            return None
+        message = inbox[0]
+        if message["type"] != "http.request" or message["more_body"]:
+            return None
+        inbox.popleft()
+        self._wake_reader()
+        body: bytes = message["body"]
+        return body
+
     async def send(self, message: dict[str, Any]) -> None:
         """One ASGI message of the response (dropped once the connection is gone)."""
         kind = message["type"]

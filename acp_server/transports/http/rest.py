@@ -292,6 +292,11 @@ class RestApi:
 
     async def _raw_body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> Any:
         """The body's bytes (:data:`NO_BODY` when there is none); 415 and 413 in order."""
+        stream = getattr(receive, "__self__", None)
+        if type(stream) is LeanStream:
+            whole = stream.body_nowait()
+            if whole is not None:  # (all in already: taken without a message or a coroutine per part)
+                return self._checked_body(headers, whole)
         limit = self.max_message_bytes
         body = bytearray()
         while True:
@@ -303,6 +308,11 @@ class RestApi:
                 break
             if not message.get("more_body", False):
                 break
+        return self._checked_body(headers, body)
+
+    def _checked_body(self, headers: list[tuple[bytes, bytes]], body: bytes | bytearray) -> Any:
+        """:meth:`_raw_body`'s checks of the body read (415, then 413)."""
+        limit = self.max_message_bytes
         if not body:
             declared = header(headers, b"content-length")
             if not (declared and declared.strip() not in ("", "0")):
