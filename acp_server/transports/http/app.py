@@ -269,11 +269,16 @@ class AcpHttpApp:
             return
         headers = scope["headers"]
         method = scope["method"]
-        origin = header(headers, b"origin")
-        host = header(headers, b"host")
+        origin = host = None
+        for name, value in headers:  # (both in one pass: what header() gives of each, the first one)
+            if name == b"host":
+                if host is None:
+                    host = value.decode("latin-1")
+            elif name == b"origin" and origin is None:
+                origin = value.decode("latin-1")
         scheme = scope.get("scheme")
-        cors = cors_headers(origin, self.rules, preflight=method == "OPTIONS", host=host, scheme=scheme)
-        rest = self.rest is not None and self.rest.handles(scope["path"])
+        cors = cors_headers(origin, self.rules, preflight=method == "OPTIONS", host=host, scheme=scheme) if origin is not None else []
+        rest = self.rest is not None and self.rest.handles(path)
         refusal = (
             self._route(scope["path"], method, rest)
             or self.rules.check_host(host)

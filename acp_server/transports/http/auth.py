@@ -176,7 +176,7 @@ class HttpGuard:
         source = client_address(scope)
         if self.auth is not None and _open_route(scope):
             return HttpCaller(_ANONYMOUS, "default", source, transport)
-        proved = self.credentials(scope)
+        proved = (OWNER, None) if self.auth is None else self.credentials(scope)  # (credentials' own answer without tokens)
         if isinstance(proved, HttpRefusal):
             return proved
         identity, subprotocol = proved

@@ -333,7 +333,8 @@ class LeanStream:
         except Exception:
             await config.log.exception("Error in ASGI Framework")
         finally:
-            await self._app_done()
+            if self._held is not None or not (self.closed or self._state == "done"):
+                await self._app_done()
 
     async def receive(self) -> dict[str, Any]:
         """The next message of the request (no checkpoint when one is there already). An inline
@@ -389,6 +390,11 @@ class LeanStream:
             await self.send({"type": "http.response.start", "status": status, "headers": headers})
             await self.send({"type": "http.response.body", "body": body})
             return
+        if self.inline and not self.closed and self._log.access_logger is None:
+            head, seen = _head(status, headers)  # a header h11 would refuse fails the app's send
+            if not seen & (_LENGTH | _CHUNKED) and status >= 200:  # (the usual answer: one write, at once)
+                await self._respond_now(status, head, seen, body)
+                return
         self._start_head(status, headers)
         if self._log.access_logger is not None:
             self._response = {"type": "http.response.start", "status": status, "headers": headers}
@@ -396,6 +402,28 @@ class LeanStream:
             self._state = "done"
             return
         await self._write_body(body, False)
+
+    async def _respond_now(self, status: int, head: bytes, seen: int, body: bytes) -> None:
+        """An inline request's whole answer, its head (:func:`_head`'s) framed by the app's body
+        (what :meth:`_start_head` then :meth:`_write_body` do for it, in one step)."""
+        protocol = self.protocol
+        config = protocol.config
+        if seen & _CLOSE or protocol.keep_alive_requests >= config.keep_alive_max_requests:
+            self.keep_alive = False
+        close = b"connection: close\r\n" if not self.keep_alive and not seen & _CONNECTION else b""
+        if status in _NO_BODY:
+            body, framing = b"", b""
+        else:
+            framing = b"content-length: %d\r\n" % len(body)
+        self._status, self._seen = status, seen
+        self._state = "body"
+        data = b"".join((head, _date.get(config), close, framing, b"\r\n", body))
+        batched = protocol.batched
+        batched.join = False  # (an HTTP/1.1 response needs no joining)
+        if not batched.send_nowait(data):
+            await protocol.send(RawData(data=data))
+        self._state = "done"
+        await protocol.lean_done(self)
 
     def _start_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Check the head and queue it held: the first body part settles it, with the framing it
@@ -533,6 +561,25 @@ class LeanH11Protocol(H11Protocol):
     _partial = b""
     _pending: SimpleRequest | None = None
 
+    async def serve_plain(self, data: bytes) -> bool:
+        """Bytes read, when they begin a plain request on a fresh connection with nothing else under
+        way: served (or its first part kept) as :meth:`handle` would, without an event; ``False``:
+        nothing was done, give them to :meth:`handle`."""
+        if not self._h11_fresh or self._pending is not None or self._plain_off:
+            return False
+        stream = self.stream
+        if isinstance(stream, LeanStream) and stream.fast:
+            return False  # (a request that waits for the one before it: handle pauses it)
+        request = simple_request(data, self.config.h11_max_incomplete_size)
+        if request is None:
+            return False
+        if request.missing:
+            self._pending, self._partial = request, data
+            await self._mark_busy()  # a request is coming in: no idle timeout
+            return True
+        await self._serve_simple(request)
+        return True
+
     async def handle(self, event: Any) -> None:
         """Bytes read: a whole plain request on a fresh connection is served without h11 (the first
         part of one is kept until the rest is in); anything else goes through hypercorn's h11 loop."""
@@ -601,7 +648,7 @@ class LeanH11Protocol(H11Protocol):
                                    spawn=not inline)
         stream.fast = True
         stream.inline = inline
-        stream._put({"type": "http.request", "body": request.body, "more_body": False})
+        stream._inbox.append({"type": "http.request", "body": request.body, "more_body": False})  # (nobody waits yet)
         self.keep_alive_requests += 1
         if self.context.max_requests is not None:  # type: ignore[attr-defined]  # (trio's WorkerContext has it)
             await self.context.mark_request()

@@ -282,7 +282,9 @@ class RestApi:
 
     async def _typed_body(self, headers: list[tuple[bytes, bytes]], receive: Receive, kind: type[Any]) -> Any:
         """The body as ``kind``: :meth:`_body` then :func:`_convert`, in one decoding when it is valid."""
-        raw = await self._raw_body(headers, receive)
+        stream = getattr(receive, "__self__", None)
+        whole = stream.body_nowait() if type(stream) is LeanStream else None
+        raw = self._checked_body(headers, whole) if whole is not None else await self._raw_body(headers, receive)
         if raw is not NO_BODY:
             try:
                 return _typed_decoders[kind].decode(raw)
@@ -357,9 +359,12 @@ class RestApi:
         path: str = scope["path"]
         method: str = scope["method"]
         headers = scope["headers"]
+        parts = path.strip("/").split("/")
+        if len(parts) == 3 and parts[2] == "prompt" and parts[0] == "session" and method == "POST":
+            await self._prompt_route(parts[1], headers, receive, send, cors)  # (the hot route, found first)
+            return
         raw_query = scope.get("query_string", b"")
         query = parse_qs(raw_query.decode("latin-1")) if raw_query else {}
-        parts = path.strip("/").split("/")
 
         def need(*allowed: str) -> None:
             if method not in allowed:
@@ -429,8 +434,7 @@ class RestApi:
             await serve_events(self, session, headers, query, receive, send, cors)
             return
         if action == "prompt":
-            body = await self._typed_body(headers, receive, PromptRequest)
-            await self._json(send, 202, await self.prompt(session_id, body, headers), cors)
+            await self._prompt_route(session_id, headers, receive, send, cors)
             return
         body = await self._body(headers, receive)
         if action in ("load", "resume"):
@@ -451,6 +455,17 @@ class RestApi:
             session_handler.cancel(self._ctx(), _cancel_params(session_id, self._meta(headers)))
             self.server.bridge.get(session_id, _tenant())
             await self._json(send, 204, None, cors)
+
+    async def _prompt_route(
+        self, session_id: str, headers: list[tuple[bytes, bytes]], receive: Receive, send: Send,
+        cors: list[tuple[bytes, bytes]],
+    ) -> None:
+        """``POST /session/:id/prompt``, past its route and method: its body, its checks and its 202."""
+        body = await self._typed_body(headers, receive, PromptRequest)
+        admitted = self._admit(session_id, body, headers)
+        if not isinstance(admitted, PromptAccepted):
+            admitted = await self._shared_admit(*admitted)
+        await self._json(send, 202, admitted, cors)
 
     # --- the routes -----------------------------------------------------------------------------------
 
@@ -566,6 +581,14 @@ class RestApi:
     async def prompt(self, session_id: str, body: PromptRequest, headers: list[tuple[bytes, bytes]]) -> PromptAccepted:
         """``POST /session/:id/prompt``: ``session/prompt``'s admission (synchronous, or with a coordinator
         its shared part's one call); 202 once admitted."""
+        admitted = self._admit(session_id, body, headers)
+        return admitted if isinstance(admitted, PromptAccepted) else await self._shared_admit(*admitted)
+
+    def _admit(
+        self, session_id: str, body: PromptRequest, headers: list[tuple[bytes, bytes]]
+    ) -> PromptAccepted | tuple[SharedAdmit, int]:
+        """:meth:`prompt`'s synchronous part: the 202's body once admitted here, or the coordinator's
+        admission to wait for, with the session's last event id at admission."""
         meta = dict(body.meta or {})
         if body.deadline_ms is not None:
             meta["deadlineMs"] = body.deadline_ms
@@ -577,14 +600,18 @@ class RestApi:
         last_event_id = session.next_event_id - 1
         waiter = prompt_handler.prompt(self._ctx(RestChannel(session, self.board)), params)
         if isinstance(waiter, SharedAdmit):  # the limits are a cluster's: wait for the coordinator's answer
-            refusal: list[AcpError] = []
-            waiter.subscribe(lambda result, error: refusal.append(error) if error is not None else None)
-            await waiter.decided.wait()
-            if waiter.ticket is None:
-                raise refusal[0] if refusal else InternalError()
-            return PromptAccepted(prompt_id=waiter.ticket.prompt_id, last_event_id=last_event_id, event_epoch=self.state.epoch)
+            return waiter, last_event_id
         assert isinstance(waiter, PromptWaiter)
         waiter.subscribe(_ignore)
+        return PromptAccepted(prompt_id=waiter.ticket.prompt_id, last_event_id=last_event_id, event_epoch=self.state.epoch)
+
+    async def _shared_admit(self, waiter: SharedAdmit, last_event_id: int) -> PromptAccepted:
+        """The 202's body once the coordinator admitted ``waiter`` (its refusal raised)."""
+        refusal: list[AcpError] = []
+        waiter.subscribe(lambda result, error: refusal.append(error) if error is not None else None)
+        await waiter.decided.wait()
+        if waiter.ticket is None:
+            raise refusal[0] if refusal else InternalError()
         return PromptAccepted(prompt_id=waiter.ticket.prompt_id, last_event_id=last_event_id, event_epoch=self.state.epoch)
 
 

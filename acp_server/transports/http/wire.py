@@ -379,11 +379,16 @@ class BatchedTCPServer(TCPServer):
         if self.config.read_timeout is not None:
             await super()._read_data()
             return
+        from .lean import LeanH11Protocol
+
         while True:
             try:
                 data = await self.stream.receive_some(MAX_RECV)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 break
+            protocol = self._protocol.protocol  # (the wrapper's own handle is for h2's switch, which a plain request never makes)
+            if data and type(protocol) is LeanH11Protocol and await protocol.serve_plain(bytes(data)):
+                continue
             await self.protocol.handle(RawData(bytes(data)))
             if not data:
                 break
