@@ -393,7 +393,26 @@ class LeanStream:
         if self.inline and not self.closed and self._log.access_logger is None:
             head, seen = _head(status, headers)  # a header h11 would refuse fails the app's send
             if not seen & (_LENGTH | _CHUNKED) and status >= 200:  # (the usual answer: one write, at once)
-                await self._respond_now(status, head, seen, body)
+                # what _start_head then _write_body do for it, in one step: head, date, framing, body
+                protocol = self.protocol
+                config = protocol.config
+                if seen & _CLOSE or protocol.keep_alive_requests >= config.keep_alive_max_requests:
+                    self.keep_alive = False
+                close = b"connection: close\r\n" if not self.keep_alive and not seen & _CONNECTION else b""
+                if status in _NO_BODY:
+                    body, framing = b"", b""
+                else:
+                    framing = b"content-length: %d\r\n" % len(body)
+                self._status, self._seen = status, seen
+                self._state = "body"
+                data = b"".join((head, _date.get(config), close, framing, b"\r\n", body))
+                batched = protocol.batched
+                batched.join = False  # (an HTTP/1.1 response needs no joining)
+                if not batched.send_nowait(data):
+                    await protocol.send(RawData(data=data))
+                self._state = "done"
+                if not protocol.lean_done_now(self):
+                    await protocol.lean_done(self)
                 return
         self._start_head(status, headers)
         if self._log.access_logger is not None:
@@ -402,28 +421,6 @@ class LeanStream:
             self._state = "done"
             return
         await self._write_body(body, False)
-
-    async def _respond_now(self, status: int, head: bytes, seen: int, body: bytes) -> None:
-        """An inline request's whole answer, its head (:func:`_head`'s) framed by the app's body
-        (what :meth:`_start_head` then :meth:`_write_body` do for it, in one step)."""
-        protocol = self.protocol
-        config = protocol.config
-        if seen & _CLOSE or protocol.keep_alive_requests >= config.keep_alive_max_requests:
-            self.keep_alive = False
-        close = b"connection: close\r\n" if not self.keep_alive and not seen & _CONNECTION else b""
-        if status in _NO_BODY:
-            body, framing = b"", b""
-        else:
-            framing = b"content-length: %d\r\n" % len(body)
-        self._status, self._seen = status, seen
-        self._state = "body"
-        data = b"".join((head, _date.get(config), close, framing, b"\r\n", body))
-        batched = protocol.batched
-        batched.join = False  # (an HTTP/1.1 response needs no joining)
-        if not batched.send_nowait(data):
-            await protocol.send(RawData(data=data))
-        self._state = "done"
-        await protocol.lean_done(self)
 
     def _start_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Check the head and queue it held: the first body part settles it, with the framing it
@@ -722,6 +719,20 @@ class LeanH11Protocol(H11Protocol):
         self._open_stream(request.method, request.target, self._headers, keep_alive=not self._close_asked)
         self.keep_alive_requests += 1
         await self._mark_request()
+
+    def lean_done_now(self, stream: LeanStream) -> bool:
+        """:meth:`lean_done` when it needs no wait: an inline request's answer is over and the
+        connection stays (``False``: nothing done, await :meth:`lean_done`)."""
+        timer = self.timer
+        if not stream.inline or not stream.keep_alive or timer is None or self.context.terminated.is_set():
+            return False
+        if self.stream is stream:  # type: ignore[comparison-overlap]
+            self.stream = None
+        stream.closed = True
+        stream._put({"type": "http.disconnect"})
+        stream._wake_reader()
+        timer.mark_idle()
+        return True
 
     async def lean_done(self, stream: LeanStream) -> None:
         """``stream``'s response is over: serve the next request with a fresh h11 connection (it takes
