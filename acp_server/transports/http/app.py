@@ -280,9 +280,9 @@ class AcpHttpApp:
         cors = cors_headers(origin, self.rules, preflight=method == "OPTIONS", host=host, scheme=scheme) if origin is not None else []
         rest = self.rest is not None and self.rest.handles(path)
         refusal = (
-            self._route(scope["path"], method, rest)
+            (None if rest else self._route(path, method, rest))  # (the REST API routes its own paths)
             or self.rules.check_host(host)
-            or self.rules.check_origin(origin, host=host, scheme=scheme)
+            or (None if origin is None else self.rules.check_origin(origin, host=host, scheme=scheme))  # (None: no browser)
         )
         if refusal is not None:
             await self._refuse(send, refusal, cors)

@@ -562,12 +562,13 @@ class LeanH11Protocol(H11Protocol):
         """Bytes read, when they begin a plain request on a fresh connection with nothing else under
         way: served (or its first part kept) as :meth:`handle` would, without an event; ``False``:
         nothing was done, give them to :meth:`handle`."""
-        if not self._h11_fresh or self._pending is not None or self._plain_off:
-            return False
+        config = self.config
+        if not self._h11_fresh or self._pending is not None or config.server_names or config.h11_pass_raw_headers:
+            return False  # (the last two: what _plain_off says, without its call)
         stream = self.stream
         if isinstance(stream, LeanStream) and stream.fast:
             return False  # (a request that waits for the one before it: handle pauses it)
-        request = simple_request(data, self.config.h11_max_incomplete_size)
+        request = simple_request(data, config.h11_max_incomplete_size)
         if request is None:
             return False
         if request.missing:
@@ -640,7 +641,10 @@ class LeanH11Protocol(H11Protocol):
             timer.mark_busy()
         else:
             await self.send(_BUSY)
-        inline = self._inline(request.method, request.target.partition(b"?")[0])
+        rule = self._inline_rule
+        if rule is None:
+            rule = self._inline_rule = self._inline
+        inline = rule(request.method, request.target.partition(b"?")[0])
         stream = self._open_stream(request.method, request.target, request.headers, keep_alive=request.keep_alive,
                                    spawn=not inline)
         stream.fast = True
@@ -652,15 +656,14 @@ class LeanH11Protocol(H11Protocol):
         if inline:
             await stream.run()
 
+    #: :attr:`_inline` once asked
+    _inline_rule: Any = None
+
     @property
     def _inline(self) -> Any:
         """The app's ``inline_request(method, path)`` (``False`` for every request without one)."""
-        rule = self.__dict__.get("_inline_rule")
-        if rule is None:
-            app = getattr(self.app, "app", None)  # hypercorn's wrapper holds the ASGI app
-            rule = getattr(app, "inline_request", None) or _never
-            self.__dict__["_inline_rule"] = rule
-        return rule
+        app = getattr(self.app, "app", None)  # hypercorn's wrapper holds the ASGI app
+        return getattr(app, "inline_request", None) or _never
 
     def _open_stream(
         self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], *, keep_alive: bool, spawn: bool = True

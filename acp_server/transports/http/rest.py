@@ -76,7 +76,7 @@ from ...types.acp import (
     NewSessionParams,
     PromptParams,
 )
-from .auth import current_caller
+from .auth import HttpCaller, current_caller
 from .lean import LeanStream
 from .rest_events import EVENT_TYPES, SseSubscriber
 from .rest_permissions import PermissionBoard, RestChannel
@@ -178,9 +178,12 @@ class RestContext(ConnContext):
 
     __slots__ = ("rest_channel",)
 
-    def __init__(self, server: Server, peer: RestCaller, rest_channel: RestChannel | None = None) -> None:
+    def __init__(
+        self, server: Server, peer: RestCaller, rest_channel: RestChannel | None = None, caller: HttpCaller | None = None
+    ) -> None:
         super().__init__(server, peer)
-        caller = current_caller.get()
+        if caller is None:
+            caller = current_caller.get()
         self.identity = caller.identity
         self.tenant = caller.tenant
         self.initialized = True
@@ -595,10 +598,10 @@ class RestApi:
         meta_deadline_ms(meta)
         meta = self._meta(headers, meta) or {}
         params = PromptParams(session_id=session_id, prompt=body.prompt, meta=meta)
-        bridge = self.server.bridge
-        session = bridge.get(session_id, _tenant())
+        caller = current_caller.get()
+        session = self.server.bridge.get(session_id, caller.tenant)
         last_event_id = session.next_event_id - 1
-        waiter = prompt_handler.prompt(self._ctx(RestChannel(session, self.board)), params)
+        waiter = prompt_handler.prompt(RestContext(self.server, self.caller, RestChannel(session, self.board), caller), params)
         if isinstance(waiter, SharedAdmit):  # the limits are a cluster's: wait for the coordinator's answer
             return waiter, last_event_id
         assert isinstance(waiter, PromptWaiter)
