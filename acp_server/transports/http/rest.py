@@ -592,11 +592,15 @@ class RestApi:
     ) -> PromptAccepted | tuple[SharedAdmit, int]:
         """:meth:`prompt`'s synchronous part: the 202's body once admitted here, or the coordinator's
         admission to wait for, with the session's last event id at admission."""
-        meta = dict(body.meta or {})
-        if body.deadline_ms is not None:
-            meta["deadlineMs"] = body.deadline_ms
-        meta_deadline_ms(meta)
-        meta = self._meta(headers, meta) or {}
+        if body.meta or body.deadline_ms is not None:
+            meta = dict(body.meta or {})
+            if body.deadline_ms is not None:
+                meta["deadlineMs"] = body.deadline_ms
+            meta_deadline_ms(meta)
+            meta = self._meta(headers, meta) or {}
+        else:  # (the usual body: _meta is the header's client id alone, if any)
+            client_id = self._client_id(headers)
+            meta = {"clientId": client_id} if client_id is not None else {}
         params = PromptParams(session_id=session_id, prompt=body.prompt, meta=meta)
         caller = current_caller.get()
         session = self.server.bridge.get(session_id, caller.tenant)
