@@ -12,14 +12,8 @@ import pytest
 import trio
 from hypercorn.config import Config
 
-from acp_server.transports.http.lean import (
-    _HEADS_KEPT,
-    PARTIAL_MAX,
-    SimpleRequest,
-    _head,
-    _heads_out,
-    simple_request,
-)
+from acp_server.transports.http.http1 import _HEADS_KEPT, _head, _heads_out
+from acp_server.transports.http.lean import PARTIAL_MAX, SimpleRequest, simple_request
 from acp_server.transports.http.listener import serve_app
 from acp_server.transports.listeners import bind_tcp_socket
 
