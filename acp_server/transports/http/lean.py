@@ -38,6 +38,7 @@ writes go through the server's bound (:class:`~.wire.BatchedWrites`).
 from __future__ import annotations
 
 from collections import deque
+from functools import cached_property
 from time import time
 from typing import Any
 
@@ -86,7 +87,7 @@ class LeanStream:
         self.keep_alive = keep_alive
         self.closed = False
         self.start_time = time()
-        self._log: Any = protocol.config.log
+        self._log: Any = protocol.log
         self._inbox: deque[dict[str, Any]] = deque()
 
     idle = False
@@ -479,6 +480,17 @@ class LeanH11Protocol(H11Protocol):
     #: :attr:`_inline` once asked
     _inline_rule: Any = None
 
+    @cached_property
+    def log(self) -> Any:
+        """The config's logger, read once (hypercorn's ``config.log`` is a property: a call per request)."""
+        return self.config.log
+
+    @cached_property
+    def root_path(self) -> str:
+        """The config's ``root_path``, read once (a property too)."""
+        root: str = self.config.root_path
+        return root
+
     @property
     def _inline(self) -> Any:
         """The app's ``inline_request(method, path)`` (``False`` for every request without one)."""
@@ -501,7 +513,7 @@ class LeanH11Protocol(H11Protocol):
             "path": path_name,
             "raw_path": path,
             "query_string": query_string,
-            "root_path": self.config.root_path,
+            "root_path": self.root_path,
             "headers": headers,
             "client": self.client,
             "server": self.server,

@@ -349,6 +349,12 @@ class RestApi:
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send, cors: list[tuple[bytes, bytes]]) -> None:
         """Serve one REST request (Host and Origin are checked already)."""
         try:
+            path: str = scope["path"]
+            if path.endswith("/prompt") and scope["method"] == "POST":  # (the hot route: found first)
+                parts = path.strip("/").split("/")
+                if len(parts) == 3 and parts[0] == "session":
+                    await self._prompt_route(parts[1], scope["headers"], receive, send, cors)
+                    return
             await self._dispatch(scope, receive, send, cors)
         except AcpError as exc:
             await self.refuse(send, exc, cors)
@@ -363,9 +369,6 @@ class RestApi:
         method: str = scope["method"]
         headers = scope["headers"]
         parts = path.strip("/").split("/")
-        if len(parts) == 3 and parts[2] == "prompt" and parts[0] == "session" and method == "POST":
-            await self._prompt_route(parts[1], headers, receive, send, cors)  # (the hot route, found first)
-            return
         raw_query = scope.get("query_string", b"")
         query = parse_qs(raw_query.decode("latin-1")) if raw_query else {}
 
