@@ -19,6 +19,13 @@ CPU is the server process's own, from ``/proc``, read around each timed run.
 (both clients) and per TCP prompt (the same clients and prompts, one server under ``valgrind --tool=callgrind``,
 instrumented only while the timed prompts run): a figure that a busy machine does not move, unlike CPU
 time (the ratio of the two is the goal's, without the kernel's share and the caches' misses).
+
+``python bench/rest_bench.py --kernel`` counts what the server asks of the kernel per prompt on the
+same three paths (REST from httpx, REST from qwen's SDK, TCP): read and write system calls (all
+threads, ``/proc/PID/io`` ``syscr``/``syscw``) and the main thread's context switches
+(``/proc/PID/status``), and the user and system CPU time (``/proc/PID/stat``, clock ticks: give it
+``--prompts 2000``); with ``--strace`` also every system call by name (``strace -c -f -p PID``
+attached while the timed prompts run).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import httpx
 from http_ab import HttpSizes, _one, _Process
 from http_ab import Run as AcpRun
 from procfs import cpu_seconds
+from sdk_ab import kernel_counts
 from servers import BenchError, acp_server_argv, shell_command
 
 __all__ = ["FANOUT", "run_rest", "sdk_missing"]
@@ -315,15 +323,109 @@ def run_instr(prompts: int, warmup: int, text: str, keep: Path | None = None) ->
     return out
 
 
+class _KernelMeter:
+    """CPU seconds as ``cpu_seconds`` reads them, and at each second reading the kernel counters'
+    difference since the first (:func:`sdk_ab.kernel_counts`; with ``strace``, every system call by
+    name while the two readings are apart)."""
+
+    def __init__(self, strace: bool) -> None:
+        self.strace = strace
+        self.runs: list[dict[str, Any]] = []
+        self._start: dict[str, int] = {}
+        self._cpu0 = 0.0
+        self._tracer: subprocess.Popen[bytes] | None = None
+        self._trace_out = Path(f"/tmp/acp-bench-rest-strace-{os.getpid()}.txt")
+
+    def __call__(self, pid: int) -> float:
+        if not self._start:
+            if self.strace:
+                self._tracer = subprocess.Popen(
+                    ["strace", "-c", "-f", "-o", str(self._trace_out), "-p", str(pid)], stderr=subprocess.DEVNULL
+                )
+                time.sleep(1.0)  # (attached to every thread before the first timed prompt)
+            self._start = kernel_counts(pid) | _user_system_us(pid)
+            self._cpu0 = cpu_seconds(pid)
+            return self._cpu0
+        cpu = cpu_seconds(pid)
+        now = kernel_counts(pid)
+        now |= _user_system_us(pid)
+        run: dict[str, Any] = {k: v - self._start[k] for k, v in now.items() if k in self._start}
+        if self._tracer is not None:
+            self._tracer.send_signal(2)
+            self._tracer.wait(30)
+            self._tracer = None
+            run["syscalls"] = _strace_counts(self._trace_out.read_text())
+            self._trace_out.unlink()
+        self.runs.append(run)
+        self._start = {}
+        return cpu
+
+
+def _user_system_us(pid: int) -> dict[str, int]:
+    """The process's user and system CPU time so far, in µs (``/proc/PID/stat``, clock ticks: read
+    over many prompts), and its main thread's voluntary and nonvoluntary context switches apart."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick_us = 1_000_000 // os.sysconf("SC_CLK_TCK")
+    out = {"user_us": int(fields[11]) * tick_us, "system_us": int(fields[12]) * tick_us}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                out[line.split("_", 1)[0] + "_switches"] = int(line.split()[1])
+    return out
+
+
+def _strace_counts(text: str) -> dict[str, int]:
+    """``strace -c``'s table as {system call: calls}."""
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and fields[0][0].isdigit() and fields[-1] != "total":
+            counts[fields[-1]] = int(fields[3])
+    return counts
+
+
+def run_kernel(prompts: int, warmup: int, text: str, strace: bool) -> dict[str, Any]:
+    """System calls and context switches per prompt: REST from httpx, from qwen's SDK, and TCP."""
+    server, http, tcp = _start([*acp_server_argv(), *_SERVE])
+    meter = _KernelMeter(strace)
+    names = ["rest", "rest_sdk", "tcp"] if sdk_missing() is None else ["rest", "tcp"]
+    try:
+        pid = server.proc.pid
+
+        async def all_three() -> None:
+            await _rest_run(http, pid, 1, warmup, prompts, text, Totals(), meter)
+            if sdk_missing() is None:
+                await _sdk_run(http, pid, warmup, prompts, text, Totals(), meter)
+            with _tcp_meter(meter):
+                await _one("ours_tcp", tcp, pid, HttpSizes(1, warmup, prompts, text), AcpRun())
+
+        asyncio.run(all_three())
+    finally:
+        server.stop()
+    out: dict[str, Any] = {}
+    for name, run in zip(names, meter.runs, strict=True):
+        per: dict[str, Any] = {k: round(v / prompts, 2) for k, v in run.items() if k != "syscalls"}
+        if "syscalls" in run:
+            per["syscalls"] = {k: round(v / prompts, 2) for k, v in sorted(run["syscalls"].items(), key=lambda kv: -kv[1])}
+        out[name] = per
+    return out
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--instr", action="store_true", help="count instructions under callgrind (see above)")
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--keep", type=Path, metavar="DIR", help="with --instr: keep the callgrind dumps in DIR")
+    parser.add_argument("--kernel", action="store_true", help="count system calls and context switches (see above)")
+    parser.add_argument("--strace", action="store_true", help="with --kernel: every system call by name (strace -c)")
     args = parser.parse_args()
-    if not args.instr:
-        parser.error("run scenario 8 with: python bench/run.py --only rest (this script alone: --instr)")
+    if not args.instr and not args.kernel:
+        parser.error("run scenario 8 with: python bench/run.py --only rest (this script alone: --instr or --kernel)")
     from run import TEXT
 
-    print(json.dumps(run_instr(args.prompts, args.warmup, TEXT, args.keep), indent=2))
+    if args.kernel:
+        print(json.dumps(run_kernel(args.prompts, args.warmup, TEXT, args.strace), indent=2))
+    else:
+        print(json.dumps(run_instr(args.prompts, args.warmup, TEXT, args.keep), indent=2))

@@ -12,6 +12,7 @@ import pytest
 import trio
 from hypercorn.config import Config
 
+from acp_server.transports.http.http1 import _HEADS_KEPT, _head, _heads_out
 from acp_server.transports.http.lean import PARTIAL_MAX, SimpleRequest, simple_request
 from acp_server.transports.http.listener import serve_app
 from acp_server.transports.listeners import bind_tcp_socket
@@ -210,6 +211,21 @@ def test_a_head_read_again_is_the_same_request() -> None:
     assert simple_request(data + b"{}x", LIMIT) is None
     bad = b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"
     assert simple_request(bad, LIMIT) is None and simple_request(bad, LIMIT) is None
+
+
+def test_a_response_head_written_again_is_read_once() -> None:
+    """The same status and headers give the same head, from the cache the second time; a header given
+    as a list (unhashable) is read each time, and a bad one is refused each time."""
+    _heads_out.clear()
+    headers = [(b"content-type", b"application/json"), (b"x-a", b" b ")]
+    first = _head(202, headers)
+    assert first == (b"HTTP/1.1 202 \r\ncontent-type: application/json\r\nx-a: b\r\n", 0)
+    assert _head(202, list(headers)) is first
+    assert _head(202, [[b"content-length", b"2"]]) == (b"HTTP/1.1 202 \r\ncontent-length: 2\r\n", 1)  # type: ignore[list-item]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="illegal response header"):
+            _head(200, [(b"bad name", b"x")])
+    assert len(_heads_out) == 1 <= _HEADS_KEPT
 
 
 async def test_inline_requests_get_the_same_answers() -> None:

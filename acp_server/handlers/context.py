@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ConnChannel", "ConnContext"]
 
+#: a connection's transport until the shell says where it comes from (frozen: one for all)
+_STREAM_PEER = PeerInfo("stream", trusted=True)
+
 
 class ConnContext(HandlerContext):
     """Per-connection state the handlers read and write (never session state: that is the bridge's).
@@ -61,7 +64,7 @@ class ConnContext(HandlerContext):
         self.tenant = "default"
         self.tenant_named: str | None = None
         self.identity: Identity | None = OWNER
-        self.peer_info = PeerInfo("stream", trusted=True)
+        self.peer_info = _STREAM_PEER
         self._channel: ConnChannel | None = None
 
     @property

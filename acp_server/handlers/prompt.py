@@ -52,18 +52,19 @@ def _answered(ticket: PromptTicket) -> PromptResult:
 
 def _prompt(ctx: ConnContext, params: PromptParams, now: bool) -> Deferred | PromptResult:
     bridge = ctx.server.bridge
-    if not params.meta and bridge.shared is None:  # the usual prompt: none of our _meta keys to read
-        ticket, duplicate = bridge.admit(  # positional (a call with keywords costs more): no client id,
-            # deadline, _meta or idempotency key
-            params.session_id, params.prompt, ctx.peer, None, None, ctx.cancelled, ctx.channel(), None, None,
-            ctx.tenant,
+    meta = params.meta
+    if bridge.shared is None and (not meta or (len(meta) == 1 and "clientId" in meta)):
+        # the usual prompt: no _meta, or only a client id (a REST prompt's): nothing else to read
+        ticket, duplicate = bridge.admit(  # positional (a call with keywords costs more): no deadline,
+            # _meta or idempotency key
+            params.session_id, params.prompt, ctx.peer, meta_client_id(meta) if meta else None, None, ctx.cancelled,
+            ctx.channel(), None, None, ctx.tenant,
         )
         if now and ticket.answered:
             if ticket.error is not None:
                 raise ticket.error
             return ticket.result  # type: ignore[return-value]
         return PromptWaiter(bridge.settlement, ticket, not duplicate)  # bridge.waiter's, without the call
-    meta = params.meta
     terms: dict[str, Any] = {  # the admission's terms, the same for the local and the shared path
         "peer": ctx.peer,
         "client_id": meta_client_id(meta),

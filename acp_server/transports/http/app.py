@@ -77,6 +77,9 @@ _CONNECTION_KEY = CONNECTION_HEADER.lower().encode()
 #: evicted connection ids remembered for their 429 answers
 _EVICTED_KEPT = 1024
 _SESSION_KEY = SESSION_HEADER.lower().encode()
+#: the most answers :meth:`AcpHttpApp.inline_request` keeps, and the longest path kept
+_INLINE_KEPT = 1024
+_INLINE_PATH_KEPT = 512
 
 
 @dataclass(frozen=True)
@@ -169,12 +172,24 @@ class AcpHttpApp:
         #: why the server should get no new prompts now (``/health?ready=1`` answers 503 with it), or
         #: ``None`` when it is ready; unset: always ready
         self.readiness: Callable[[], AcpError | None] | None = None
+        #: :meth:`inline_request`'s answers by method and path (a client asks the same few); cleared when full
+        self._inline: dict[tuple[bytes, bytes], bool] = {}
 
     def inline_request(self, method: bytes, path: bytes) -> bool:
         """Whether a whole request may be served in its connection's reading task (no task of its own;
         see :mod:`.lean`): a REST ``POST`` or ``DELETE``, whose handler reads its body and answers,
         and never waits on anything the same connection brings later (its client waits for the answer)."""
-        return method in (b"POST", b"DELETE") and self.rest is not None and self.rest.handles(path.decode("latin-1"))
+        key = (method, path)
+        try:
+            return self._inline[key]
+        except KeyError:
+            pass
+        inline = method in (b"POST", b"DELETE") and self.rest is not None and self.rest.handles(path.decode("latin-1"))
+        if len(key[1]) <= _INLINE_PATH_KEPT:
+            if len(self._inline) >= _INLINE_KEPT:
+                self._inline.clear()
+            self._inline[key] = inline
+        return inline
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -254,15 +269,20 @@ class AcpHttpApp:
             return
         headers = scope["headers"]
         method = scope["method"]
-        origin = header(headers, b"origin")
-        host = header(headers, b"host")
+        origin = host = None
+        for name, value in headers:  # (both in one pass: what header() gives of each, the first one)
+            if name == b"host":
+                if host is None:
+                    host = value.decode("latin-1")
+            elif name == b"origin" and origin is None:
+                origin = value.decode("latin-1")
         scheme = scope.get("scheme")
-        cors = cors_headers(origin, self.rules, preflight=method == "OPTIONS", host=host, scheme=scheme)
-        rest = self.rest is not None and self.rest.handles(scope["path"])
+        cors = cors_headers(origin, self.rules, preflight=method == "OPTIONS", host=host, scheme=scheme) if origin is not None else []
+        rest = self.rest is not None and self.rest.handles(path)
         refusal = (
-            self._route(scope["path"], method, rest)
+            (None if rest else self._route(path, method, rest))  # (the REST API routes its own paths)
             or self.rules.check_host(host)
-            or self.rules.check_origin(origin, host=host, scheme=scheme)
+            or (None if origin is None else self.rules.check_origin(origin, host=host, scheme=scheme))  # (None: no browser)
         )
         if refusal is not None:
             await self._refuse(send, refusal, cors)

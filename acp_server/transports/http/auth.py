@@ -63,6 +63,8 @@ _CANCEL_ROUTE = re.compile(r"^/session/[^/]+/cancel$")
 _SCRAPE_SCOPES = ["admin", "metrics"]
 #: Seconds between two ``auth_ok`` audit lines of one token, address and transport.
 AUDIT_OK_EVERY_S = 60.0
+#: the most owner callers :class:`HttpGuard` keeps made (cleared when full)
+_OWNERS_KEPT = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,8 @@ class HttpGuard:
         self._clock = clock
         #: (token id, address, transport) -> when its last ``auth_ok`` line was written
         self._audited: OrderedDict[tuple[str, str | None, str], float] = OrderedDict()
+        #: the owner's callers by tenant, address, transport and subprotocol (frozen: shared by requests)
+        self._owners: dict[tuple[str, str | None, str, str | None], HttpCaller] = {}
 
     def admit(self, scope: dict[str, Any]) -> HttpCaller | HttpRefusal:
         """The caller of an ``http`` or ``websocket`` scope, or the answer that refuses it."""
@@ -172,7 +176,7 @@ class HttpGuard:
         source = client_address(scope)
         if self.auth is not None and _open_route(scope):
             return HttpCaller(_ANONYMOUS, "default", source, transport)
-        proved = self.credentials(scope)
+        proved = (OWNER, None) if self.auth is None else self.credentials(scope)  # (credentials' own answer without tokens)
         if isinstance(proved, HttpRefusal):
             return proved
         identity, subprotocol = proved
@@ -185,7 +189,15 @@ class HttpGuard:
             tenant = refused
         if scope["path"] == HEALTH_PATH and not identity.may_scrape:
             return _refusal(InsufficientScopeError(scopes=_SCRAPE_SCOPES), 403)
-        caller = HttpCaller(identity, tenant, source, transport, subprotocol)
+        if identity is OWNER:  # (no tokens: the same few callers again and again, made once each)
+            key = (tenant, source, transport, subprotocol)
+            caller = self._owners.get(key)
+            if caller is None:
+                if len(self._owners) >= _OWNERS_KEPT:
+                    self._owners.clear()
+                caller = self._owners[key] = HttpCaller(identity, tenant, source, transport, subprotocol)
+        else:
+            caller = HttpCaller(identity, tenant, source, transport, subprotocol)
         if self.auth is not None and not _metered_later(scope):  # (without tokens nothing is metered)
             refusal = self.meter(caller)
             if refusal is not None:

@@ -37,11 +37,10 @@ writes go through the server's bound (:class:`~.wire.BatchedWrites`).
 
 from __future__ import annotations
 
-import re
 from collections import deque
+from functools import cached_property
 from time import time
 from typing import Any
-from urllib.parse import unquote
 
 import h11
 import trio
@@ -50,186 +49,27 @@ from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol.events import Body, EndBody, StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
 
+from .http1 import (
+    _CHUNKED,
+    _CLOSE,
+    _CONNECTION,
+    _LENGTH,
+    _NO_BODY,
+    PARTIAL_MAX,
+    SimpleRequest,
+    _date,
+    _head,
+    _target,
+    _targets,
+    _tokens,
+    simple_request,
+)
 from .wire import BatchedWrites, HeldWrite
 
-__all__ = ["LeanH11Protocol", "LeanStream"]
+__all__ = ["PARTIAL_MAX", "LeanH11Protocol", "LeanStream", "SimpleRequest", "simple_request"]
 
-#: RFC 9110's field-name (a token) and field-value (no control characters but tab), as h11 checks them
-_FIELD_NAME = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
-_FIELD_VALUE = re.compile(rb"[^\x00-\x08\x0a-\x1f\x7f]*")
 #: what the connection tells its server as a request comes in, and as it is over (frozen: made once)
 _BUSY, _IDLE = Updated(idle=False), Updated(idle=True)
-#: statuses whose response has no body (and no framing header)
-_NO_BODY = frozenset((204, 304))
-
-
-class _Date:
-    """hypercorn's per-response headers (``date``, ``server``, ``alt-svc``), built once per second."""
-
-    __slots__ = ("headers", "key")
-
-    def __init__(self) -> None:
-        self.key: tuple[int, int] = (-1, 0)
-        self.headers = b""
-
-    def get(self, config: Any) -> bytes:
-        key = (int(time()), id(config))
-        if key != self.key:
-            self.key = key
-            self.headers = b"".join(b"%s: %s\r\n" % pair for pair in config.response_headers("h11"))
-        return self.headers
-
-
-_date = _Date()
-
-
-#: the most heads :data:`_heads` and :data:`_heads_out` keep
-_HEADS_KEPT = 512
-#: response heads read already (see :func:`_head`), by status and headers; cleared when full
-_heads_out: dict[tuple[int, tuple[Any, ...]], tuple[bytes, int]] = {}
-#: what :func:`_head` reports of the app's headers
-_LENGTH, _CHUNKED, _CONNECTION, _CLOSE = 1, 2, 4, 8
-
-
-def _head(status: int, headers: list[tuple[bytes, bytes]]) -> tuple[bytes, int]:
-    """The status line and header lines, and which framing and connection headers the app gave
-    (:data:`_LENGTH`, ...); raises ``ValueError`` for a header h11 would refuse. An app answers with the
-    same few heads again and again: they are read once (:data:`_heads_out`)."""
-    try:
-        key = (status, tuple(headers))
-        return _heads_out[key]
-    except (KeyError, TypeError):  # (a header given as a list is read each time)
-        key = None
-    lines = [b"HTTP/1.1 %d \r\n" % status]
-    seen = 0
-    for name, value in headers:
-        name, value = bytes(name).strip(), bytes(value).strip()
-        if not _FIELD_NAME.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
-            raise ValueError(f"illegal response header {name!r}: {value!r}")
-        lines.append(b"%s: %s\r\n" % (name, value))
-        lower = name.lower()
-        if lower in _FRAMING:
-            seen |= _FRAMING[lower]
-            if lower == b"connection" and b"close" in _tokens(value):
-                seen |= _CLOSE
-    out = b"".join(lines), seen
-    if key is not None:
-        if len(_heads_out) >= _HEADS_KEPT:
-            _heads_out.clear()
-        _heads_out[key] = out
-    return out
-
-
-_FRAMING = {b"content-length": _LENGTH, b"transfer-encoding": _CHUNKED, b"connection": _CONNECTION}
-
-
-def _tokens(value: bytes) -> list[bytes]:
-    """A comma-separated header's tokens, lowercased."""
-    return [token.strip() for token in value.lower().split(b",")]
-
-
-#: a request line this module parses itself (any other goes to h11): an upper-case method, a target of
-#: visible ASCII, HTTP/1.1
-_REQUEST_LINE = re.compile(rb"([A-Z]{1,20}) ([\x21-\x7e]+) HTTP/1\.1")
-#: a field line (no obs-fold: a line that starts with a space or tab does not match)
-_FIELD_LINE = re.compile(rb"([-!#$%&'*+.^_`|~0-9a-zA-Z]+):([^\x00-\x08\x0a-\x1f\x7f]*)")
-#: headers that send a request to h11 (its framing or its protocol is not a plain request's)
-_NOT_PLAIN = frozenset((b"transfer-encoding", b"upgrade", b"expect", b"http2-settings"))
-#: the largest plain request kept whole while its body comes in (a larger one goes to h11, which streams it)
-PARTIAL_MAX = 64 * 1024
-
-
-class SimpleRequest:
-    """A whole plain request, read at once (see :func:`simple_request`)."""
-
-    __slots__ = ("body", "headers", "keep_alive", "method", "missing", "target")
-
-    def __init__(
-        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes, keep_alive: bool, missing: int
-    ) -> None:
-        self.method = method
-        self.target = target
-        self.headers = headers
-        self.body = body
-        self.keep_alive = keep_alive
-        #: the bytes of the body not in yet
-        self.missing = missing
-
-
-#: a plain request's head, as :func:`_parse_head` reads it: method, target, headers, ``Content-Length``
-#: (-1: none) and whether the connection may be kept alive
-_Head = tuple[bytes, bytes, tuple[tuple[bytes, bytes], ...], int, bool]
-#: heads parsed already (``None``: not plain): a client sends the same head again and again (its
-#: ``Host``, its ``User-Agent``, a session's route, a body of the same length), so that most heads are a
-#: dictionary lookup; cleared when full
-_heads: dict[bytes, _Head | None] = {}
-#: the longest head kept there
-_HEAD_KEPT_BYTES = 2048
-
-
-def _parse_head(head: bytes) -> _Head | None:
-    """A request's head (without its blank line) if it is plain (see :func:`simple_request`), else ``None``."""
-    lines = head.split(b"\r\n")
-    first = _REQUEST_LINE.fullmatch(lines[0])
-    if first is None or first[1] == b"HEAD":
-        return None
-    headers: list[tuple[bytes, bytes]] = []
-    hosts = 0
-    length = -1
-    keep_alive = True
-    for line in lines[1:]:
-        field = _FIELD_LINE.fullmatch(line)
-        if field is None:
-            return None
-        name = field[1].lower()
-        value = field[2].strip(b" \t")
-        if name == b"host":
-            hosts += 1
-        elif name == b"content-length":
-            if length >= 0 or not value.isdigit() or len(value) > 18:
-                return None
-            length = int(value)
-        elif name in _NOT_PLAIN:
-            return None
-        elif name == b"connection" and b"close" in _tokens(value):
-            keep_alive = False
-        headers.append((name, value))
-    if hosts != 1:
-        return None
-    return first[1], first[2], tuple(headers), length, keep_alive
-
-
-def simple_request(data: bytes, limit: int) -> SimpleRequest | None:
-    """``data`` as one plain HTTP/1.1 request, exactly, or its beginning when what is missing is the end
-    of a body that fits in :data:`PARTIAL_MAX` (``missing`` says how much); ``None``: anything else, left to h11.
-
-    Plain: the request line of :data:`_REQUEST_LINE` (not ``HEAD``), a head within ``limit`` bytes,
-    field lines h11's grammar takes, exactly one ``Host``, at most one ``Content-Length`` (digits) and
-    no ``Transfer-Encoding``, ``Upgrade``, ``Expect`` or ``HTTP2-Settings``, and nothing after the body
-    (a pipelined request goes to h11). Names are lowercased and values stripped, as h11 gives them.
-    """
-    end = data.find(b"\r\n\r\n", 0, limit)
-    if end < 0:
-        return None
-    head = data[:end]
-    try:
-        parsed = _heads[head]
-    except KeyError:
-        parsed = _parse_head(head)
-        if end <= _HEAD_KEPT_BYTES:
-            if len(_heads) >= _HEADS_KEPT:
-                _heads.clear()
-            _heads[head] = parsed
-    if parsed is None:
-        return None
-    method, target, headers, length, keep_alive = parsed
-    body = data[end + 4:]
-    missing = length - len(body)  # (length: -1 without Content-Length)
-    if missing < 0 and (length >= 0 or body):
-        return None
-    if missing > 0 and end + 4 + length > PARTIAL_MAX:
-        return None
-    return SimpleRequest(method, target, list(headers), body, keep_alive, missing if missing > 0 else 0)
 
 
 class LeanStream:
@@ -247,7 +87,7 @@ class LeanStream:
         self.keep_alive = keep_alive
         self.closed = False
         self.start_time = time()
-        self._log: Any = protocol.config.log
+        self._log: Any = protocol.log
         self._inbox: deque[dict[str, Any]] = deque()
 
     idle = False
@@ -331,7 +171,8 @@ class LeanStream:
         except Exception:
             await config.log.exception("Error in ASGI Framework")
         finally:
-            await self._app_done()
+            if self._held is not None or not (self.closed or self._state == "done"):
+                await self._app_done()
 
     async def receive(self) -> dict[str, Any]:
         """The next message of the request (no checkpoint when one is there already). An inline
@@ -344,6 +185,20 @@ class LeanStream:
         message = self._inbox.popleft()
         self._wake_reader()
         return message
+
+    def body_nowait(self) -> bytes | None:
+        """The request's whole body, taken, when it is all in already as the next message (what
+        :meth:`receive` would give, to the end of the body); ``None``: read it with :meth:`receive`."""
+        inbox = self._inbox
+        if len(inbox) != 1:
+            return None
+        message = inbox[0]
+        if message["type"] != "http.request" or message["more_body"]:
+            return None
+        inbox.popleft()
+        self._wake_reader()
+        body: bytes = message["body"]
+        return body
 
     async def send(self, message: dict[str, Any]) -> None:
         """One ASGI message of the response (dropped once the connection is gone)."""
@@ -373,6 +228,30 @@ class LeanStream:
             await self.send({"type": "http.response.start", "status": status, "headers": headers})
             await self.send({"type": "http.response.body", "body": body})
             return
+        if self.inline and not self.closed and self._log.access_logger is None:
+            head, seen = _head(status, headers)  # a header h11 would refuse fails the app's send
+            if not seen & (_LENGTH | _CHUNKED) and status >= 200:  # (the usual answer: one write, at once)
+                # what _start_head then _write_body do for it, in one step: head, date, framing, body
+                protocol = self.protocol
+                config = protocol.config
+                if seen & _CLOSE or protocol.keep_alive_requests >= config.keep_alive_max_requests:
+                    self.keep_alive = False
+                close = b"connection: close\r\n" if not self.keep_alive and not seen & _CONNECTION else b""
+                if status in _NO_BODY:
+                    body, framing = b"", b""
+                else:
+                    framing = b"content-length: %d\r\n" % len(body)
+                self._status, self._seen = status, seen
+                self._state = "body"
+                data = b"".join((head, _date.get(config), close, framing, b"\r\n", body))
+                batched = protocol.batched
+                batched.join = False  # (an HTTP/1.1 response needs no joining)
+                if not batched.send_nowait(data):
+                    await protocol.send(RawData(data=data))
+                self._state = "done"
+                if not protocol.lean_done_now(self):
+                    await protocol.lean_done(self)
+                return
         self._start_head(status, headers)
         if self._log.access_logger is not None:
             self._response = {"type": "http.response.start", "status": status, "headers": headers}
@@ -479,23 +358,6 @@ class LeanStream:
         await protocol.lean_done(self)
 
 
-#: a request's method and target as its scope gives them (:func:`_target`), by method and target:
-#: a client asks the same few again and again; cleared when full
-_targets: dict[tuple[bytes, bytes], tuple[str, str, bytes, bytes]] = {}
-
-
-def _target(method: bytes, target: bytes) -> tuple[str, str, bytes, bytes]:
-    """The scope's ``method``, ``path`` (percent-decoded), ``raw_path`` and ``query_string`` of a
-    request line's method and target (kept in :data:`_targets` when short)."""
-    path, _, query_string = target.partition(b"?")
-    parts = (method.decode("ascii").upper(), unquote(path.decode("ascii")), path, query_string)
-    if len(target) <= _HEAD_KEPT_BYTES:
-        if len(_targets) >= _HEADS_KEPT:
-            _targets.clear()
-        _targets[method, target] = parts
-    return parts
-
-
 def _never(method: bytes, path: bytes) -> bool:
     return False
 
@@ -516,6 +378,26 @@ class LeanH11Protocol(H11Protocol):
     #: the first bytes of a plain request whose body is not all in yet, and that request
     _partial = b""
     _pending: SimpleRequest | None = None
+
+    async def serve_plain(self, data: bytes) -> bool:
+        """Bytes read, when they begin a plain request on a fresh connection with nothing else under
+        way: served (or its first part kept) as :meth:`handle` would, without an event; ``False``:
+        nothing was done, give them to :meth:`handle`."""
+        config = self.config
+        if not self._h11_fresh or self._pending is not None or config.server_names or config.h11_pass_raw_headers:
+            return False  # (the last two: what _plain_off says, without its call)
+        stream = self.stream
+        if isinstance(stream, LeanStream) and stream.fast:
+            return False  # (a request that waits for the one before it: handle pauses it)
+        request = simple_request(data, config.h11_max_incomplete_size)
+        if request is None:
+            return False
+        if request.missing:
+            self._pending, self._partial = request, data
+            await self._mark_busy()  # a request is coming in: no idle timeout
+            return True
+        await self._serve_simple(request)
+        return True
 
     async def handle(self, event: Any) -> None:
         """Bytes read: a whole plain request on a fresh connection is served without h11 (the first
@@ -580,27 +462,40 @@ class LeanH11Protocol(H11Protocol):
             timer.mark_busy()
         else:
             await self.send(_BUSY)
-        inline = self._inline(request.method, request.target.partition(b"?")[0])
+        rule = self._inline_rule
+        if rule is None:
+            rule = self._inline_rule = self._inline
+        inline = rule(request.method, request.target.partition(b"?")[0])
         stream = self._open_stream(request.method, request.target, request.headers, keep_alive=request.keep_alive,
                                    spawn=not inline)
         stream.fast = True
         stream.inline = inline
-        stream._put({"type": "http.request", "body": request.body, "more_body": False})
+        stream._inbox.append({"type": "http.request", "body": request.body, "more_body": False})  # (nobody waits yet)
         self.keep_alive_requests += 1
         if self.context.max_requests is not None:  # type: ignore[attr-defined]  # (trio's WorkerContext has it)
             await self.context.mark_request()
         if inline:
             await stream.run()
 
+    #: :attr:`_inline` once asked
+    _inline_rule: Any = None
+
+    @cached_property
+    def log(self) -> Any:
+        """The config's logger, read once (hypercorn's ``config.log`` is a property: a call per request)."""
+        return self.config.log
+
+    @cached_property
+    def root_path(self) -> str:
+        """The config's ``root_path``, read once (a property too)."""
+        root: str = self.config.root_path
+        return root
+
     @property
     def _inline(self) -> Any:
         """The app's ``inline_request(method, path)`` (``False`` for every request without one)."""
-        rule = self.__dict__.get("_inline_rule")
-        if rule is None:
-            app = getattr(self.app, "app", None)  # hypercorn's wrapper holds the ASGI app
-            rule = getattr(app, "inline_request", None) or _never
-            self.__dict__["_inline_rule"] = rule
-        return rule
+        app = getattr(self.app, "app", None)  # hypercorn's wrapper holds the ASGI app
+        return getattr(app, "inline_request", None) or _never
 
     def _open_stream(
         self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], *, keep_alive: bool, spawn: bool = True
@@ -618,7 +513,7 @@ class LeanH11Protocol(H11Protocol):
             "path": path_name,
             "raw_path": path,
             "query_string": query_string,
-            "root_path": self.config.root_path,
+            "root_path": self.root_path,
             "headers": headers,
             "client": self.client,
             "server": self.server,
@@ -659,6 +554,20 @@ class LeanH11Protocol(H11Protocol):
         self._open_stream(request.method, request.target, self._headers, keep_alive=not self._close_asked)
         self.keep_alive_requests += 1
         await self._mark_request()
+
+    def lean_done_now(self, stream: LeanStream) -> bool:
+        """:meth:`lean_done` when it needs no wait: an inline request's answer is over and the
+        connection stays (``False``: nothing done, await :meth:`lean_done`)."""
+        timer = self.timer
+        if not stream.inline or not stream.keep_alive or timer is None or self.context.terminated.is_set():
+            return False
+        if self.stream is stream:  # type: ignore[comparison-overlap]
+            self.stream = None
+        stream.closed = True
+        stream._put({"type": "http.disconnect"})
+        stream._wake_reader()
+        timer.mark_idle()
+        return True
 
     async def lean_done(self, stream: LeanStream) -> None:
         """``stream``'s response is over: serve the next request with a fresh h11 connection (it takes

@@ -76,7 +76,7 @@ from ...types.acp import (
     NewSessionParams,
     PromptParams,
 )
-from .auth import current_caller
+from .auth import HttpCaller, current_caller
 from .lean import LeanStream
 from .rest_events import EVENT_TYPES, SseSubscriber
 from .rest_permissions import PermissionBoard, RestChannel
@@ -178,9 +178,12 @@ class RestContext(ConnContext):
 
     __slots__ = ("rest_channel",)
 
-    def __init__(self, server: Server, peer: RestCaller, rest_channel: RestChannel | None = None) -> None:
+    def __init__(
+        self, server: Server, peer: RestCaller, rest_channel: RestChannel | None = None, caller: HttpCaller | None = None
+    ) -> None:
         super().__init__(server, peer)
-        caller = current_caller.get()
+        if caller is None:
+            caller = current_caller.get()
         self.identity = caller.identity
         self.tenant = caller.tenant
         self.initialized = True
@@ -282,7 +285,9 @@ class RestApi:
 
     async def _typed_body(self, headers: list[tuple[bytes, bytes]], receive: Receive, kind: type[Any]) -> Any:
         """The body as ``kind``: :meth:`_body` then :func:`_convert`, in one decoding when it is valid."""
-        raw = await self._raw_body(headers, receive)
+        stream = getattr(receive, "__self__", None)
+        whole = stream.body_nowait() if type(stream) is LeanStream else None
+        raw = self._checked_body(headers, whole) if whole is not None else await self._raw_body(headers, receive)
         if raw is not NO_BODY:
             try:
                 return _typed_decoders[kind].decode(raw)
@@ -292,6 +297,11 @@ class RestApi:
 
     async def _raw_body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> Any:
         """The body's bytes (:data:`NO_BODY` when there is none); 415 and 413 in order."""
+        stream = getattr(receive, "__self__", None)
+        if type(stream) is LeanStream:
+            whole = stream.body_nowait()
+            if whole is not None:  # (all in already: taken without a message or a coroutine per part)
+                return self._checked_body(headers, whole)
         limit = self.max_message_bytes
         body = bytearray()
         while True:
@@ -303,6 +313,11 @@ class RestApi:
                 break
             if not message.get("more_body", False):
                 break
+        return self._checked_body(headers, body)
+
+    def _checked_body(self, headers: list[tuple[bytes, bytes]], body: bytes | bytearray) -> Any:
+        """:meth:`_raw_body`'s checks of the body read (415, then 413)."""
+        limit = self.max_message_bytes
         if not body:
             declared = header(headers, b"content-length")
             if not (declared and declared.strip() not in ("", "0")):
@@ -334,6 +349,12 @@ class RestApi:
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send, cors: list[tuple[bytes, bytes]]) -> None:
         """Serve one REST request (Host and Origin are checked already)."""
         try:
+            path: str = scope["path"]
+            if path.endswith("/prompt") and scope["method"] == "POST":  # (the hot route: found first)
+                parts = path.strip("/").split("/")
+                if len(parts) == 3 and parts[0] == "session":
+                    await self._prompt_route(parts[1], scope["headers"], receive, send, cors)
+                    return
             await self._dispatch(scope, receive, send, cors)
         except AcpError as exc:
             await self.refuse(send, exc, cors)
@@ -347,9 +368,9 @@ class RestApi:
         path: str = scope["path"]
         method: str = scope["method"]
         headers = scope["headers"]
+        parts = path.strip("/").split("/")
         raw_query = scope.get("query_string", b"")
         query = parse_qs(raw_query.decode("latin-1")) if raw_query else {}
-        parts = path.strip("/").split("/")
 
         def need(*allowed: str) -> None:
             if method not in allowed:
@@ -419,8 +440,7 @@ class RestApi:
             await serve_events(self, session, headers, query, receive, send, cors)
             return
         if action == "prompt":
-            body = await self._typed_body(headers, receive, PromptRequest)
-            await self._json(send, 202, await self.prompt(session_id, body, headers), cors)
+            await self._prompt_route(session_id, headers, receive, send, cors)
             return
         body = await self._body(headers, receive)
         if action in ("load", "resume"):
@@ -441,6 +461,17 @@ class RestApi:
             session_handler.cancel(self._ctx(), _cancel_params(session_id, self._meta(headers)))
             self.server.bridge.get(session_id, _tenant())
             await self._json(send, 204, None, cors)
+
+    async def _prompt_route(
+        self, session_id: str, headers: list[tuple[bytes, bytes]], receive: Receive, send: Send,
+        cors: list[tuple[bytes, bytes]],
+    ) -> None:
+        """``POST /session/:id/prompt``, past its route and method: its body, its checks and its 202."""
+        body = await self._typed_body(headers, receive, PromptRequest)
+        admitted = self._admit(session_id, body, headers)
+        if not isinstance(admitted, PromptAccepted):
+            admitted = await self._shared_admit(*admitted)
+        await self._json(send, 202, admitted, cors)
 
     # --- the routes -----------------------------------------------------------------------------------
 
@@ -556,25 +587,41 @@ class RestApi:
     async def prompt(self, session_id: str, body: PromptRequest, headers: list[tuple[bytes, bytes]]) -> PromptAccepted:
         """``POST /session/:id/prompt``: ``session/prompt``'s admission (synchronous, or with a coordinator
         its shared part's one call); 202 once admitted."""
-        meta = dict(body.meta or {})
-        if body.deadline_ms is not None:
-            meta["deadlineMs"] = body.deadline_ms
-        meta_deadline_ms(meta)
-        meta = self._meta(headers, meta) or {}
+        admitted = self._admit(session_id, body, headers)
+        return admitted if isinstance(admitted, PromptAccepted) else await self._shared_admit(*admitted)
+
+    def _admit(
+        self, session_id: str, body: PromptRequest, headers: list[tuple[bytes, bytes]]
+    ) -> PromptAccepted | tuple[SharedAdmit, int]:
+        """:meth:`prompt`'s synchronous part: the 202's body once admitted here, or the coordinator's
+        admission to wait for, with the session's last event id at admission."""
+        if body.meta or body.deadline_ms is not None:
+            meta = dict(body.meta or {})
+            if body.deadline_ms is not None:
+                meta["deadlineMs"] = body.deadline_ms
+            meta_deadline_ms(meta)
+            meta = self._meta(headers, meta) or {}
+        else:  # (the usual body: _meta is the header's client id alone, if any)
+            client_id = self._client_id(headers)
+            meta = {"clientId": client_id} if client_id is not None else {}
         params = PromptParams(session_id=session_id, prompt=body.prompt, meta=meta)
-        bridge = self.server.bridge
-        session = bridge.get(session_id, _tenant())
+        caller = current_caller.get()
+        session = self.server.bridge.get(session_id, caller.tenant)
         last_event_id = session.next_event_id - 1
-        waiter = prompt_handler.prompt(self._ctx(RestChannel(session, self.board)), params)
+        waiter = prompt_handler.prompt(RestContext(self.server, self.caller, RestChannel(session, self.board), caller), params)
         if isinstance(waiter, SharedAdmit):  # the limits are a cluster's: wait for the coordinator's answer
-            refusal: list[AcpError] = []
-            waiter.subscribe(lambda result, error: refusal.append(error) if error is not None else None)
-            await waiter.decided.wait()
-            if waiter.ticket is None:
-                raise refusal[0] if refusal else InternalError()
-            return PromptAccepted(prompt_id=waiter.ticket.prompt_id, last_event_id=last_event_id, event_epoch=self.state.epoch)
+            return waiter, last_event_id
         assert isinstance(waiter, PromptWaiter)
         waiter.subscribe(_ignore)
+        return PromptAccepted(prompt_id=waiter.ticket.prompt_id, last_event_id=last_event_id, event_epoch=self.state.epoch)
+
+    async def _shared_admit(self, waiter: SharedAdmit, last_event_id: int) -> PromptAccepted:
+        """The 202's body once the coordinator admitted ``waiter`` (its refusal raised)."""
+        refusal: list[AcpError] = []
+        waiter.subscribe(lambda result, error: refusal.append(error) if error is not None else None)
+        await waiter.decided.wait()
+        if waiter.ticket is None:
+            raise refusal[0] if refusal else InternalError()
         return PromptAccepted(prompt_id=waiter.ticket.prompt_id, last_event_id=last_event_id, event_epoch=self.state.epoch)
 
 

@@ -33,6 +33,7 @@ work each; everything else as hypercorn).
 from __future__ import annotations
 
 import os
+import socket as _stdlib_socket
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -84,6 +85,12 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         self.stream = stream
         # hypercorn reads the addresses from it
         self.socket = socket if socket is not None else cast(trio.SocketStream, stream).socket
+        #: the standard socket under a plain one's trio socket, whose ``fileno`` is no Python call (-1 once
+        #: closed, as trio's); ``None`` (trio's own is asked) where it is not there
+        self._raw: Any = None
+        if type(stream) is trio.SocketStream:
+            raw = getattr(stream.socket, "_sock", None)
+            self._raw = raw if isinstance(raw, _stdlib_socket.socket) else None
         self.limit = limit
         self._out: list[bytes | HeldWrite] = []
         self._nbytes = 0
@@ -109,7 +116,8 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         it, writes are not joined and the socket is plain; the rest (all of it otherwise) is returned."""
         if self.join or self._out or self._writing or type(self.stream) is not trio.SocketStream:
             return data
-        fd = self.stream.socket.fileno()  # -1 once closed: never a stale descriptor number
+        raw = self._raw
+        fd = raw.fileno() if raw is not None else self.stream.socket.fileno()  # -1 once closed: never a stale number
         if fd < 0:
             return data
         try:
@@ -229,7 +237,8 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         """Write ``data``: on a plain socket what the kernel takes at once is written without a
         scheduling pass (the rest, and any TLS stream, through ``send_all``)."""
         if type(self.stream) is trio.SocketStream:
-            fd = self.stream.socket.fileno()  # -1 once closed: never a stale descriptor number
+            raw = self._raw
+            fd = raw.fileno() if raw is not None else self.stream.socket.fileno()  # -1 once closed: never a stale number
             if fd >= 0:
                 try:
                     sent = os.write(fd, data)
@@ -252,7 +261,7 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         usually sent nothing yet when its connection is read again: no read is tried first to fail)."""
         if type(self.stream) is not trio.SocketStream:
             return await self.stream.receive_some(max_bytes)
-        sock = self.stream.socket
+        sock = self._raw if self._raw is not None else self.stream.socket
         while True:
             await trio.lowlevel.wait_readable(sock)
             fd = sock.fileno()
@@ -324,7 +333,9 @@ class BatchedTCPServer(TCPServer):
         #: the keep-alive timer's state: a request is being served, or since when the connection is idle
         #: (the timer reads them when it fires, so a request moves no deadline)
         self._busy = False
-        self._idle_since = trio.current_time()
+        #: the run's clock, read straight (``trio.current_time`` finds it anew on each call)
+        self._clock = trio.lowlevel.current_clock()
+        self._idle_since = self._clock.current_time()
         self._idle_started = False
 
     @property
@@ -370,18 +381,23 @@ class BatchedTCPServer(TCPServer):
     def mark_idle(self) -> None:
         """The connection is idle from now (``Updated(idle=True)``)."""
         self._busy = False
-        self._idle_since = trio.current_time()
+        self._idle_since = self._clock.current_time()
 
     async def _read_data(self) -> None:
         """hypercorn's read loop; without a ``read_timeout`` it makes no deadline scope per read."""
         if self.config.read_timeout is not None:
             await super()._read_data()
             return
+        from .lean import LeanH11Protocol
+
         while True:
             try:
                 data = await self.stream.receive_some(MAX_RECV)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 break
+            protocol = self._protocol.protocol  # (the wrapper's own handle is for h2's switch, which a plain request never makes)
+            if data and type(protocol) is LeanH11Protocol and await protocol.serve_plain(bytes(data)):
+                continue
             await self.protocol.handle(RawData(bytes(data)))
             if not data:
                 break
