@@ -7,6 +7,10 @@ import pathlib
 import signal
 import subprocess
 import sys
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
 
 from acp_server.server import ListenAddress
 from acp_server.statedir import adopt_legacy, keyed_state_dir, state_key, state_root
@@ -44,13 +48,29 @@ def _prompt(url: str, text: str) -> str:
     return run.stderr.split()[2]  # "acp-server: session <id> client <id>"
 
 
+@pytest.fixture
+def unix_address() -> Iterator[Callable[[str], str]]:
+    """Makes ``unix:`` addresses of this test alone (a fixed path would be shared by parallel suites),
+    and removes their socket files afterwards."""
+    paths: list[pathlib.Path] = []
+
+    def make(name: str) -> str:
+        path = pathlib.Path(f"/tmp/acp-ux-{name}-{uuid.uuid4().hex[:12]}.sock")  # short: sun_path is 108 bytes
+        paths.append(path)
+        return f"unix:{path}"
+
+    yield make
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
 def _sessions(url: str) -> str:
     return subprocess.run([*ACP, "sessions", "--connect", url], capture_output=True, text=True, timeout=30).stdout
 
 
-def test_two_servers_on_two_addresses_do_not_share_sessions() -> None:
+def test_two_servers_on_two_addresses_do_not_share_sessions(unix_address: Callable[[str], str]) -> None:
     """Two plain ``serve`` runs on different addresses run at once, each with its own sessions."""
-    with ServerProcess("--listen", "tcp://127.0.0.1:0") as a, ServerProcess("--listen", "unix:/tmp/acp-ux-b.sock") as b:
+    with ServerProcess("--listen", "tcp://127.0.0.1:0") as a, ServerProcess("--listen", unix_address("b")) as b:
         (url_a,) = a.wait_listening()
         (url_b,) = b.wait_listening()
         made_a = _prompt(url_a, "in a")
@@ -61,7 +81,7 @@ def test_two_servers_on_two_addresses_do_not_share_sessions() -> None:
     assert (state_root() / "tcp-127.0.0.1-0" / DB_NAME).is_file()
 
 
-def test_the_old_shared_location_is_moved_into_the_first_keyed_directory() -> None:
+def test_the_old_shared_location_is_moved_into_the_first_keyed_directory(unix_address: Callable[[str], str]) -> None:
     """A database at ``$XDG_STATE_HOME/acp-server/sessions.db`` (where every server used to keep its
     sessions) is moved, WAL and all, into the keyed directory of the next plain ``serve``, which says so
     and serves the old sessions; the next server on another address starts empty."""
@@ -80,7 +100,7 @@ def test_the_old_shared_location_is_moved_into_the_first_keyed_directory() -> No
     assert f"acp-server: moved the sessions of {root} (the old shared default) to {target}" in said
     assert old_session in listed
     assert not (root / DB_NAME).exists() and (target / DB_NAME).is_file()
-    with ServerProcess("--listen", "unix:/tmp/acp-ux-c.sock") as other:
+    with ServerProcess("--listen", unix_address("c")) as other:
         (other_url,) = other.wait_listening()
         assert old_session not in _sessions(other_url)
 
