@@ -27,6 +27,11 @@ Phases (each a figure: instructions per prompt):
     sequential-1word   one session, one-word prompts one after the other (1 update each)
     sequential-9words  the same with the nine-word prompt of ``make bench`` scenario 1 (9 updates)
     pipelined-1word    100 sessions x 2 one-word prompts written at once, answers read, repeated
+    sequential-1word-no-turn-states
+                       sequential-1word on a second connection that did not ask for turn states (as
+                       the official SDK client, the client of ``make bench`` scenario 1, does not)
+
+The first three phases run on a connection that asks for turn states (``_meta.turnStates``).
 
 Usage::
 
@@ -74,7 +79,7 @@ WORKLOAD: dict[str, Any] = {
     "pipelined_rounds": 3,
     "stream": "pipes",
 }
-PHASES = ("sequential-1word", "sequential-9words", "pipelined-1word")
+PHASES = ("sequential-1word", "sequential-9words", "pipelined-1word", "sequential-1word-no-turn-states")
 
 
 # --- the workload (runs inside callgrind) --------------------------------------------------------
@@ -126,14 +131,20 @@ def run_workload(sizes: dict[str, Any], marker: bool) -> dict[str, int]:
             theirs = PipeStream(server_in, server_out)
             ours = PipeStream(driver_in, driver_out)
             nursery.start_soon(server.handle_stream, theirs, "instr")
-            buf = bytearray()
+            # A second connection that does not ask for turn states: the official SDK client's path.
+            quiet_in, quiet_driver_out = os.pipe()
+            quiet_driver_in, quiet_out = os.pipe()
+            nursery.start_soon(server.handle_stream, PipeStream(quiet_in, quiet_out), "instr-quiet")
+            quiet = PipeStream(quiet_driver_in, quiet_driver_out)
+            bufs = {id(ours): bytearray(), id(quiet): bytearray()}
             next_id = 1
 
-            async def answers(count: int) -> list[bytes]:
-                """Read until ``count`` answers arrived; their results (an error stops the run)."""
+            async def answers(count: int, link: PipeStream = ours) -> list[bytes]:
+                """Read until ``count`` answers arrived on ``link``; their results (an error stops the run)."""
+                buf = bufs[id(link)]
                 results: list[bytes] = []
                 while len(results) < count:
-                    data = await ours.receive_some(65536)
+                    data = await link.receive_some(65536)
                     if not data:
                         raise RuntimeError("the server closed the connection")
                     buf.extend(data)
@@ -153,19 +164,19 @@ def run_workload(sizes: dict[str, Any], marker: bool) -> dict[str, int]:
                 seen["answers"] += len(results)
                 return results
 
-            async def call(method: str, params: dict[str, Any]) -> Any:
+            async def call(method: str, params: dict[str, Any], link: PipeStream = ours) -> Any:
                 nonlocal next_id
                 request = {"jsonrpc": "2.0", "id": next_id, "method": method, "params": params}
                 next_id += 1
-                await ours.send_all(msgspec.json.encode(request) + b"\n")
-                return msgspec.json.decode((await answers(1))[0])
+                await link.send_all(msgspec.json.encode(request) + b"\n")
+                return msgspec.json.decode((await answers(1, link))[0])
 
-            async def sequential(template: bytes, count: int) -> None:
+            async def sequential(template: bytes, count: int, link: PipeStream = ours) -> None:
                 nonlocal next_id
                 for _ in range(count):
-                    await ours.send_all(template % next_id)
+                    await link.send_all(template % next_id)
                     next_id += 1
-                    (result,) = await answers(1)
+                    (result,) = await answers(1, link)
                     if b'"end_turn"' not in result:
                         raise RuntimeError(f"a prompt did not end its turn: {result!r}")
 
@@ -192,10 +203,13 @@ def run_workload(sizes: dict[str, Any], marker: bool) -> dict[str, int]:
             one_word = _prompt_template(first, "hello")
             nine_words = _prompt_template(first, NINE_WORDS)
             many_templates = [_prompt_template(s, "hello") for s in many]
+            await call("initialize", {"protocolVersion": 1, "clientCapabilities": {}}, quiet)
+            quiet_word = _prompt_template((await call("session/new", new_session, quiet))["sessionId"], "hello")
             tune_gc()  # what the command line does before serving: start-up objects frozen out of the GC
             await sequential(one_word, sizes["warmup_sequential"])
             await sequential(nine_words, sizes["warmup_sequential"])
             await pipelined(many_templates, sizes["warmup_pipelined_rounds"])
+            await sequential(quiet_word, sizes["warmup_sequential"], quiet)
 
             cut()
             await sequential(one_word, sizes["sequential"])
@@ -204,6 +218,9 @@ def run_workload(sizes: dict[str, Any], marker: bool) -> dict[str, int]:
             cut()
             await pipelined(many_templates, sizes["pipelined_rounds"])
             cut()
+            await sequential(quiet_word, sizes["sequential"], quiet)
+            cut()
+            await quiet.aclose()
             await ours.aclose()
             nursery.cancel_scope.cancel()
 
@@ -217,17 +234,17 @@ def expected_counts(sizes: dict[str, Any]) -> dict[str, int]:
     pipe = sizes["pipelined_sessions"] * sizes["pipelined_depth"] * (
         sizes["warmup_pipelined_rounds"] + sizes["pipelined_rounds"]
     )
-    calls = 2 + sizes["pipelined_sessions"]  # initialize, session/new
+    calls = 4 + sizes["pipelined_sessions"]  # initialize and session/new on each connection
     return {
-        "answers": calls + 2 * seq + pipe,
-        "updates": seq * (1 + len(NINE_WORDS.split())) + pipe,
-        "phases": 4,
+        "answers": calls + 3 * seq + pipe,
+        "updates": seq * (2 + len(NINE_WORDS.split())) + pipe,
+        "phases": len(PHASES) + 1,
     }
 
 
 def prompts_per_phase(sizes: dict[str, Any]) -> dict[str, int]:
     pipe = sizes["pipelined_sessions"] * sizes["pipelined_depth"] * sizes["pipelined_rounds"]
-    return dict(zip(PHASES, (sizes["sequential"], sizes["sequential"], pipe), strict=True))
+    return dict(zip(PHASES, (sizes["sequential"], sizes["sequential"], pipe, sizes["sequential"]), strict=True))
 
 
 def check_counts(seen: dict[str, int], sizes: dict[str, Any]) -> None:
@@ -317,7 +334,7 @@ def measure(keep: Path | None = None) -> dict[str, Any]:
             keep.mkdir(parents=True, exist_ok=True)
             for path in out_dir.glob("callgrind.out*"):
                 shutil.copy(path, keep / path.name)
-    # dumps: [start-up + warm-up, phase 1, phase 2, phase 3, shutdown]
+    # dumps: [start-up + warm-up, phase 1, ..., phase 4, shutdown]
     if len(dumps) != len(PHASES) + 2:
         raise SystemExit(
             f"bench-instr: expected {len(PHASES) + 2} callgrind dumps (one per {MARKER} call, plus the end), "

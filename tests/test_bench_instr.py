@@ -43,9 +43,10 @@ def test_the_workload_answers_every_prompt_through_the_server() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout)
-    # 1 + 9 updates per sequential pair, 1 per pipelined prompt; 3 turn states per prompt besides
-    assert seen["updates"] == 4800 and seen["other_notifications"] == 3 * 1600
-    assert seen["answers"] == 102 + 1600 and seen["phases"] == 4
+    # 1 + 9 + 1 updates per sequential triple, 1 per pipelined prompt; 3 turn states per prompt besides
+    # on the connection that asked for them (1,600 prompts), none on the other (400)
+    assert seen["updates"] == 5200 and seen["other_notifications"] == 3 * 1600
+    assert seen["answers"] == 104 + 2000 and seen["phases"] == 5
 
 
 def test_the_committed_baseline_is_of_this_workload(instr: ModuleType) -> None:
