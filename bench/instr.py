@@ -136,12 +136,12 @@ def run_workload(sizes: dict[str, Any], marker: bool) -> dict[str, int]:
             quiet_driver_in, quiet_out = os.pipe()
             nursery.start_soon(server.handle_stream, PipeStream(quiet_in, quiet_out), "instr-quiet")
             quiet = PipeStream(quiet_driver_in, quiet_driver_out)
-            bufs = {id(ours): bytearray(), id(quiet): bytearray()}
+            bufs = {ours: bytearray(), quiet: bytearray()}
             next_id = 1
 
             async def answers(count: int, link: PipeStream = ours) -> list[bytes]:
                 """Read until ``count`` answers arrived on ``link``; their results (an error stops the run)."""
-                buf = bufs[id(link)]
+                buf = bufs[link]
                 results: list[bytes] = []
                 while len(results) < count:
                     data = await link.receive_some(65536)

@@ -61,9 +61,7 @@ def _prompt(ctx: ConnContext, params: PromptParams, now: bool) -> Deferred | Pro
             ctx.channel(), None, None, ctx.tenant,
         )
         if now and ticket.answered:
-            if ticket.error is not None:
-                raise ticket.error
-            return ticket.result  # type: ignore[return-value]
+            return _answered(ticket)
         return PromptWaiter(bridge.settlement, ticket, not duplicate)  # bridge.waiter's, without the call
     terms: dict[str, Any] = {  # the admission's terms, the same for the local and the shared path
         "peer": ctx.peer,
