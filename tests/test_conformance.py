@@ -585,6 +585,35 @@ async def test_conformance_cancel_of_waiting_request_wins() -> None:
         assert client.updates(s2) == []
 
 
+async def test_conformance_session_cancel_ends_its_waiting_prompts() -> None:
+    """A session's prompt waiting unstarted behind max-inflight when ``session/cancel`` names the session
+    is answered ``stopReason: "cancelled"`` at once (it was sent before the cancel, as the bridge's queued
+    prompts were) and never runs; a waiting prompt of another session keeps its place and runs."""
+    backend = FakeBackend()
+    backend.hold("first", "second")
+    async with running_server(Limits(max_inflight_requests=1), backend) as (server, nursery):
+        client, shell = await connect_shell(server, nursery)
+        s1, _ = await client.new_session()
+        s2, _ = await client.new_session()
+        first = await send_prompt(client, nursery, s1, "first")
+        await backend.started("first")
+        second = await send_prompt(client, nursery, s1, "second", id="w1")
+        other = await send_prompt(client, nursery, s2, "other", id="w2")
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(shell._waiting) == 2
+        await client.notify("session/cancel", {"sessionId": s1})
+        with trio.fail_after(10):
+            assert (await first.wait())["result"]["stopReason"] == "cancelled"
+            assert (await second.wait())["result"] == {"stopReason": "cancelled"}
+            await backend.started("other")
+        backend.release("other")
+        with trio.fail_after(10):
+            assert (await other.wait())["result"]["stopReason"] == "end_turn"
+        assert backend.calls_of("second") == []
+        assert backend.texts_started() == ["first", "other"]
+        assert server.bridge.statistics().pending_prompts == 0
+
+
 # --- max-inflight and backpressure ------------------------------------------------------------------
 
 

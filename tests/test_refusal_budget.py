@@ -418,8 +418,8 @@ async def test_an_evicted_peer_alone_on_its_session_has_its_prompt_cancelled_onc
 
 async def test_session_cancel_of_a_paced_peer_is_honoured_at_once(autojump_clock: trio.testing.MockClock) -> None:
     """A peer whose budget is in debt (its next request on the held session waits unstarted) still has
-    its session/cancel run at once: its running prompt ends cancelled, which leaves room in the session,
-    so the parked re-send starts then and is admitted."""
+    its session/cancel run at once: its running prompt ends cancelled, and so does the parked re-send,
+    sent before the cancel (as a queued prompt would), answered at once and never run."""
     backend = FakeBackend()
     with trio.fail_after(60):
         async with paced_peer(backend) as paced:
@@ -436,8 +436,9 @@ async def test_session_cancel_of_a_paced_peer_is_honoured_at_once(autojump_clock
             assert trio.current_time() == sent, "the cancel did not wait for the refill"
             assert backend.calls_of("held")[0].outcome == "cancelled"
             later = await again.receive()
-            assert later["result"]["stopReason"] == "end_turn"
-            assert trio.current_time() == sent, "the room the cancel left started it, not the refill"
+            assert later["result"] == {"stopReason": "cancelled"}
+            assert trio.current_time() == sent, "the cancel answered it, not the refill"
+            assert backend.calls_of("again") == [], "it never ran"
             assert shell._parked_count == 0
             assert not rude.eof.is_set()
 

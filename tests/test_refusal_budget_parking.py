@@ -200,3 +200,47 @@ async def test_parked_requests_of_a_session_start_in_order_each_answered_once(au
             assert all(m["result"]["stopReason"] == "end_turn" for m in answers)
             assert [c.text for c in backend.calls] == ["held", "p1", "p2", "p3"]
             assert shell._parked_count == 0
+
+
+async def test_a_session_cancel_ends_the_sessions_parked_prompts_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    """``session/cancel`` of a held session: its running prompt ends ``cancelled`` (the bridge) and the
+    prompts parked on it, sent before the cancel, are answered ``stopReason: "cancelled"`` at once, in
+    the order sent, without waiting for the refill and without ever running; the peer's parked request
+    on the session that is not a prompt keeps its place: the room the cancel opened starts it next."""
+    backend = FakeBackend()
+    with trio.fail_after(60):
+        async with paced_peer(backend) as paced:
+            rude, shell, session_id, held_answer = paced.client, paced.shell, paced.session_id, paced.held_answer
+            sent = trio.current_time()
+            ids = []
+            for text in ("p1", "p2"):
+                id, _ = rude.start_request("session/prompt")
+                ids.append(id)
+                await rude.send(prompt_msg(id, session_id, text))
+            mode_id, mode_answer = rude.start_request("session/set_mode")
+            await rude.send({"jsonrpc": "2.0", "id": mode_id, "method": "session/set_mode", "params": {"sessionId": session_id, "modeId": "default"}})
+            await trio.testing.wait_all_tasks_blocked()
+            assert shell._parked_count == 3
+            await rude.send({"jsonrpc": "2.0", "method": "session/cancel", "params": {"sessionId": session_id}})
+            held = await held_answer.receive()
+            assert held["result"]["stopReason"] == "cancelled"
+            await trio.testing.wait_all_tasks_blocked()
+            assert trio.current_time() == sent, "answered at the cancel, not at the refill"
+            answers = [m for m in rude.messages if m.get("id") in ids]
+            assert [m["id"] for m in answers] == ids
+            assert all(m["result"] == {"stopReason": "cancelled"} for m in answers), answers
+            mode = await mode_answer.receive()
+            assert "result" in mode, mode
+            assert trio.current_time() == sent, "the room the cancel opened started the set_mode request"
+            order = [m["id"] for m in rude.messages if m.get("id") in (held["id"], *ids, mode_id)]
+            assert order == [held["id"], *ids, mode_id], "answered in the order sent"
+            await trio.testing.wait_all_tasks_blocked()
+            assert [c.text for c in backend.calls] == ["held"], "the cancelled prompts never ran"
+            assert len([m for m in rude.messages if m.get("id") in ids]) == 2, "each answered once"
+            assert shell._parked_count == 0 and not shell._slots
+            assert server_pending(paced) == 0
+
+
+def server_pending(paced: Any) -> int:
+    """The bridge's pending prompts on the paced peer's server."""
+    return int(paced.server.bridge.statistics().pending_prompts)

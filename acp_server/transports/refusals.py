@@ -15,7 +15,9 @@ Refusal budget: each overload refusal also spends from the peer's own budget
 (:mod:`.refusal_budget`); a peer that spends it by re-sending what it was told to hold off has its
 next requests on held scopes *parked*: they wait unstarted, by session, until the refill pays the debt
 or until one of its admitted prompts on that session ends (room for the oldest parked one); its other
-requests and its notifications (``session/cancel``) still run at once. Once long in debt it is sent
+requests and its notifications (``session/cancel``) still run at once; a ``session/cancel`` answers the
+session's prompts that wait unstarted (parked, or past the in-flight cap) ``stopReason: "cancelled"``
+at once, as the bridge answers its queued ones. Once long in debt it is sent
 ``_acp_server/evicted {reason: "ignored_retry_after"}`` and closed. Accepted requests pay nothing, and
 a connection never in debt pays one float test per request started.
 """
@@ -30,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..errors import OverloadError
-from ..jsonrpc import Connection, Request
+from ..jsonrpc import Connection, Request, encode_result
+from ..types.acp import PromptResult
 from .outbox import Outbox
 from .refusal_budget import RefusalBudget, RefusalBudgetSettings, session_of
 
@@ -40,6 +43,9 @@ if TYPE_CHECKING:
 __all__ = ["RefusalGuard"]
 
 log = logging.getLogger("acp_server.connection")
+
+#: the answer of a prompt that a ``session/cancel`` ended before it started (it has no prompt id)
+_CANCELLED = PromptResult(stop_reason="cancelled")
 
 
 class RefusalGuard(Outbox):
@@ -77,6 +83,7 @@ class RefusalGuard(Outbox):
     max_inflight: int
     _start_waiting: Callable[[], None]
     _start: Callable[[Request, Slot, Callable[[bytes], None]], None]
+    _slot_done: Callable[[], None]
 
     def _reply_error(self, data: bytes, slot: Slot, reply: Callable[[bytes], None]) -> None:
         """Queue an error answer; an overload refusal is timed until its bytes are written, and spends
@@ -136,6 +143,52 @@ class RefusalGuard(Outbox):
         queue.append(req)
         self._parked_count += 1
         return True
+
+    def _take_unstarted_prompts(self, session_id: str | None) -> list[Request]:
+        """Before a ``session/cancel`` of ``session_id`` is dispatched: take out its ``session/prompt``
+        requests still unstarted here (parked in debt, or waiting for the in-flight cap), in the order
+        sent, so that the room the cancel opens does not start them; :meth:`_answer_cancelled` answers
+        them once the cancel has run. The session's other requests keep their place."""
+        gone: list[Request] = []
+        if session_id is None:
+            return gone
+        parked = self._parked
+        queue = parked.get(session_id) if parked else None
+        if queue is not None:
+            keep = [req for req in queue if req.method != "session/prompt"]
+            gone += [req for req in queue if req.method == "session/prompt"]
+            self._parked_count -= len(gone)
+            if keep:
+                queue[:] = keep
+            else:
+                del parked[session_id]  # type: ignore[union-attr]
+        waiting = self._waiting
+        if waiting:
+            mine = [req for req in waiting if req.method == "session/prompt" and session_of(req.params) == session_id]
+            if mine:
+                waiting[:] = [req for req in waiting if req not in mine]
+                gone += mine
+                slots = self._slots
+                gone.sort(key=lambda req: slots[req.id].read_ns)  # stable: a read's requests keep their order
+        if gone and self._rooms is None:
+            self._rooms = []  # the room the cancel opens starts the next parked request after these answers
+        return gone
+
+    def _answer_cancelled(self, gone: list[Request]) -> None:
+        """The prompts :meth:`_take_unstarted_prompts` took were sent before the cancel: they end as the
+        bridge's queued prompts did, ``stopReason: "cancelled"``, each answered once, and never run."""
+        for req in gone:
+            del self._slots[req.id]
+            self.reply(encode_result(req.id, _CANCELLED))
+        self._slot_done()
+        rooms = self._rooms
+        if rooms is None:
+            return
+        try:
+            while rooms:
+                self._unpark(rooms.pop(0))
+        finally:
+            self._rooms = None
 
     def _room_in(self, req: Request) -> None:
         """One of the peer's admitted requests (``req``) has its answer while requests are parked: its

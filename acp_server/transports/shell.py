@@ -66,7 +66,7 @@ from .deadlines import Deadline, deadlines
 from .inflight import BatchReplies, Slot
 from .listeners import PipeStream
 from .outbox import RELIABLE_WATERMARK_BYTES
-from .refusal_budget import RefusalBudget, RefusalBudgetSettings
+from .refusal_budget import RefusalBudget, RefusalBudgetSettings, session_of
 from .refusals import RefusalGuard
 from .timing import LatencyHistogram
 
@@ -484,7 +484,12 @@ class ConnectionShell(RefusalGuard):
             if event.method == "$/cancel_request":
                 self._cancel_request(event)
             else:
+                gone = None
+                if (self._parked or self._waiting) and event.method == "session/cancel":
+                    gone = self._take_unstarted_prompts(session_of(event.params))
                 self.dispatcher.notify(self.ctx, event)
+                if gone:
+                    self._answer_cancelled(gone)
         elif isinstance(event, Response):
             channel = self._outbound.pop(event.id, None)
             if channel is not None:
