@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,16 +28,27 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    """One ``redis-server`` process on 127.0.0.1."""
+    """One ``redis-server`` process on 127.0.0.1.
 
-    def __init__(self, tmp: str) -> None:
+    Args:
+        tmp: its working directory.
+        tls: ``(cert, key, ca)`` PEM files: it listens with TLS only (``rediss://``), clients unauthenticated.
+    """
+
+    def __init__(self, tmp: str, tls: tuple[str, str, str] | None = None) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed: run `make test` (it installs it) or apt-get install redis-server")
         self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.tls = tls
+        listen = ["--port", str(self.port)]
+        if tls is not None:
+            cert, key, ca = tls
+            listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert, "--tls-key-file", key,
+                      "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
+        self.url = f"{'rediss' if tls else 'redis'}://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [exe, *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", tmp, "--loglevel", "warning"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -44,21 +56,30 @@ class RedisServer:
         deadline = time.monotonic() + 10
         while True:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
+                if self._pong():
+                    break
+            except OSError:  # ssl.SSLError is an OSError
                 pass
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 self.stop()
                 raise RuntimeError(f"redis-server did not start on port {self.port}")
             time.sleep(0.02)
 
+    def _pong(self) -> bool:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as raw:
+            if self.tls is None:
+                raw.sendall(b"PING\r\n")
+                return raw.recv(16).startswith(b"+PONG")
+            context = ssl.create_default_context(cafile=self.tls[2])
+            with context.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+
     def command(self, *args: str) -> bytes:
         """One command through ``redis-cli`` (for checks from outside the code under test)."""
+        tls = ["--tls", "--cacert", self.tls[2]] if self.tls is not None else []
         out = subprocess.run(
-            ["redis-cli", "-p", str(self.port), "--no-raw", *args], capture_output=True, check=True, timeout=10
+            ["redis-cli", "-p", str(self.port), *tls, "--no-raw", *args], capture_output=True, check=True, timeout=10
         )
         return out.stdout
 
