@@ -1,9 +1,10 @@
 """Who may talk to an HTTP listener: Host and Origin rules, bearer credentials, trusted proxies.
 
-Pure functions and small value objects, for the HTTP transport to call in this order (the order of
-H2's checks): :class:`HostRules` (DNS-rebinding defence), :class:`OriginRules` (cross-site requests from
-browsers), then the credentials (:func:`http_identity`), answering every credential failure with
-the same 401 (:data:`UNAUTHORIZED_BODY`), so that a prober learns nothing from which one it was.
+Pure functions and small value objects. The HTTP transport checks ``Host`` and ``Origin`` first
+(:class:`~acp_server.transports.http.rules.HostRules`, with :func:`split_host` and
+:func:`normalize_origin` from here), then the credentials (:func:`http_identity`), answering every
+credential failure with the same 401 (:data:`UNAUTHORIZED_BODY`), so that a prober learns nothing from
+which one it was.
 
 Credentials come as ``Authorization: Bearer <secret>``, or, for browsers' WebSockets (which cannot set
 headers), as the subprotocols ``acp.v1`` and ``acp-bearer.<base64url(secret), no padding>``; the server
@@ -29,20 +30,16 @@ from ..errors import UnauthorizedError
 from .tokens import MAX_SECRET_CHARS, Identity, TokenStore
 
 __all__ = [
-    "LOOPBACK_HOSTS",
     "UNAUTHORIZED_BODY",
     "UNAUTHORIZED_HEADERS",
     "UNAUTHORIZED_STATUS",
     "WS_BEARER_PREFIX",
     "WS_SUBPROTOCOL",
     "ClientView",
-    "HostRules",
     "HttpAuth",
-    "OriginRules",
     "TrustedProxies",
     "WsOffer",
     "bearer_subprotocol",
-    "check_allow_origin",
     "http_identity",
     "normalize_origin",
     "parse_bearer",
@@ -51,8 +48,6 @@ __all__ = [
     "split_host",
 ]
 
-#: Host names every listener answers to (a bound address is added; ``--http-allow-host`` adds more).
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 WS_SUBPROTOCOL = "acp.v1"
 WS_BEARER_PREFIX = "acp-bearer."
 UNAUTHORIZED_STATUS = 401
@@ -113,50 +108,6 @@ def split_host(value: str) -> tuple[str, int | None] | None:
     return name, port
 
 
-def _normal_name(name: str) -> str:
-    name = name.strip().lower()
-    if name.startswith("[") and name.endswith("]"):
-        name = name[1:-1]
-    return name
-
-
-class HostRules:
-    """The ``Host`` names a listener answers to, with or without a port.
-
-    The port is not compared: a DNS-rebinding page reaches us under *its* host name, which is what is
-    refused; a reverse proxy may present another port.
-
-    Args:
-        bound_host: the address the listener is bound to (an unspecified one, ``0.0.0.0``/``::``, names
-            nothing a client should send).
-        allow: ``--http-allow-host`` names.
-
-    Raises:
-        ValueError: an ``allow`` entry is not a host name or address.
-    """
-
-    def __init__(self, bound_host: str | None = None, allow: Iterable[str] = ()) -> None:
-        names = set(LOOPBACK_HOSTS)
-        if bound_host:
-            bound = _normal_name(bound_host)
-            ip = _ip(bound)
-            if ip is None or not ip.is_unspecified:
-                names.add(bound)
-        for entry in allow:
-            parsed = split_host(entry)
-            if parsed is None or parsed[1] is not None:
-                raise ValueError(f"--http-allow-host {entry!r}: a host name or address, without a port")
-            names.add(parsed[0])
-        self.names = frozenset(names)
-
-    def allows(self, host: str | None) -> bool:
-        """Whether a request's ``Host`` (or ``:authority``) is one of ours; a missing one is not."""
-        if not host:
-            return False
-        parsed = split_host(host)
-        return parsed is not None and parsed[0] in self.names
-
-
 def normalize_origin(value: str) -> str | None:
     """An origin as ``scheme://host[:port]`` (lowercase, default port dropped), or ``None`` if it is not one.
 
@@ -182,65 +133,6 @@ def normalize_origin(value: str) -> str | None:
     if port is None or port == _DEFAULT_PORTS[scheme]:
         return f"{scheme}://{shown}"
     return f"{scheme}://{shown}:{port}"
-
-
-def check_allow_origin(value: str, *, tokens_on: bool) -> str:
-    """Check one ``--http-allow-origin`` entry: an exact origin, or ``*`` when tokens are on.
-
-    Returns:
-        the normalized origin (or ``*``).
-
-    Raises:
-        ValueError: the message names the flag and what it accepts.
-    """
-    if value.strip() == "*":
-        if not tokens_on:
-            raise ValueError(
-                "--http-allow-origin '*' needs --auth-tokens: without tokens any web page could drive the "
-                "server from a visitor's browser; list exact origins instead (e.g. https://console.example.com)"
-            )
-        return "*"
-    origin = normalize_origin(value)
-    if origin is None or origin == "null":
-        raise ValueError(
-            f"--http-allow-origin {value!r}: an exact origin, scheme://host[:port] with no path "
-            "(e.g. https://console.example.com), or '*' with --auth-tokens"
-        )
-    return origin
-
-
-class OriginRules:
-    """The ``Origin`` values a listener accepts: its own origins and the ``--http-allow-origin`` entries.
-
-    A request without ``Origin`` comes from something other than a web page and is accepted (the
-    credentials still decide).
-
-    Args:
-        scheme: ``http`` or ``https``: the listener's.
-        port: the listener's bound port.
-        hosts: the listener's host rules (its names make its own origins).
-        allow: checked entries (:func:`check_allow_origin`), ``*`` included.
-    """
-
-    def __init__(self, *, scheme: str, port: int, hosts: HostRules, allow: Iterable[str] = ()) -> None:
-        own: set[str] = set()
-        for name in hosts.names:
-            for s in (scheme, "ws" if scheme == "http" else "wss"):
-                origin = normalize_origin(f"{s}://{f'[{name}]' if ':' in name else name}:{port}")
-                if origin is not None:
-                    own.add(origin)
-        extra = set(allow)
-        self.any = "*" in extra
-        self.origins = frozenset(own | (extra - {"*"}))
-
-    def allows(self, origin: str | None) -> bool:
-        """Whether a request with this ``Origin`` header may proceed."""
-        if origin is None:
-            return True
-        if self.any:
-            return True
-        normal = normalize_origin(origin)
-        return normal is not None and normal in self.origins
 
 
 def parse_bearer(value: str | Sequence[str] | None) -> str | None:
