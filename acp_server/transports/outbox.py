@@ -265,7 +265,12 @@ class Outbox:
             return
         out = self._out
         if not out:
-            self._first_out(True)
+            flusher = self._flusher  # _first_out's, inline (a turn's first update comes here)
+            if flusher is not None:
+                flusher.dirty.append(self)
+                self._drained = False
+            else:
+                self._wake_writer(True)
         out.append(data)
         queued = self._out_bytes = self._out_bytes + len(data)
         if queued > self.max_outbound_bytes:
@@ -279,21 +284,58 @@ class Outbox:
         """
         if self.evicted:
             return
-        out = self._out  # _enqueue's, inline
-        if not out:
-            self._first_out(False)
-        out.append(data)
-        self._out_bytes += len(data)
+        out = self._out
         flusher = self._flusher
-        if flusher is not None and self._early_pass != flusher.passes:
-            self._early_pass = flusher.passes
-            self._flush_now()
-            if not self._out and self._held_pass == -1:
-                # All written, nothing held: this outbox's mark for the pass's end (the last one, made
-                # when its queue began) would find nothing to write.
-                dirty = flusher.dirty
-                if dirty and dirty[-1] is self:
-                    dirty.pop()
+        if flusher is None or self._early_pass == flusher.passes or self._writer_spot.task is None:
+            if flusher is not None:
+                self._early_pass = flusher.passes
+            if not out:  # _enqueue's, inline
+                self._first_out(False)
+            out.append(data)
+            self._out_bytes += len(data)
+            return
+        # The pass's first answer, the writer idle: written now (what _flush_now does, inline: this is
+        # every sequential prompt's answer). ``out`` non-empty: this outbox has its mark for the pass's end.
+        self._early_pass = flusher.passes
+        if out:
+            out.append(data)
+            data = b"".join(out)
+        try:
+            write = self._write_nowait
+            if write is not None:
+                sent = write(data)
+            else:
+                sent = os.write(self.stream.socket.fileno(), data)  # type: ignore[union-attr]  # a trio.SocketStream
+        except BlockingIOError:
+            sent = 0
+        except (OSError, trio.ClosedResourceError, trio.BrokenResourceError):
+            sent = -1
+        if sent == len(data):
+            if out:
+                self._out = []
+                self._out_bytes = 0
+                if self._held_pass == -1:
+                    # All written, nothing held: this outbox's mark for the pass's end (the last one,
+                    # made when its queue began) would find nothing to write.
+                    dirty = flusher.dirty
+                    if dirty and dirty[-1] is self:
+                        dirty.pop()
+            if self._refusals_queued:
+                refused, self._refusals_queued = self._refusals_queued, []
+                self._record_refusals(refused)
+            if self._drained_event is None:
+                self._drained = True  # what _set_drained does when nobody waits
+            else:
+                self._set_drained()
+            return
+        # The kernel took less than all of it (or the write failed): the writer takes the rest (its
+        # send_all meets the error, if any, and closes the connection).
+        rest = data[sent:] if sent > 0 else data
+        self._out = [rest]
+        self._out_bytes = len(rest)
+        self._drained = False
+        self._writer_coalesce = False
+        self._writer_spot.wake()
 
     async def send_reliably(self, data: bytes) -> None:
         """Queue a message that must arrive (a replay): paced by the writer, it waits while more than
