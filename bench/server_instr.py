@@ -245,6 +245,8 @@ def _stdio(args: argparse.Namespace) -> int:
         a, b = passes[0], passes[1]
         print(f"per stdio prompt ({args.words} word(s)): " + ", ".join(f"{k} {(b[k] - a[k]) / n:.2f}" for k in a))
     else:
+        if os.environ.get("SERVER_INSTR_SCRIPT"):
+            sys.stderr.write(err.decode(errors="replace"))
         assert before is not None and after is not None and user_sys is not None and user_sys_after is not None
         print(
             f"server CPU per stdio prompt ({args.words} word(s)): {(after - before) / n * 1e6:.1f} us "

@@ -40,6 +40,7 @@ from trio.lowlevel import RunVar
 
 from ..jsonrpc import Connection
 from ..parking import ParkingSpot
+from .listeners import PipeStream
 from .timing import LatencyHistogram
 
 __all__ = ["RELIABLE_WATERMARK_BYTES", "Outbox", "at_pass_end"]
@@ -212,6 +213,7 @@ class Outbox:
         "_held_pass",
         "_out",
         "_out_bytes",
+        "_pipe",
         "_refusal_latency",
         "_refusals_queued",
         "_writer_coalesce",
@@ -248,8 +250,12 @@ class Outbox:
         self._flusher: _PassFlusher | None = None
         self._held_pass = -1  # the pass :meth:`hold` was called in
         self._early_pass = -1  # the last pass whose first answer :meth:`reply` wrote at once
-        #: the stream's ``write_nowait`` while the flusher writes it (``None``: a socket, or no flusher)
+        #: the stream's ``write_nowait`` while the flusher writes it (``None``: a socket, the stdio pipe,
+        #: or no flusher)
         self._write_nowait: Callable[[bytes], int] | None = None
+        #: the stdio :class:`~.listeners.PipeStream` while the flusher writes it: its descriptor is
+        #: written with ``os.write`` here (what its ``write_nowait`` does, without the call)
+        self._pipe: PipeStream | None = None
 
     def close(self) -> None:
         """Stop serving the connection (what is queued is flushed for a short while)."""
@@ -301,8 +307,11 @@ class Outbox:
             out.append(data)
             data = b"".join(out)
         try:
-            write = self._write_nowait
-            if write is not None:
+            pipe = self._pipe
+            if pipe is not None:
+                fd = pipe.send_fd
+                sent = os.write(fd, data) if fd is not None else -1
+            elif (write := self._write_nowait) is not None:
                 sent = write(data)
             else:
                 sent = os.write(self.stream.socket.fileno(), data)  # type: ignore[union-attr]  # a trio.SocketStream
@@ -377,8 +386,11 @@ class Outbox:
             return False  # nothing left, or the writer is busy (it takes this next) or gone
         data = b"".join(out) if len(out) > 1 else out[0]
         try:
-            write = self._write_nowait
-            if write is not None:
+            pipe = self._pipe
+            if pipe is not None:
+                fd = pipe.send_fd
+                sent = os.write(fd, data) if fd is not None else -1
+            elif (write := self._write_nowait) is not None:
                 sent = write(data)
             else:
                 sent = os.write(self.stream.socket.fileno(), data)  # type: ignore[union-attr]  # a trio.SocketStream
@@ -453,7 +465,10 @@ class Outbox:
     async def _writer(self) -> None:
         stream = self.stream
         if _writes_nowait(stream):
-            self._write_nowait = getattr(stream, "write_nowait", None)  # None: a plain trio socket
+            if type(stream) is PipeStream:
+                self._pipe = stream
+            else:
+                self._write_nowait = getattr(stream, "write_nowait", None)  # None: a plain trio socket
             self._flusher = _run_flusher()
         try:
             while True:
@@ -487,6 +502,7 @@ class Outbox:
         finally:
             self._flusher = None
             self._write_nowait = None
+            self._pipe = None
 
     def _record_refusals(self, read_stamps: list[int]) -> None:
         histogram = self._refusal_latency

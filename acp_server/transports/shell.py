@@ -320,7 +320,9 @@ class ConnectionShell(RefusalGuard):
                             if pipe is not None or fd >= 0:
                                 # The pipe's descriptor is asked for at each read (the stream may be
                                 # closed); a wait it ends raises ClosedResourceError (notify_closing).
-                                rfd = fd if pipe is None else pipe.open_fd()
+                                rfd = fd if pipe is None else pipe.receive_fd  # pipe.open_fd(), inline
+                                if rfd is None:
+                                    raise trio.ClosedResourceError("the stream is closed")
                                 read = None
                                 if not emptied:
                                     await trio.lowlevel.checkpoint_if_cancelled()
