@@ -292,17 +292,21 @@ class Outbox:
             return
         out = self._out
         flusher = self._flusher
-        if flusher is None or self._early_pass == flusher.passes or self._writer_spot.task is None:
-            if flusher is not None:
-                self._early_pass = flusher.passes
+        if flusher is None or self._early_pass == flusher.passes:
             if not out:  # _enqueue's, inline
+                self._first_out(False)
+            out.append(data)
+            self._out_bytes += len(data)
+            return
+        self._early_pass = flusher.passes
+        if self._writer_spot.task is None:  # the writer is busy: it takes this after what it writes
+            if not out:
                 self._first_out(False)
             out.append(data)
             self._out_bytes += len(data)
             return
         # The pass's first answer, the writer idle: written now (what _flush_now does, inline: this is
         # every sequential prompt's answer). ``out`` non-empty: this outbox has its mark for the pass's end.
-        self._early_pass = flusher.passes
         if out:
             out.append(data)
             data = b"".join(out)
