@@ -362,6 +362,10 @@ def _never(method: bytes, path: bytes) -> bool:
     return False
 
 
+def _no_direct(*request: Any) -> None:
+    """An app without ``direct_request``: every request takes its stream."""
+
+
 class LeanH11Protocol(H11Protocol):
     """hypercorn's ``H11Protocol`` serving plain requests with :class:`LeanStream` (see the module docstring)."""
 
@@ -465,7 +469,20 @@ class LeanH11Protocol(H11Protocol):
         rule = self._inline_rule
         if rule is None:
             rule = self._inline_rule = self._inline
-        inline = rule(request.method, request.target.partition(b"?")[0])
+        path = request.target.partition(b"?")[0]
+        inline = rule(request.method, path)
+        if inline:
+            direct = self._direct_rule
+            if direct is None:
+                direct = self._direct_rule = self._direct
+            if direct is not _no_direct and self.log.access_logger is None:
+                answer = direct(request.method, path, request.headers, request.body, self.client)
+                if answer is not None:
+                    self.keep_alive_requests += 1
+                    if self.context.max_requests is not None:  # type: ignore[attr-defined]  # (as below)
+                        await self.context.mark_request()
+                    await self._answer_direct(answer, request.keep_alive)
+                    return
         stream = self._open_stream(request.method, request.target, request.headers, keep_alive=request.keep_alive,
                                    spawn=not inline)
         stream.fast = True
@@ -479,6 +496,41 @@ class LeanH11Protocol(H11Protocol):
 
     #: :attr:`_inline` once asked
     _inline_rule: Any = None
+    #: :attr:`_direct` once asked
+    _direct_rule: Any = None
+
+    async def _answer_direct(self, answer: tuple[int, list[tuple[bytes, bytes]], bytes], keep_alive: bool) -> None:
+        """Write the whole answer of a request the app answered from its head (``direct_request``), then
+        serve the next request or close: what :meth:`LeanStream.respond` then :meth:`lean_done_now` (or
+        :meth:`lean_done`) do for an inline request, without the stream. The app's headers carry no
+        framing or connection header, and its status is a final one."""
+        status, headers, body = answer
+        config = self.config
+        head, seen = _head(status, headers)
+        if seen & _CLOSE or self.keep_alive_requests >= config.keep_alive_max_requests:
+            keep_alive = False
+        close = b"connection: close\r\n" if not keep_alive and not seen & _CONNECTION else b""
+        if status in _NO_BODY:
+            body, framing = b"", b""
+        else:
+            framing = b"content-length: %d\r\n" % len(body)
+        data = b"".join((head, _date.get(config), close, framing, b"\r\n", body))
+        batched = self.batched
+        batched.join = False  # (an HTTP/1.1 response needs no joining)
+        if not batched.send_nowait(data):
+            await self.send(RawData(data=data))
+        if not keep_alive or self.context.terminated.is_set():
+            await self.send(Closed())
+        elif self.timer is not None:
+            self.timer.mark_idle()
+        else:
+            await self.send(_IDLE)
+
+    @property
+    def _direct(self) -> Any:
+        """The app's ``direct_request(method, path, headers, body, client)`` (none: :func:`_no_direct`)."""
+        app = getattr(self.app, "app", None)  # hypercorn's wrapper holds the ASGI app
+        return getattr(app, "direct_request", None) or _no_direct
 
     @cached_property
     def log(self) -> Any:
