@@ -199,7 +199,8 @@ class AcpHttpApp:
         ``None`` (nothing done) for any request whose checks this does not make as :meth:`__call__`
         would, which then takes that path. Only a REST prompt is answered here, and only when the
         request is the owner's (no tokens), is not a browser's (no ``Origin``: no CORS), names no
-        tenant, and its ``Host`` is ours (else the refusal is the general path's)."""
+        tenant, and its ``Host`` is ours (else the refusal is the general path's): a request that
+        :meth:`inline_request` takes inline, as its answer must be."""
         rest = self.rest
         if rest is None or method != b"POST" or not path.startswith(b"/session/") or not path.endswith(b"/prompt") or b"%" in path:
             return None

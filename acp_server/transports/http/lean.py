@@ -466,23 +466,33 @@ class LeanH11Protocol(H11Protocol):
             timer.mark_busy()
         else:
             await self.send(_BUSY)
+        path = request.target.partition(b"?")[0]
+        direct = self._direct_rule
+        if direct is None:
+            direct = self._direct_rule = self._direct if self.log.access_logger is None else _no_direct
+        answer = direct(request.method, path, request.headers, request.body, self.client)
+        if answer is not None:  # answered from its head (an inline request's answer, without its stream)
+            self.keep_alive_requests += 1
+            context = self.context
+            if context.max_requests is not None:  # type: ignore[attr-defined]  # (as below)
+                await context.mark_request()
+            data, keep_alive = self._direct_bytes(answer, request.keep_alive)
+            batched = self.batched
+            batched.join = False  # (an HTTP/1.1 response needs no joining)
+            if not batched.send_nowait(data):
+                await self.send(RawData(data=data))
+            # then what lean_done does once an inline request's answer is over
+            if not keep_alive or context.terminated.is_set():
+                await self.send(Closed())
+            elif timer is not None:
+                timer.mark_idle()
+            else:
+                await self.send(_IDLE)
+            return
         rule = self._inline_rule
         if rule is None:
             rule = self._inline_rule = self._inline
-        path = request.target.partition(b"?")[0]
         inline = rule(request.method, path)
-        if inline:
-            direct = self._direct_rule
-            if direct is None:
-                direct = self._direct_rule = self._direct
-            if direct is not _no_direct and self.log.access_logger is None:
-                answer = direct(request.method, path, request.headers, request.body, self.client)
-                if answer is not None:
-                    self.keep_alive_requests += 1
-                    if self.context.max_requests is not None:  # type: ignore[attr-defined]  # (as below)
-                        await self.context.mark_request()
-                    await self._answer_direct(answer, request.keep_alive)
-                    return
         stream = self._open_stream(request.method, request.target, request.headers, keep_alive=request.keep_alive,
                                    spawn=not inline)
         stream.fast = True
@@ -496,14 +506,13 @@ class LeanH11Protocol(H11Protocol):
 
     #: :attr:`_inline` once asked
     _inline_rule: Any = None
-    #: :attr:`_direct` once asked
+    #: :attr:`_direct` once asked (:func:`_no_direct` with an access log, which needs the stream's scope)
     _direct_rule: Any = None
 
-    async def _answer_direct(self, answer: tuple[int, list[tuple[bytes, bytes]], bytes], keep_alive: bool) -> None:
-        """Write the whole answer of a request the app answered from its head (``direct_request``), then
-        serve the next request or close: what :meth:`LeanStream.respond` then :meth:`lean_done_now` (or
-        :meth:`lean_done`) do for an inline request, without the stream. The app's headers carry no
-        framing or connection header, and its status is a final one."""
+    def _direct_bytes(self, answer: tuple[int, list[tuple[bytes, bytes]], bytes], keep_alive: bool) -> tuple[bytes, bool]:
+        """The whole response to a request the app answered from its head (``direct_request``), as
+        :meth:`LeanStream.respond` writes an inline request's, and whether the connection stays. The
+        app's headers carry no framing or connection header, and its status is a final one."""
         status, headers, body = answer
         config = self.config
         head, seen = _head(status, headers)
@@ -514,17 +523,7 @@ class LeanH11Protocol(H11Protocol):
             body, framing = b"", b""
         else:
             framing = b"content-length: %d\r\n" % len(body)
-        data = b"".join((head, _date.get(config), close, framing, b"\r\n", body))
-        batched = self.batched
-        batched.join = False  # (an HTTP/1.1 response needs no joining)
-        if not batched.send_nowait(data):
-            await self.send(RawData(data=data))
-        if not keep_alive or self.context.terminated.is_set():
-            await self.send(Closed())
-        elif self.timer is not None:
-            self.timer.mark_idle()
-        else:
-            await self.send(_IDLE)
+        return b"".join((head, _date.get(config), close, framing, b"\r\n", body)), keep_alive
 
     @property
     def _direct(self) -> Any:

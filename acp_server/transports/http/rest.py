@@ -39,6 +39,7 @@ from urllib.parse import parse_qs, unquote
 import msgspec
 import trio
 
+from ...auth.gate import PeerInfo
 from ...bridge import Session
 from ...bridge.settlement import PromptWaiter
 from ...bridge.shared_admit import SharedAdmit
@@ -70,6 +71,7 @@ from ...handlers import prompt as prompt_handler
 from ...handlers import session as session_handler
 from ...handlers.meta import meta_deadline_ms
 from ...types.acp import (
+    ClientCapabilities,
     CloseSessionParams,
     ListSessionsParams,
     LoadSessionParams,
@@ -184,6 +186,11 @@ class RestCaller:
         raise trio.EndOfChannel
 
 
+#: a REST request's client capabilities (the defaults) and transport, as ``ConnContext`` starts with them
+_NO_CAPABILITIES = ClientCapabilities()
+_REST_PEER = PeerInfo("stream", trusted=True)
+
+
 class RestContext(ConnContext):
     """The handlers' context for one REST request: its caller's identity and tenant, the
     :class:`RestCaller` peer, and a channel that asks the session's SSE subscribers."""
@@ -193,7 +200,16 @@ class RestContext(ConnContext):
     def __init__(
         self, server: Server, peer: RestCaller, rest_channel: RestChannel | None = None, caller: HttpCaller | None = None
     ) -> None:
-        super().__init__(server, peer)
+        # ConnContext's fields, set here (one per request): a REST caller never initializes, so its
+        # capabilities are the defaults, one instance for all (nothing writes them)
+        self.server = server
+        self.peer = peer
+        self.cancelled = False
+        self.client_capabilities = _NO_CAPABILITIES
+        self.client_info = None
+        self.tenant_named = None
+        self.peer_info = _REST_PEER
+        self._channel = None
         if caller is None:
             caller = current_caller.get()
         self.identity = caller.identity

@@ -293,12 +293,14 @@ class SseSubscriber:
         self._end = b"}}}\n"
         self._end_len = len(self._end)
         self._member = b""
-        #: an update's frame as a format of its event id, its JSON, its event id twice and the originating
-        #: client id's member (:meth:`send_update`; ``None``: a session id that is not plain)
-        self._update_format = (b"id: %d" + self._frame_head.replace(b"%", b"%%") + b'%s},"_meta":{"eventId":%d},"id":%d%s}\n\n'
-                               if plain else None)
+        #: the session id is plain: :meth:`send_update` builds an update's frame from its parts
+        self._plain = plain
         #: originating client ids -> their member in a frame (``None``: not plain, the line's path decides)
         self._members: dict[str | None, bytes | None] = {None: b""}
+        #: the last originating client id :meth:`send_update` met, and its frame's end (its member, then
+        #: the frame's last bytes; ``None``: not plain)
+        self._originator: str | None = None
+        self._member_end: bytes | None = b"}\n\n"
 
     @property
     def last_event_id(self) -> int:
@@ -437,16 +439,21 @@ class SseSubscriber:
         queues the frame :meth:`send` cuts from its line (``fanout.encode_update``), built from them. The
         update's JSON is msgspec's (no line feed or carriage return); an event id past 16 digits, a
         session id or an originating client id that is not plain take the line's path."""
-        member = self._members.get(originator, b"-")
-        if member == b"-":
-            member = self._member_of(originator)
-        form = self._update_format
-        if member is None or form is None or event_id >= _MAX_CUT_ID:
+        if originator is self._originator:  # (a session's prompts come from the same client, mostly)
+            end = self._member_end
+        else:
+            member = self._members.get(originator, b"-")
+            if member == b"-":
+                member = self._member_of(originator)
+            end = None if member is None else member + b"}\n\n"
+            self._originator, self._member_end = originator, end
+        if end is None or not self._plain or event_id >= _MAX_CUT_ID:
             self.send(encode_update(self.session_id, event_id, body, originator))
             return
         self._last_id = event_id
         self._last_digits = None
-        frame = form % (event_id, body, event_id, event_id, member)
+        digits = b"%d" % event_id  # (once: a join of the parts costs less than a format of three ints)
+        frame = b"".join((b"id: ", digits, self._frame_head, body, b'},"_meta":{"eventId":', digits, b'},"id":', digits, end))
         size = self.nbytes + len(frame)  # (:meth:`_queue`, inline)
         frames = self.frames
         if self._closed or len(frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
