@@ -145,6 +145,9 @@ class FanOut:
         #: client id) instead of its line, when it goes to them alone and at once: an SSE subscriber
         #: builds its frame from them, with no line to format and cut apart again
         self.update_sinks: dict[Peer, Callable[[int, bytes, str | None], None]] = {}
+        #: connections that take a completed turn's state as its parts (prompt id, stop reason, event id,
+        #: the originating client id) in :meth:`completed`'s usual case; ``False`` from one: send the line
+        self.completed_sinks: dict[Peer, Callable[[str, str, int, str | None], bool]] = {}
         #: the last epoch millisecond a turn state carried, and its digits
         self._at_ms = -1
         self._at_digits = b""
@@ -353,6 +356,11 @@ class FanOut:
             self._trim(session)
         if self._peer_states[peer].turn_states < TURN_STATES_TERMINAL:
             return
+        sinks = self.completed_sinks
+        if sinks:
+            sink = sinks.get(peer)
+            if sink is not None and sink(ticket.prompt_id, reason, event_id, ticket.client_id):
+                return
         ends = ticket.state_ends
         if ends is None:
             ends = ticket.state_ends = _turn_state_ends(session.session_id, ticket.prompt_id, ticket.client_id)

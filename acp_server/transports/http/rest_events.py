@@ -120,6 +120,20 @@ _COMPLETED_REST = re.compile(
 _COMPLETED_FROM_PROMPT = re.compile(rb'([A-Za-z0-9._:-]{1,128})","state":"completed"' + _COMPLETED_REST.pattern)
 
 _Frames = list[tuple[int | None, bytes]]
+#: the characters of a plain id (:data:`_PLAIN_ID`), for ``str.strip``
+_PLAIN_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-"
+_PLAIN_REASON = re.compile(r"[A-Za-z0-9_]{1,64}")
+#: stop reasons -> their bytes in a ``turn_complete`` frame (``None``: not what the cut takes), as met
+_reasons: dict[str, bytes | None] = {}
+
+
+def _reason_of(reason: str) -> bytes | None:
+    """``reason`` as :data:`_COMPLETED_REST` takes it (``[A-Za-z0-9_]{1,64}``), or ``None``; kept."""
+    stop = reason.encode() if _PLAIN_REASON.fullmatch(reason) and reason.isascii() else None
+    if len(_reasons) >= _TAIL_ENDS_KEPT:
+        _reasons.clear()
+    _reasons[reason] = stop
+    return stop
 
 
 def _cut_update(line: bytes, start: int, head: bytes) -> _Frames | None:
@@ -464,6 +478,35 @@ class SseSubscriber:
         self.nbytes = size
         if self._waiting:
             self._wake()
+
+    def send_completed(self, prompt_id: str, reason: str, event_id: int, originator: str | None) -> bool:
+        """The bridge's completed turn to this subscriber alone, as its parts (``fanout.FanOut.completed_sinks``):
+        queues the ``turn_complete`` frame :meth:`send` cuts from its line (``_COMPLETED_FROM_PROMPT``),
+        built from them. ``False`` (nothing done: send the line) for what that cut does not take: a
+        prompt id, stop reason, session id or originating client id that is not plain, an event id past
+        16 digits."""
+        if not self._plain or event_id >= _MAX_CUT_ID or not 0 < len(prompt_id) <= 128 or prompt_id.strip(_PLAIN_CHARS):
+            return False
+        stop = _reasons.get(reason, b"-")
+        if stop == b"-":
+            stop = _reason_of(reason)
+        if stop is None:
+            return False
+        if originator is self._originator:
+            if self._member_end is None:
+                return False
+        else:
+            member = self._members.get(originator, b"-")
+            if member == b"-":
+                member = self._member_of(originator)
+            if member is None:
+                return False
+        digits = b"%d" % event_id
+        self._last_id = event_id
+        self._last_digits = None
+        self._queue(b"".join((b"id: ", digits, self._turn_frame_head, stop, b'","promptId":"', prompt_id.encode(),
+                              b'"},"_meta":{"eventId":', digits, b'},"id":', digits, b"}\n\n")))
+        return True
 
     def _member_of(self, originator: str | None) -> bytes | None:
         """The ``originatorClientId`` member of ``originator``'s frames (``None``: not plain), kept."""
