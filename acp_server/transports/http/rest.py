@@ -30,48 +30,31 @@ client-id header syntax (400 ``invalid_params``), session (404 ``session_not_fou
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote
 
 import msgspec
-import trio
 
-from ...auth.gate import PeerInfo
 from ...bridge import Session
 from ...bridge.settlement import PromptWaiter
 from ...bridge.shared_admit import SharedAdmit
 from ...errors import (
     AcpError,
-    AdmissionDeferredError,
-    AgentError,
-    BackendUnavailableError,
-    CapacityExceededError,
-    CapacityUnavailableError,
-    DuplicateInFlightError,
-    HttpError,
-    IdempotencyKeyConflictError,
     InternalError,
     InvalidParamsError,
-    LeaseLostError,
     MessageTooLargeError,
     MethodNotAllowedError,
     ParseError,
-    PromptQueueFullError,
-    RateLimitedError,
     RouteNotFoundError,
-    SessionLimitExceededError,
     SessionNotFoundError,
     UnsupportedMediaTypeError,
 )
-from ...handlers import ConnContext
 from ...handlers import prompt as prompt_handler
 from ...handlers import session as session_handler
 from ...handlers.meta import meta_deadline_ms
 from ...types.acp import (
-    ClientCapabilities,
     CloseSessionParams,
     ListSessionsParams,
     LoadSessionParams,
@@ -82,6 +65,7 @@ from .auth import HttpCaller, current_caller
 from .lean import LeanStream
 from .rest_events import EVENT_TYPES, SseSubscriber
 from .rest_permissions import PermissionBoard, RestChannel
+from .rest_request import RestCaller, RestContext, http_status, refusal, status_of
 from .rest_state import RestState
 from .rest_stream import MAX_SUBSCRIBERS, serve_events
 from .rest_types import (
@@ -100,7 +84,7 @@ from .rest_types import (
     SessionAttached,
     SessionRestored,
 )
-from .rules import error_body, header
+from .rules import header
 
 if TYPE_CHECKING:
     from ...server import Server
@@ -127,98 +111,6 @@ _decoder = msgspec.json.Decoder()
 #: client ids of the header's syntax seen already (a client sends its own on every request); cleared when full
 _client_ids: set[str] = set()
 _CLIENT_IDS_KEPT = 1024
-
-
-def status_of(kind: type[AcpError]) -> int:
-    """The HTTP status a refusal of class ``kind`` is sent with."""
-    if issubclass(kind, HttpError):
-        return kind.status
-    if issubclass(kind, (PromptQueueFullError, CapacityExceededError, CapacityUnavailableError, SessionLimitExceededError)):
-        return 503
-    if issubclass(kind, (AdmissionDeferredError, RateLimitedError)):
-        return 429
-    if issubclass(kind, (IdempotencyKeyConflictError, DuplicateInFlightError)):
-        return 409
-    if issubclass(kind, (BackendUnavailableError, LeaseLostError)):
-        return 503
-    if issubclass(kind, AgentError):
-        return 502
-    if issubclass(kind, SessionNotFoundError):
-        return 404
-    if issubclass(kind, MessageTooLargeError):
-        return 413
-    if issubclass(kind, InternalError):
-        return 500
-    return 400
-
-
-def http_status(exc: AcpError) -> int:
-    """The HTTP status the refusal ``exc`` is sent with."""
-    return status_of(type(exc))
-
-
-def refusal(exc: AcpError, cors: list[tuple[bytes, bytes]]) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """The answer to the refusal ``exc``: its status, its headers (``Retry-After`` when it says when)
-    and the error body."""
-    headers = [_JSON, *cors]
-    if isinstance(exc, MethodNotAllowedError):
-        headers.append((b"allow", ", ".join(exc.payload.allowed).encode()))  # type: ignore[attr-defined]
-    retry_ms = getattr(exc.payload, "retry_after_ms", None)
-    if isinstance(retry_ms, int):
-        headers.append((b"retry-after", str(max(1, math.ceil(retry_ms / 1000))).encode()))
-    return http_status(exc), headers, error_body(exc)
-
-
-class RestCaller:
-    """A REST request as the bridge's ``Peer``: it registers client ids but is never attached (closed)."""
-
-    peer_id = -1
-    closed = True
-
-    def send(self, data: bytes) -> None:
-        """Dropped: a REST caller reads events on its SSE subscription."""
-
-    async def send_reliably(self, data: bytes) -> None:
-        """Dropped, as :meth:`send`."""
-
-    async def request(self, method: str, params: Any = None) -> Any:
-        """Never asked: a REST prompt's questions go through :class:`~.rest_permissions.RestChannel`."""
-        raise trio.EndOfChannel
-
-
-#: a REST request's client capabilities (the defaults) and transport, as ``ConnContext`` starts with them
-_NO_CAPABILITIES = ClientCapabilities()
-_REST_PEER = PeerInfo("stream", trusted=True)
-
-
-class RestContext(ConnContext):
-    """The handlers' context for one REST request: its caller's identity and tenant, the
-    :class:`RestCaller` peer, and a channel that asks the session's SSE subscribers."""
-
-    __slots__ = ("rest_channel",)
-
-    def __init__(
-        self, server: Server, peer: RestCaller, rest_channel: RestChannel | None = None, caller: HttpCaller | None = None
-    ) -> None:
-        # ConnContext's fields, set here (one per request): a REST caller never initializes, so its
-        # capabilities are the defaults, one instance for all (nothing writes them)
-        self.server = server
-        self.peer = peer
-        self.cancelled = False
-        self.client_capabilities = _NO_CAPABILITIES
-        self.client_info = None
-        self.tenant_named = None
-        self.peer_info = _REST_PEER
-        self._channel = None
-        if caller is None:
-            caller = current_caller.get()
-        self.identity = caller.identity
-        self.tenant = caller.tenant
-        self.initialized = True
-        self.rest_channel = rest_channel
-
-    def channel(self) -> Any:
-        return self.rest_channel if self.rest_channel is not None else super().channel()
 
 
 class _ClientGone(Exception):
