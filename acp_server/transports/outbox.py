@@ -223,6 +223,10 @@ class Outbox:
         "stream",
     )
 
+    #: what one :meth:`send` queues may be several lines: they leave joined anyway (the bridge's
+    #: fan-out then sends the lines of one step in one call, see :class:`~acp_server.bridge.session.Peer`)
+    joins_lines = True
+
     def __init__(
         self,
         stream: trio.abc.HalfCloseableStream | trio.abc.Stream,
