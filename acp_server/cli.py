@@ -10,7 +10,7 @@ import argparse
 import gc
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import __version__, cluster_cli
 from .auth import cli as auth_cli
@@ -200,6 +200,98 @@ def tune_scheduler() -> None:
     draw = getattr(scheduler, "_r", None)
     if isinstance(draw, random.Random):
         draw.random = float  # type: ignore[method-assign]
+    _two_argument_min_max()
+
+
+def _min2(a: Any, b: Any, /) -> Any:
+    """``min(a, b)``: the first of the smallest (the builtin's comparison, ``b < a``)."""
+    return b if b < a else a
+
+
+def _max2(a: Any, b: Any, /) -> Any:
+    """``max(a, b)``: the first of the largest (the builtin's comparison, ``b > a``)."""
+    return b if b > a else a
+
+
+#: trio's modules whose ``min``/``max`` calls run at every scheduling pass, each with two arguments
+_MIN_MAX_MODULES = ("trio._core._run", "trio._core._io_epoll")
+
+
+def _two_argument_min_max() -> None:
+    """Give trio's run loop and its epoll manager a ``min`` and a ``max`` of two arguments in Python.
+
+    Every scheduling pass calls ``min(max(0, timeout), _MAX_TIMEOUT)`` and ``max(1, len(registered))``:
+    the builtins parse their arguments as an iterable with keywords, ~800 instructions a call on this
+    CPython, where a two-argument Python function takes about a third. The names are module globals
+    that shadow the builtins in those modules only, and give what the builtins give (the same
+    comparison, the first argument on a tie). Only where trio calls them with two positional arguments
+    alone (read from the modules' code); otherwise, or without those modules, the builtins stay.
+    """
+    import dis
+
+    for name in _MIN_MAX_MODULES:
+        module = sys.modules.get(name)
+        if module is None or "min" in vars(module) or "max" in vars(module):
+            continue
+        if all(_called_with_two(code, dis) for code in _codes(module)):
+            module.min = _min2  # type: ignore[attr-defined]
+            module.max = _max2  # type: ignore[attr-defined]
+
+
+def _codes(module: Any) -> list[Any]:
+    """The code objects of ``module``'s functions and methods (nested ones included)."""
+    import types
+
+    out: list[Any] = []
+    seen: set[int] = set()
+
+    def add(code: types.CodeType) -> None:
+        if id(code) in seen:
+            return
+        seen.add(id(code))
+        out.append(code)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                add(const)
+
+    for value in list(vars(module).values()):
+        members = list(vars(value).values()) if isinstance(value, type) else []
+        members += [getattr(m, part) for m in members if isinstance(m, property) for part in ("fget", "fset", "fdel")]
+        for item in [value, *members]:
+            func = getattr(item, "__func__", item)
+            func = getattr(func, "__wrapped__", func)
+            code = getattr(func, "__code__", None)
+            if isinstance(code, types.CodeType) and func.__module__ == module.__name__:
+                add(code)
+    return out
+
+
+def _called_with_two(code: Any, dis: Any) -> bool:
+    """Whether every load of the global ``min``/``max`` in ``code`` is called with two positional
+    arguments and nothing else: followed, before any jump, by the ``PRECALL`` that takes exactly what
+    was pushed above it (nested calls simulated by their stack effects), with ``2``, and no ``KW_NAMES``."""
+    ops = list(dis.get_instructions(code))
+    for i, op in enumerate(ops):
+        if op.opname != "LOAD_GLOBAL" or op.argval not in ("min", "max"):
+            continue
+        if not op.arg & 1:  # not loaded to be called (NULL + the function)
+            return False
+        depth = 0
+        previous = op
+        for later in ops[i + 1 :]:
+            if later.opname == "PRECALL" and later.arg == depth:
+                if later.arg != 2 or previous.opname == "KW_NAMES":
+                    return False
+                break
+            if "JUMP" in later.opname or later.opname in ("CALL_FUNCTION_EX", "RETURN_VALUE", "RAISE_VARARGS"):
+                return False
+            depth += dis.stack_effect(later.opcode, later.arg if later.opcode >= dis.HAVE_ARGUMENT else None)
+            if depth < 0:
+                return False
+            previous = later
+        else:
+            return False
+    return True
 
 
 def _os_error(exc: BaseException) -> OSError | None:

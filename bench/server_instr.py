@@ -1,18 +1,31 @@
-"""Server-only instructions per pipelined echo prompt over TCP, counted by callgrind (not a guard).
+"""Server-only instructions per echo prompt, counted by callgrind (not a guard): TCP pipelined, or stdio.
 
 ``bench/instr.py`` counts the server and its driver in one process; this counts the server alone, as
-scenario 2 runs it: ``acp-server serve --listen tcp://`` under ``valgrind --tool=callgrind``, loaded by
-``loadgen.py``'s pipeline from this process (100 sessions x 2 one-word prompts in flight, turn states
-on unless ``--no-turn-states``). A SIGUSR1 handler in the server calls ``os.getsid(0)``, which
-callgrind (``--dump-before=getsid``) takes as a cut: one dump for start-up and a warm-up of 1,500
-prompts, one for the counted prompts, one for the rest. The count moves by about 1% between runs
-(the load generator's batches follow the server's pace), so compare figures of one sitting.
+the benchmark's scenarios run it, under ``valgrind --tool=callgrind``. A SIGUSR1 handler in the server
+calls ``os.getsid(0)``, which callgrind (``--dump-before=getsid``) takes as a cut: one dump for
+start-up and a warm-up, one for the counted prompts, one for the rest.
+
+- TCP (the default, scenario 2): ``acp-server serve --listen tcp://``, loaded by ``loadgen.py``'s
+  pipeline from this process (100 sessions x 2 one-word prompts in flight, turn states on unless
+  ``--no-turn-states``). The count moves by about 1% between runs (the load generator's batches
+  follow the server's pace), so compare figures of one sitting.
+- ``--stdio`` (scenario 1's path, goal 2 of issue 21): ``acp-server serve --stdio`` on two pipes, and a
+  fixed blocking client in this process that sends sequential echo prompts of ``--words`` words on one
+  session and waits for each answer, without turn states (as the official SDK client). The server
+  then reads one request per read, so the count is steady from run to run. ``--probe`` chooses what
+  watches the server instead of callgrind: ``strace`` (system calls per prompt, by name, between the
+  two cuts), ``passes`` (trio scheduling passes, task steps and I/O waits per prompt, by an
+  instrument the server is started with) or ``cpu`` (the server's CPU time per prompt, user and
+  system, from ``/proc``: no tool in the way).
 
 Usage::
 
     python bench/server_instr.py [--prompts 4000] [--no-turn-states] [-- extra serve flags]
+    python bench/server_instr.py --stdio [--words 1] [--prompts 2000] [--probe callgrind|strace|passes|cpu]
 
-The server gets ``--ephemeral`` unless other flags are given after ``--`` (e.g. ``-- --state-dir DIR``).
+The TCP server gets ``--ephemeral`` unless other flags are given after ``--`` (e.g. ``-- --state-dir DIR``).
+With ``--stdio``, ``SERVER_INSTR_SCRIPT=FILE`` runs that Python file as the server instead (``python -c``
+with the serve arguments, e.g. a profiler of one's own that starts and stops at the two SIGUSR1 cuts).
 """
 
 from __future__ import annotations
@@ -27,17 +40,39 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import loadgen  # noqa: E402
+from procfs import cpu_seconds  # noqa: E402
 
 _SERVER = (
     "import os, signal, sys; signal.signal(signal.SIGUSR1, lambda *a: os.getsid(0)); "
     "from acp_server.cli import main; sys.exit(main(sys.argv[1:]))"
 )
+
+#: the server of ``--probe passes``: trio.run gets an instrument; each SIGUSR1 prints its counts so far
+_SERVER_PASSES = """
+import os, signal, sys, trio
+counts = {"passes": 0, "task_steps": 0, "io_waits_blocking": 0}
+class Count(trio.abc.Instrument):
+    def before_io_wait(self, timeout):
+        counts["passes"] += 1
+        if timeout > 0:
+            counts["io_waits_blocking"] += 1
+    def before_task_step(self, task):
+        counts["task_steps"] += 1
+signal.signal(signal.SIGUSR1, lambda *a: print("passes " + repr(counts), file=sys.stderr, flush=True))
+run = trio.run
+trio.run = lambda *a, **k: run(*a, instruments=[Count()], **k)
+from acp_server.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+_NINE_WORDS = "the quick brown fox jumps over the lazy dog"
 
 
 def _free_port() -> int:
@@ -46,12 +81,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=4000, help="prompts counted (default 4000)")
-    parser.add_argument("--no-turn-states", action="store_true", help="the load generator opts out of turn states")
-    parser.add_argument("serve_flags", nargs="*", help="flags for acp-server serve (default --ephemeral)")
-    args = parser.parse_args()
+def _summaries(out: str) -> dict[int, tuple[int, str]]:
+    parts: dict[int, tuple[int, str]] = {}
+    for path in glob.glob(f"{out}/callgrind.out*"):
+        text = Path(path).read_text(errors="replace")
+        part, summary = re.search(r"^part: *(\d+)$", text, re.M), re.search(r"^summary: *(\d+)$", text, re.M)
+        if part and summary:
+            parts[int(part.group(1))] = (int(summary.group(1)), path)
+    return parts
+
+
+def _tcp(args: argparse.Namespace) -> int:
     port = _free_port()
     out = tempfile.mkdtemp(prefix="acp-server-instr-")
     argv = [
@@ -87,17 +127,183 @@ def main() -> int:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(120)
-    parts: dict[int, tuple[int, str]] = {}
-    for path in glob.glob(f"{out}/callgrind.out*"):
-        text = Path(path).read_text(errors="replace")
-        part, summary = re.search(r"^part: *(\d+)$", text, re.M), re.search(r"^summary: *(\d+)$", text, re.M)
-        if part and summary:
-            parts[int(part.group(1))] = (int(summary.group(1)), path)
+    parts = _summaries(out)
     if 2 not in parts:
         raise SystemExit(f"server_instr: no dump of the counted prompts in {out}")
     count, path = parts[2]
     print(f"server instructions per prompt: {count / args.prompts:,.0f} (callgrind_annotate {path})")
     return 0
+
+
+class _StdioClient:
+    """A blocking NDJSON client on the server's two pipes: one request, then read up to its answer."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        self.out = proc.stdin.fileno()
+        self.inp = proc.stdout.fileno()
+        self.buf = b""
+        self.next_id = 1
+
+    def call(self, method: str, params: object) -> bytes:
+        """Send one request and return its answer's line (the notifications before it are skipped)."""
+        import msgspec
+
+        request = {"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params}
+        self.next_id += 1
+        os.write(self.out, msgspec.json.encode(request) + b"\n")
+        return self._answer(b'"id":%d,' % request["id"])
+
+    def _answer(self, marker: bytes) -> bytes:
+        while True:
+            end = self.buf.find(b"\n")
+            while end >= 0:
+                line, self.buf = self.buf[:end], self.buf[end + 1 :]
+                if marker in line and b'"method"' not in line[:40]:
+                    return line
+                end = self.buf.find(b"\n")
+            data = os.read(self.inp, 65536)
+            if not data:
+                raise SystemExit("server_instr: the server closed its output")
+            self.buf += data
+
+    def prompts(self, template: bytes, count: int) -> None:
+        """``count`` sequential prompts, each written once the last one's answer has been read."""
+        for _ in range(count):
+            prompt_id = self.next_id
+            self.next_id += 1
+            os.write(self.out, template % prompt_id)
+            line = self._answer(b'"id":%d,' % prompt_id)
+            if b'"end_turn"' not in line:
+                raise SystemExit(f"server_instr: a prompt did not end its turn: {line[:300]!r}")
+
+
+def _stdio(args: argparse.Namespace) -> int:
+    import msgspec
+
+    out = tempfile.mkdtemp(prefix="acp-server-instr-")
+    serve = ["serve", "--stdio", *args.serve_flags]
+    probe = args.probe
+    script = _SERVER_PASSES if probe == "passes" else _SERVER
+    if os.environ.get("SERVER_INSTR_SCRIPT"):
+        script = Path(os.environ["SERVER_INSTR_SCRIPT"]).read_text()
+    argv = [sys.executable, "-c", script, *serve]
+    if probe == "callgrind":
+        argv = ["valgrind", "--tool=callgrind", "--dump-before=getsid", f"--callgrind-out-file={out}/callgrind.out", *argv]
+    elif probe == "strace":
+        argv = ["strace", "-f", "-o", f"{out}/strace.out", *argv]
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    server = subprocess.Popen(
+        argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tempfile.gettempdir()
+    )
+    passes: list[dict[str, int]] = []
+    try:
+        client = _StdioClient(server)
+        client.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+        target = server.pid if probe != "strace" else _child_of(server.pid)  # strace's child is the server
+        session = msgspec.json.decode(client.call("session/new", {"cwd": "/tmp", "mcpServers": []}))["result"]["sessionId"]
+        text = "hello" if args.words == 1 else " ".join((_NINE_WORDS.split() * args.words)[: args.words])
+        params = msgspec.json.encode({"sessionId": session, "prompt": [{"type": "text", "text": text}]})
+        template = b'{"jsonrpc":"2.0","id":%d,"method":"session/prompt","params":' + params.replace(b"%", b"%%") + b"}\n"
+        client.prompts(template, args.warmup)
+        time.sleep(0.5)
+        os.kill(target, signal.SIGUSR1)
+        time.sleep(1 if probe == "callgrind" else 0.3)
+        before = cpu_seconds(server.pid) if probe == "cpu" else None
+        user_sys = _user_sys(server.pid) if probe == "cpu" else None
+        client.prompts(template, args.prompts)
+        after = cpu_seconds(server.pid) if probe == "cpu" else None
+        user_sys_after = _user_sys(server.pid) if probe == "cpu" else None
+        time.sleep(0.3)
+        os.kill(target, signal.SIGUSR1)
+        time.sleep(1 if probe == "callgrind" else 0.3)
+    finally:
+        try:
+            _, err = server.communicate(timeout=120)  # closes the server's stdin: it exits
+        except subprocess.TimeoutExpired:
+            server.kill()
+            _, err = server.communicate()
+    n = args.prompts
+    if probe == "callgrind":
+        parts = _summaries(out)
+        if 2 not in parts:
+            raise SystemExit(f"server_instr: no dump of the counted prompts in {out}")
+        count, path = parts[2]
+        print(f"server instructions per stdio prompt ({args.words} word(s)): {count / n:,.0f} (callgrind_annotate {path})")
+    elif probe == "strace":
+        calls = _strace_between_cuts(Path(out) / "strace.out")
+        total = sum(calls.values())
+        print(f"system calls per stdio prompt ({args.words} word(s)): {total / n:.2f}")
+        for name, c in calls.most_common():
+            print(f"  {name}: {c / n:.2f}")
+    elif probe == "passes":
+        for line in err.decode(errors="replace").splitlines():
+            if line.startswith("passes "):
+                passes.append(eval(line[len("passes ") :], {}))  # noqa: S307 - our own repr of a dict of ints
+        if len(passes) < 2:
+            raise SystemExit("server_instr: the server printed no pass counts")
+        a, b = passes[0], passes[1]
+        print(f"per stdio prompt ({args.words} word(s)): " + ", ".join(f"{k} {(b[k] - a[k]) / n:.2f}" for k in a))
+    else:
+        if os.environ.get("SERVER_INSTR_SCRIPT"):
+            sys.stderr.write(err.decode(errors="replace"))
+        assert before is not None and after is not None and user_sys is not None and user_sys_after is not None
+        print(
+            f"server CPU per stdio prompt ({args.words} word(s)): {(after - before) / n * 1e6:.1f} us "
+            f"(user {(user_sys_after[0] - user_sys[0]) / n * 1e6:.1f}, system {(user_sys_after[1] - user_sys[1]) / n * 1e6:.1f}; "
+            "clock ticks: coarse)"
+        )
+    return 0
+
+
+def _child_of(pid: int) -> int:
+    """The one child process of ``pid`` (the server strace started), once it has answered."""
+    children = [c for path in glob.glob(f"/proc/{pid}/task/*/children") for c in Path(path).read_text().split()]
+    if len(children) != 1:
+        raise SystemExit(f"server_instr: expected one child of strace, found {children}")
+    return int(children[0])
+
+
+def _user_sys(pid: int) -> tuple[float, float]:
+    """utime and stime of ``pid`` in seconds (``/proc/PID/stat``, clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def _strace_between_cuts(path: Path) -> Counter[str]:
+    """System calls by name between the first and the second SIGUSR1 of the trace (every thread)."""
+    calls: Counter[str] = Counter()
+    cuts = 0
+    call = re.compile(r"^\d+ +(?:<\.\.\. )?([a-z_0-9]+)[( ]")
+    for line in path.read_text(errors="replace").splitlines():
+        if "--- SIGUSR1" in line:
+            cuts += 1
+            continue
+        if cuts == 1 and "resumed>" not in line:
+            m = call.match(line)
+            if m:
+                calls[m.group(1)] += 1
+    return calls
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=None, help="prompts counted (default 4000; --stdio 2000)")
+    parser.add_argument("--no-turn-states", action="store_true", help="the load generator opts out of turn states")
+    parser.add_argument("--stdio", action="store_true", help="serve --stdio, sequential prompts from a fixed client")
+    parser.add_argument("--words", type=int, default=1, help="--stdio: words per prompt (default 1)")
+    parser.add_argument("--warmup", type=int, default=500, help="--stdio: prompts before the counted ones (default 500)")
+    parser.add_argument(
+        "--probe", choices=("callgrind", "strace", "passes", "cpu"), default="callgrind", help="--stdio: what watches the server"
+    )
+    parser.add_argument("serve_flags", nargs="*", help="flags for acp-server serve (default --ephemeral for TCP)")
+    args = parser.parse_args()
+    if args.stdio:
+        args.prompts = args.prompts or 2000
+        return _stdio(args)
+    args.prompts = args.prompts or 4000
+    return _tcp(args)
 
 
 if __name__ == "__main__":

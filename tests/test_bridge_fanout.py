@@ -13,6 +13,8 @@ import pytest
 import trio
 import trio.testing
 
+from acp_server.backends.echo import EchoBackend
+from acp_server.bridge import SessionBridge
 from acp_server.bridge.clients import ClientRegistry
 from acp_server.bridge.fanout import CommitFanOut, encode_update
 from acp_server.bridge.persistence import NullPersistence
@@ -198,3 +200,37 @@ async def test_the_ephemeral_fanout_records_nothing() -> None:
         bridge.fanout.emit(session, AgentMessageChunk(content=TextContent(text="now")), None)
         assert len(peer.sent) == 1, "sent at once"
         await trio.testing.wait_all_tasks_blocked()
+
+
+class _JoiningPeer(FakePeer):
+    """A connection whose one send may carry several lines (as an NDJSON connection's queue)."""
+
+    joins_lines = True
+
+
+async def test_a_joining_connection_gets_accepted_and_running_in_one_send() -> None:
+    """A prompt that starts in the step that admits it sends ``accepted`` and ``running`` in one send to
+    a connection that takes joined lines, in two to one that does not: the same lines, in the same order."""
+    sent: dict[str, list[bytes]] = {}
+    for name, peer in (("joined", _JoiningPeer()), ("apart", FakePeer())):
+        bridge = SessionBridge(EchoBackend())  # its turn starts and ends in the admitting step
+        async with trio.open_nursery() as nursery:
+            await nursery.start(bridge.run)
+            session, _ = await open_session(bridge, peer)
+            ticket = admit_ticket(bridge, session.session_id, text_blocks("hello"), peer=peer)
+            assert ticket.answered and ticket.result is not None and ticket.result.stop_reason == "end_turn"
+            sent[name] = peer.sent
+            nursery.cancel_scope.cancel()
+    assert [len(data.splitlines()) for data in sent["joined"]] == [2, 1, 1]
+    assert [len(data.splitlines()) for data in sent["apart"]] == [1, 1, 1, 1]
+
+    def shape(data: list[bytes]) -> list[tuple[str, Any]]:
+        out = []
+        for line in b"".join(data).splitlines():
+            params = json.loads(line)["params"]
+            out.append((params.get("state") or params["update"]["sessionUpdate"], params["_meta"]["eventId"]))
+        return out
+
+    assert shape(sent["joined"]) == shape(sent["apart"]) == [
+        ("accepted", 1), ("running", 2), ("agent_message_chunk", 4), ("completed", 5),
+    ]

@@ -67,3 +67,57 @@ def test_without_it_trio_reverses_some_batches() -> None:
     # this test sees a single order 40 times).
     assert "random" not in vars(trio._core._run._r)
     assert len({tuple(order) for order in _orders()}) == 2
+
+
+def test_trios_pass_gets_two_argument_min_and_max_that_answer_as_the_builtins() -> None:
+    """tune_scheduler gives trio's run loop and epoll manager a Python ``min``/``max`` of two arguments
+    (the builtins parse an iterable and keywords at every pass); they answer as the builtins do."""
+    import math
+
+    import trio._core._io_epoll
+
+    from acp_server import cli
+
+    tune_scheduler()
+    assert trio._core._run.min is cli._min2 and trio._core._run.max is cli._max2  # type: ignore[attr-defined]
+    assert trio._core._io_epoll.max is cli._max2  # type: ignore[attr-defined]
+    one, other = 1.0, 1  # equal: the first one comes back, as from the builtins
+    values = [0, -1, 2.5, math.inf, -math.inf, math.nan, one, other, 86400.0]
+    for a in values:
+        for b in values:
+            assert repr(cli._min2(a, b)) == repr(min(a, b)) and type(cli._min2(a, b)) is type(min(a, b))
+            assert repr(cli._max2(a, b)) == repr(max(a, b)) and type(cli._max2(a, b)) is type(max(a, b))
+    # the scheduler still runs (every pass calls them)
+    assert _orders() == [list(range(_TASKS))] * _PASSES
+
+
+def test_min_and_max_are_replaced_only_where_every_call_has_two_positional_arguments() -> None:
+    import dis
+
+    from acp_server import cli
+
+    def one(xs: list[int]) -> int:
+        return max(xs)
+
+    def keyword(a: int, b: int) -> int:
+        return max(a, b, key=abs)
+
+    def three(a: int, b: int, c: int) -> int:
+        return min(a, b, c)
+
+    def branch(a: int, b: int) -> int:
+        return max(a if a else b, 0)
+
+    def star(xs: list[int]) -> int:
+        return max(*xs)
+
+    def alias(a: int, b: int) -> int:
+        m = max
+        return m(a, b)
+
+    def nested(a: float, b: float) -> float:
+        return min(max(0, a), b)
+
+    for refused in (one, keyword, three, branch, star, alias):
+        assert not cli._called_with_two(refused.__code__, dis), refused.__name__
+    assert cli._called_with_two(nested.__code__, dis)

@@ -4,9 +4,11 @@ are those of the update's line, and the bridge hands them over only while the st
 from __future__ import annotations
 
 import httpx
+import msgspec
 import pytest
 import trio
 
+from acp_server.bridge import fanout
 from acp_server.bridge.fanout import encode_update
 from acp_server.transports.http import rest_events
 from acp_server.transports.http.rest_events import SseSubscriber
@@ -54,11 +56,12 @@ def test_many_originators_are_kept_within_a_bound() -> None:
 
 
 async def test_a_stream_is_a_sink_while_it_is_open() -> None:
-    """The event stream is registered as its session's update sink while open and removed once it
-    ends; its prompt's updates and turn_complete arrive as before."""
+    """The event stream is registered as its session's update and completed-turn sink while open and
+    removed once it ends; its prompt's updates and turn_complete arrive as before."""
     with trio.fail_after(TIMEOUT_S):
         async with http_server() as (server, _n, url), httpx.AsyncClient(timeout=10) as c:
             sinks = server.bridge.fanout.update_sinks
+            completed = server.bridge.fanout.completed_sinks
             async with trio.open_nursery() as nursery:
                 sid = (await c.post(url + "/session", json={"sessionScope": "thread"})).json()["sessionId"]
                 events = Events()
@@ -66,6 +69,7 @@ async def test_a_stream_is_a_sink_while_it_is_open() -> None:
                 await eventually(lambda: len(server.bridge.sessions[sid].attached) == 1)
                 [sub] = server.bridge.sessions[sid].attached
                 assert sinks == {sub: sub.send_update}  # type: ignore[attr-defined]
+                assert completed == {sub: sub.send_completed}  # type: ignore[attr-defined]
                 prompt = {"prompt": [{"type": "text", "text": "one two"}]}
                 assert (await c.post(f"{url}/session/{sid}/prompt", json=prompt)).status_code == 202
                 await events.wait_for("turn_complete")
@@ -74,4 +78,41 @@ async def test_a_stream_is_a_sink_while_it_is_open() -> None:
                 ids = [f["id"] for f in events.frames]
                 assert ids == sorted(ids) and all(f["_meta"] == {"eventId": f["id"]} for f in events.frames)
                 nursery.cancel_scope.cancel()
-            await eventually(lambda: not sinks)
+            await eventually(lambda: not sinks and not completed)
+
+
+@pytest.mark.parametrize(
+    ("session_id", "prompt_id", "reason", "event_id", "originator", "taken"),
+    [
+        ("s-1", "prompt_1", "end_turn", 3, None, True),
+        ("s-1", "prompt_2", "max_tokens", 42, "cli-1", True),
+        ("s-1", "a.b:c_d-e", "cancelled", 10**16 - 1, "a.b:c_d-e", True),
+        ("s-1", "prompt_3", "end_turn", 10**16, None, False),  # past the cut's 16 digits
+        ("s-1", "p 1", "end_turn", 5, None, False),  # a prompt id that is not plain
+        ("s-1", "prompt_4", "end_turn", 5, "c 1", False),  # an originating client id that is not plain
+        ("s-1", "prompt_5", "odd reason", 5, None, False),  # a stop reason that is not plain
+        ("s 1", "prompt_6", "end_turn", 5, None, False),  # a session id that is not plain
+    ],
+)
+def test_a_completed_turn_handed_as_its_parts_is_queued_as_its_line(
+    session_id: str, prompt_id: str, reason: str, event_id: int, originator: str | None, taken: bool
+) -> None:
+    """``send_completed`` queues, byte for byte, the ``turn_complete`` frame ``send`` queues for the
+    completed turn's line (``FanOut.completed``'s), with the same last event id; what its cut does not
+    take is left to the line (``False``, nothing queued)."""
+    head, tail = fanout._turn_state_ends(session_id, prompt_id, originator)
+    extra = fanout._REASONS.get(reason) or b',"reason":' + msgspec.json.encode(reason)
+    line = fanout._TURN_STATE % (head, b"completed", b"1764650000000", extra, event_id, tail)
+    rest_events._last_line = (b"", [])
+    rest_events._last_update = (b"", b"", b"")
+    by_line = SseSubscriber(session_id)
+    by_line.send(line)
+    by_parts = SseSubscriber(session_id)
+    by_parts.send_update(1, b"{}", originator)  # (its originator met already, as after a prompt's updates)
+    by_parts.frames.clear()
+    assert by_parts.send_completed(prompt_id, reason, event_id, originator) is taken
+    if taken:
+        assert list(by_parts.frames) == list(by_line.frames) and len(by_line.frames) == 1
+        assert by_parts.last_event_id == by_line.last_event_id == event_id
+    else:
+        assert not by_parts.frames

@@ -43,9 +43,9 @@ TURN_STATES_NONE, TURN_STATES_TERMINAL, TURN_STATES_ALL = 0, 1, 2
 class PeerState:
     """What the bridge keeps for one connection."""
 
-    __slots__ = ("_attached", "registrations", "turn_states")
+    __slots__ = ("_attached", "joins_lines", "registrations", "turn_states")
 
-    def __init__(self) -> None:
+    def __init__(self, joins_lines: bool = False) -> None:
         #: session id -> the client id this connection registered there
         self.registrations: dict[str, str] = {}
         #: the sessions this connection is attached to (receives the updates of): none, the one, or a
@@ -56,6 +56,9 @@ class PeerState:
         #: the server's ``--turn-states``); a REST event stream, which turns the terminal ones into its
         #: own events and has no use for the others, takes the terminal ones only
         self.turn_states = TURN_STATES_ALL
+        #: one ``send`` may carry several lines (the connection's ``joins_lines``, see
+        #: :class:`~.session.Peer`): the fan-out then sends the lines of one step for it in one call
+        self.joins_lines = joins_lines
 
     @property
     def sessions(self) -> set[Session]:
@@ -105,7 +108,7 @@ class ClientRegistry:
         """The connection's state (created on first use)."""
         state = self.peers.get(peer)
         if state is None:
-            state = self.peers[peer] = PeerState()
+            state = self.peers[peer] = PeerState(getattr(peer, "joins_lines", False) is True)
         return state
 
     def set_turn_states(self, peer: Peer, enabled: bool) -> None:
@@ -142,10 +145,10 @@ class ClientRegistry:
         reg = session.clients.get(requested) if requested else None
         if reg is not None:
             reg.refcount += 1
-            reg.last_seen, reg.last_seen_ms = now, now_ms()
+            reg.last_seen = now
         else:
             client_id = f"client_{uuid.uuid4()}"
-            reg = session.clients[client_id] = ClientReg(client_id, now, now_ms())
+            reg = session.clients[client_id] = ClientReg(client_id, now)
         session.last_activity = now
         if peer is not None and not peer.closed:
             state = self.state(peer)
@@ -174,20 +177,20 @@ class ClientRegistry:
             reg = session.clients.get(own) if own is not None else None
             if reg is None:
                 return None
-        reg.last_seen, reg.last_seen_ms = now, time.time_ns() // 1_000_000  # now_ms(), inline
+        reg.last_seen = now
         session.last_activity = now
         return reg.client_id
 
     @staticmethod
     def heartbeat(session: Session, client_id: str | None) -> int:
-        """Mark activity.
+        """Mark activity (the caller resolved ``client_id`` in this step: :meth:`resolve` marked it seen).
 
         Returns:
-            The last-seen time (epoch ms) of the client, or of the session.
+            The time of this heartbeat (epoch ms): the client's last-seen time, or the session's. A
+            client id keeps its last-seen time on trio's clock only (for expiry): the wall clock is read
+            here, not at every request that marks the client seen.
         """
         session.last_activity = trio.current_time()
-        if client_id is not None:
-            return session.clients[client_id].last_seen_ms
         return now_ms()
 
     def release(self, session: Session, peer: Peer | None, client_id: str | None) -> None:
@@ -223,7 +226,7 @@ class ClientRegistry:
             session.attached.add(peer)
             state = self.peers.get(peer)
             if state is None:
-                state = self.peers[peer] = PeerState()
+                state = self.peers[peer] = PeerState(getattr(peer, "joins_lines", False) is True)
             state.attach(session)
 
     def detach(self, session: Session, peer: Peer) -> None:

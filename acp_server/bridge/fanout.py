@@ -95,6 +95,8 @@ _REASONS = {reason: b',"reason":"%s"' % reason.encode() for reason in get_args(S
 #: a ``_acp_server/turn_state`` line: the prompt's head (:func:`_turn_state_ends`), the state, ``at``, the
 #: optional fields, the ``eventId`` and the prompt's tail
 _TURN_STATE = b'%s%s","at":%s%s,"_meta":{"eventId":%d%s'
+#: two of them (``accepted`` and ``running``) in one send, for a connection that takes joined lines
+_TWO_TURN_STATES = _TURN_STATE + _TURN_STATE
 #: a terminal turn state as the transcript keeps it (TurnStateBody): prompt id, state, ``at``, the rest
 _TURN_STATE_BODY = b'{"promptId":"%s","state":"%s","at":%s%s}'
 
@@ -145,6 +147,9 @@ class FanOut:
         #: client id) instead of its line, when it goes to them alone and at once: an SSE subscriber
         #: builds its frame from them, with no line to format and cut apart again
         self.update_sinks: dict[Peer, Callable[[int, bytes, str | None], None]] = {}
+        #: connections that take a completed turn's state as its parts (prompt id, stop reason, event id,
+        #: the originating client id) in :meth:`completed`'s usual case; ``False`` from one: send the line
+        self.completed_sinks: dict[Peer, Callable[[str, str, int, str | None], bool]] = {}
         #: the last epoch millisecond a turn state carried, and its digits
         self._at_ms = -1
         self._at_digits = b""
@@ -233,7 +238,8 @@ class FanOut:
             return
         (peer,) = attached
         event_id = session.next_event_id
-        if self._peer_states[peer].turn_states < TURN_STATES_ALL:
+        state = self._peer_states[peer]
+        if state.turn_states < TURN_STATES_ALL:
             # Nobody takes them: they still take their event ids (updates count on from there).
             event_id += 1 if accepted else 0
         else:
@@ -249,10 +255,18 @@ class FanOut:
                     f'"promptId":"{ticket.prompt_id}","state":"'.encode(),
                     b"}}}\n" if client_id is None else f',"originatorClientId":"{client_id}"}}}}}}\n'.encode(),
                 )
-            if accepted:
-                peer.send(_TURN_STATE % (ends[0], b"accepted", self._at_digits, b"", event_id, ends[1]))
+            if accepted and state.joins_lines:  # both lines in one format and one send
+                digits = self._at_digits
+                peer.send(
+                    _TWO_TURN_STATES
+                    % (ends[0], b"accepted", digits, b"", event_id, ends[1], ends[0], b"running", digits, b"", event_id + 1, ends[1])
+                )
                 event_id += 1
-            peer.send(_TURN_STATE % (ends[0], b"running", self._at_digits, b"", event_id, ends[1]))
+            else:
+                if accepted:
+                    peer.send(_TURN_STATE % (ends[0], b"accepted", self._at_digits, b"", event_id, ends[1]))
+                    event_id += 1
+                peer.send(_TURN_STATE % (ends[0], b"running", self._at_digits, b"", event_id, ends[1]))
         event_id += 1
         if self._add_event is not None or peer is not ticket.sender:
             session.next_event_id = event_id
@@ -353,6 +367,11 @@ class FanOut:
             self._trim(session)
         if self._peer_states[peer].turn_states < TURN_STATES_TERMINAL:
             return
+        sinks = self.completed_sinks
+        if sinks:
+            sink = sinks.get(peer)
+            if sink is not None and sink(ticket.prompt_id, reason, event_id, ticket.client_id):
+                return
         ends = ticket.state_ends
         if ends is None:
             ends = ticket.state_ends = _turn_state_ends(session.session_id, ticket.prompt_id, ticket.client_id)

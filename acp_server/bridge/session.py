@@ -25,6 +25,11 @@ class Peer(Protocol):
     members) and calls :meth:`~acp_server.bridge.SessionBridge.peer_closed` once one is gone. What
     the bridge keeps per connection (its client ids, the sessions it receives, whether it takes turn
     states) lives in the bridge's :class:`~acp_server.bridge.clients.ClientRegistry`, not here.
+
+    A connection may also have ``joins_lines = True`` (absent: false, read once per connection): one
+    :meth:`send` may then carry several lines, which reach the client as if sent one by one (an NDJSON
+    connection's queue), and the fan-out joins lines of one step for it (a prompt's ``accepted`` and
+    ``running``). A peer that turns each send into one message (an SSE subscriber) leaves it out.
     """
 
     peer_id: int
@@ -49,15 +54,14 @@ class Peer(Protocol):
 
 
 class ClientReg:
-    """One client id of a session: how many holders it has and when it was last seen."""
+    """One client id of a session: how many holders it has and when it was last seen (trio's clock)."""
 
-    __slots__ = ("client_id", "last_seen", "last_seen_ms", "refcount")
+    __slots__ = ("client_id", "last_seen", "refcount")
 
-    def __init__(self, client_id: str, now: float, now_ms: int) -> None:
+    def __init__(self, client_id: str, now: float) -> None:
         self.client_id = client_id
         self.refcount = 1
         self.last_seen = now
-        self.last_seen_ms = now_ms
 
 
 class PromptTicket:

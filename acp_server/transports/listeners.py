@@ -339,13 +339,15 @@ class PipeStream(trio.abc.HalfCloseableStream):
     Attributes:
         receive_fd: the descriptor read, ``None`` once the stream is closed (a task waiting on it is
             woken with ``ClosedResourceError`` first).
+        send_fd: the descriptor written, ``None`` once the stream is closed (the outbox writes it
+            itself at the end of a pass, as :meth:`write_nowait` does).
     """
 
     def __init__(self, receive_fd: int, send_fd: int) -> None:
         os.set_blocking(receive_fd, False)
         os.set_blocking(send_fd, False)
         self.receive_fd: int | None = receive_fd
-        self._send_fd: int | None = send_fd
+        self.send_fd: int | None = send_fd
         self._emptied = False  # the last read returned less than asked: the pipe was empty then
 
     def open_fd(self) -> int:
@@ -391,7 +393,7 @@ class PipeStream(trio.abc.HalfCloseableStream):
         return fd
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        fd = self._send_fd
+        fd = self.send_fd
         if fd is None:
             raise trio.ClosedResourceError("the stream is closed")
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -402,7 +404,7 @@ class PipeStream(trio.abc.HalfCloseableStream):
                     sent += os.write(fd, view[sent:])
                 except BlockingIOError:
                     await trio.lowlevel.wait_writable(fd)
-                    fd = self._send_fd
+                    fd = self.send_fd
                     if fd is None:
                         raise trio.ClosedResourceError("the stream was closed while writing") from None
                 except OSError as exc:
@@ -416,22 +418,22 @@ class PipeStream(trio.abc.HalfCloseableStream):
             BlockingIOError: the pipe is full.
             OSError: the write failed (the reader is gone).
         """
-        fd = self._send_fd
+        fd = self.send_fd
         if fd is None:
             raise trio.ClosedResourceError("the stream is closed")
         return os.write(fd, data)
 
     async def wait_send_all_might_not_block(self) -> None:
-        if self._send_fd is None:
+        if self.send_fd is None:
             raise trio.ClosedResourceError("the stream is closed")
-        await trio.lowlevel.wait_writable(self._send_fd)
+        await trio.lowlevel.wait_writable(self.send_fd)
 
     async def send_eof(self) -> None:
         await trio.lowlevel.checkpoint()
-        self._close_fd("_send_fd")
+        self._close_fd("send_fd")
 
     async def aclose(self) -> None:
-        self._close_fd("_send_fd")
+        self._close_fd("send_fd")
         self._close_fd("receive_fd")
         await trio.lowlevel.checkpoint()
 

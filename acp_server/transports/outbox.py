@@ -40,6 +40,7 @@ from trio.lowlevel import RunVar
 
 from ..jsonrpc import Connection
 from ..parking import ParkingSpot
+from .listeners import PipeStream
 from .timing import LatencyHistogram
 
 __all__ = ["RELIABLE_WATERMARK_BYTES", "Outbox", "at_pass_end"]
@@ -212,6 +213,7 @@ class Outbox:
         "_held_pass",
         "_out",
         "_out_bytes",
+        "_pipe",
         "_refusal_latency",
         "_refusals_queued",
         "_writer_coalesce",
@@ -222,6 +224,10 @@ class Outbox:
         "name",
         "stream",
     )
+
+    #: what one :meth:`send` queues may be several lines: they leave joined anyway (the bridge's
+    #: fan-out then sends the lines of one step in one call, see :class:`~acp_server.bridge.session.Peer`)
+    joins_lines = True
 
     def __init__(
         self,
@@ -248,8 +254,12 @@ class Outbox:
         self._flusher: _PassFlusher | None = None
         self._held_pass = -1  # the pass :meth:`hold` was called in
         self._early_pass = -1  # the last pass whose first answer :meth:`reply` wrote at once
-        #: the stream's ``write_nowait`` while the flusher writes it (``None``: a socket, or no flusher)
+        #: the stream's ``write_nowait`` while the flusher writes it (``None``: a socket, the stdio pipe,
+        #: or no flusher)
         self._write_nowait: Callable[[bytes], int] | None = None
+        #: the stdio :class:`~.listeners.PipeStream` while the flusher writes it: its descriptor is
+        #: written with ``os.write`` here (what its ``write_nowait`` does, without the call)
+        self._pipe: PipeStream | None = None
 
     def close(self) -> None:
         """Stop serving the connection (what is queued is flushed for a short while)."""
@@ -265,7 +275,12 @@ class Outbox:
             return
         out = self._out
         if not out:
-            self._first_out(True)
+            flusher = self._flusher  # _first_out's, inline (a turn's first update comes here)
+            if flusher is not None:
+                flusher.dirty.append(self)
+                self._drained = False
+            else:
+                self._wake_writer(True)
         out.append(data)
         queued = self._out_bytes = self._out_bytes + len(data)
         if queued > self.max_outbound_bytes:
@@ -279,21 +294,65 @@ class Outbox:
         """
         if self.evicted:
             return
-        out = self._out  # _enqueue's, inline
-        if not out:
-            self._first_out(False)
-        out.append(data)
-        self._out_bytes += len(data)
+        out = self._out
         flusher = self._flusher
-        if flusher is not None and self._early_pass != flusher.passes:
-            self._early_pass = flusher.passes
-            self._flush_now()
-            if not self._out and self._held_pass == -1:
-                # All written, nothing held: this outbox's mark for the pass's end (the last one, made
-                # when its queue began) would find nothing to write.
-                dirty = flusher.dirty
-                if dirty and dirty[-1] is self:
-                    dirty.pop()
+        if flusher is None or self._early_pass == flusher.passes:
+            if not out:  # _enqueue's, inline
+                self._first_out(False)
+            out.append(data)
+            self._out_bytes += len(data)
+            return
+        self._early_pass = flusher.passes
+        if self._writer_spot.task is None:  # the writer is busy: it takes this after what it writes
+            if not out:
+                self._first_out(False)
+            out.append(data)
+            self._out_bytes += len(data)
+            return
+        # The pass's first answer, the writer idle: written now (what _flush_now does, inline: this is
+        # every sequential prompt's answer). ``out`` non-empty: this outbox has its mark for the pass's end.
+        if out:
+            out.append(data)
+            data = b"".join(out)
+        try:
+            pipe = self._pipe
+            if pipe is not None:
+                fd = pipe.send_fd
+                sent = os.write(fd, data) if fd is not None else -1
+            elif (write := self._write_nowait) is not None:
+                sent = write(data)
+            else:
+                sent = os.write(self.stream.socket.fileno(), data)  # type: ignore[union-attr]  # a trio.SocketStream
+        except BlockingIOError:
+            sent = 0
+        except (OSError, trio.ClosedResourceError, trio.BrokenResourceError):
+            sent = -1
+        if sent == len(data):
+            if out:
+                self._out = []
+                self._out_bytes = 0
+                if self._held_pass == -1:
+                    # All written, nothing held: this outbox's mark for the pass's end (the last one,
+                    # made when its queue began) would find nothing to write.
+                    dirty = flusher.dirty
+                    if dirty and dirty[-1] is self:
+                        dirty.pop()
+            if self._refusals_queued:
+                refused, self._refusals_queued = self._refusals_queued, []
+                self._record_refusals(refused)
+            if self._drained_event is None:
+                self._drained = True  # what _set_drained does when nobody waits
+            else:
+                self._set_drained()
+            return
+        # The kernel took less than all of it (or the write failed): the writer takes the rest (its
+        # send_all meets the error, if any, and closes the connection).
+        rest = data[sent:] if sent > 0 else data
+        self._out = [rest]
+        self._out_bytes = len(rest)
+        self._drained = False
+        self._writer_coalesce = False
+        self._writer_spot.wake()
 
     async def send_reliably(self, data: bytes) -> None:
         """Queue a message that must arrive (a replay): paced by the writer, it waits while more than
@@ -335,8 +394,11 @@ class Outbox:
             return False  # nothing left, or the writer is busy (it takes this next) or gone
         data = b"".join(out) if len(out) > 1 else out[0]
         try:
-            write = self._write_nowait
-            if write is not None:
+            pipe = self._pipe
+            if pipe is not None:
+                fd = pipe.send_fd
+                sent = os.write(fd, data) if fd is not None else -1
+            elif (write := self._write_nowait) is not None:
                 sent = write(data)
             else:
                 sent = os.write(self.stream.socket.fileno(), data)  # type: ignore[union-attr]  # a trio.SocketStream
@@ -411,7 +473,10 @@ class Outbox:
     async def _writer(self) -> None:
         stream = self.stream
         if _writes_nowait(stream):
-            self._write_nowait = getattr(stream, "write_nowait", None)  # None: a plain trio socket
+            if type(stream) is PipeStream:
+                self._pipe = stream
+            else:
+                self._write_nowait = getattr(stream, "write_nowait", None)  # None: a plain trio socket
             self._flusher = _run_flusher()
         try:
             while True:
@@ -445,6 +510,7 @@ class Outbox:
         finally:
             self._flusher = None
             self._write_nowait = None
+            self._pipe = None
 
     def _record_refusals(self, read_stamps: list[int]) -> None:
         histogram = self._refusal_latency

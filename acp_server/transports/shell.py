@@ -33,10 +33,11 @@ the base class :class:`~.refusals.RefusalGuard`.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import os
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from time import perf_counter_ns
 from typing import Any
@@ -89,6 +90,31 @@ def _read_now(fd: int) -> bytes | None:
         return os.read(fd, _READ_SIZE)
     except BlockingIOError:
         return None
+
+
+def _readable_waiter() -> Callable[[int, str], Awaitable[None]]:
+    """``wait(fd, "read_task")``: trio's ``wait_readable(fd)``, without its two wrapper coroutines.
+
+    ``trio.lowlevel.wait_readable`` awaits the run's I/O manager's ``wait_readable``, which awaits its
+    ``_epoll_wait(fd, "read_task")``: every step of a reader that waits goes through both frames again.
+    On trio's epoll manager (Linux) this calls ``_epoll_wait`` itself; without it (another trio, another
+    platform), ``trio.lowlevel.wait_readable``.
+    """
+    try:
+        from trio._core._run import GLOBAL_RUN_CONTEXT
+
+        io = GLOBAL_RUN_CONTEXT.runner.io_manager
+        epoll_wait = io._epoll_wait
+        public = io.wait_readable
+    except (ImportError, AttributeError):
+        epoll_wait = None
+    if epoll_wait is None or not inspect.iscoroutinefunction(epoll_wait) or not inspect.iscoroutinefunction(public):
+        return _public_wait_readable
+    return epoll_wait
+
+
+async def _public_wait_readable(fd: int, _: str) -> None:
+    await trio.lowlevel.wait_readable(fd)
 
 
 class ConnectionShell(RefusalGuard):
@@ -271,7 +297,7 @@ class ConnectionShell(RefusalGuard):
         pipe = stream if type(stream) is PipeStream else None
         emptied = False  # the last read was short
         limit_waiting = 4 * self.max_inflight
-        wait_readable = trio.lowlevel.wait_readable
+        wait_readable = _readable_waiter()
         received = self._received
         try:
             async with trio.open_nursery() as tasks:
@@ -291,32 +317,26 @@ class ConnectionShell(RefusalGuard):
                                 await room.wait()
                             if self._out_bytes > self.max_outbound_bytes:
                                 await self._wait_for_room()
-                            if pipe is not None:
+                            if pipe is not None or fd >= 0:
+                                # The pipe's descriptor is asked for at each read (the stream may be
+                                # closed); a wait it ends raises ClosedResourceError (notify_closing).
+                                rfd = fd if pipe is None else pipe.receive_fd  # pipe.open_fd(), inline
+                                if rfd is None:
+                                    raise trio.ClosedResourceError("the stream is closed")
                                 read = None
                                 if not emptied:
                                     await trio.lowlevel.checkpoint_if_cancelled()
-                                    if (read := _read_now(pipe.open_fd())) is not None:
-                                        await trio.lowlevel.cancel_shielded_checkpoint()
-                                while read is None:
-                                    await wait_readable(pipe.open_fd())
-                                    read = _read_now(pipe.open_fd())
-                                emptied = len(read) < _READ_SIZE
-                                data, read = read, None
-                            elif fd < 0:
-                                data = await stream.receive_some(_READ_SIZE)
-                            else:
-                                read = None
-                                if not emptied:
-                                    await trio.lowlevel.checkpoint_if_cancelled()
-                                    if (read := _read_now(fd)) is not None:
+                                    if (read := _read_now(rfd)) is not None:
                                         await trio.lowlevel.cancel_shielded_checkpoint()
                                 # Waited for outside any ``except`` block: a handled exception stays
                                 # alive (with its traceback) as long as the block runs, awaits included.
                                 while read is None:
-                                    await wait_readable(fd)
-                                    read = _read_now(fd)
+                                    await wait_readable(rfd, "read_task")
+                                    read = _read_now(rfd)
                                 emptied = len(read) < _READ_SIZE
                                 data, read = read, None
+                            else:
+                                data = await stream.receive_some(_READ_SIZE)
                             if not data:
                                 log.debug("%s: end of input", self.name)
                                 await self._drain()

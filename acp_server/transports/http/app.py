@@ -43,7 +43,7 @@ from ...errors import (
     TooManyConnectionsError,
     UnknownConnectionError,
 )
-from .auth import HttpCaller, HttpGuard, HttpRefusal, current_caller
+from .auth import TENANT_HEADER, HttpCaller, HttpGuard, HttpRefusal, current_caller
 from .console import CONSOLE_PREFIX, serve_console
 from .peer import MessagePeer
 from .rules import (
@@ -190,6 +190,40 @@ class AcpHttpApp:
                 self._inline.clear()
             self._inline[key] = inline
         return inline
+
+    def direct_request(
+        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes, client: Any
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """A whole plain request answered from its parsed head, without a scope, a stream or the ASGI
+        calls (:mod:`.lean` asks it of an inline request): the answer's status, headers and body, or
+        ``None`` (nothing done) for any request whose checks this does not make as :meth:`__call__`
+        would, which then takes that path. Only a REST prompt is answered here, and only when the
+        request is the owner's (no tokens), is not a browser's (no ``Origin``: no CORS), names no
+        tenant, and its ``Host`` is ours (else the refusal is the general path's): a request that
+        :meth:`inline_request` takes inline, as its answer must be."""
+        rest = self.rest
+        if rest is None or method != b"POST" or not path.startswith(b"/session/") or not path.endswith(b"/prompt") or b"%" in path:
+            return None
+        guard = self.guard
+        if guard.auth is not None:
+            return None
+        host = None
+        for name, value in headers:  # (the fields the general path reads before the REST API's own)
+            if name == b"host":
+                if host is None:
+                    host = value
+            elif name == b"origin" or name == TENANT_HEADER:
+                return None
+        if host is None or self.rules.check_host(host.decode("latin-1")) is not None:
+            return None
+        parts = path.decode("ascii").strip("/").split("/")  # (RestApi's own split of the path)
+        if len(parts) != 3 or parts[0] != "session":
+            return None
+        source = str(client[0]) if client and client[0] else None  # (what client_address reads)
+        answer: tuple[int, list[tuple[bytes, bytes]], bytes] | None = rest.direct_prompt(
+            parts[1], headers, body, guard.owner("default", source)
+        )
+        return answer
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         kind = scope["type"]

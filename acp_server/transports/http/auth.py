@@ -190,18 +190,24 @@ class HttpGuard:
         if scope["path"] == HEALTH_PATH and not identity.may_scrape:
             return _refusal(InsufficientScopeError(scopes=_SCRAPE_SCOPES), 403)
         if identity is OWNER:  # (no tokens: the same few callers again and again, made once each)
-            key = (tenant, source, transport, subprotocol)
-            caller = self._owners.get(key)
-            if caller is None:
-                if len(self._owners) >= _OWNERS_KEPT:
-                    self._owners.clear()
-                caller = self._owners[key] = HttpCaller(identity, tenant, source, transport, subprotocol)
+            caller = self.owner(tenant, source, transport, subprotocol)
         else:
             caller = HttpCaller(identity, tenant, source, transport, subprotocol)
         if self.auth is not None and not _metered_later(scope):  # (without tokens nothing is metered)
             refusal = self.meter(caller)
             if refusal is not None:
                 return refusal
+        return caller
+
+    def owner(self, tenant: str, source: str | None, transport: str = "http", subprotocol: str | None = None) -> HttpCaller:
+        """The owner's caller (what :meth:`admit` grants without tokens) for ``tenant`` from ``source``:
+        the same few again and again, made once each."""
+        key = (tenant, source, transport, subprotocol)
+        caller = self._owners.get(key)
+        if caller is None:
+            if len(self._owners) >= _OWNERS_KEPT:
+                self._owners.clear()
+            caller = self._owners[key] = HttpCaller(OWNER, tenant, source, transport, subprotocol)
         return caller
 
     def credentials(self, scope: dict[str, Any]) -> tuple[Identity, str | None] | HttpRefusal:

@@ -30,42 +30,27 @@ client-id header syntax (400 ``invalid_params``), session (404 ``session_not_fou
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote
 
 import msgspec
-import trio
 
 from ...bridge import Session
 from ...bridge.settlement import PromptWaiter
 from ...bridge.shared_admit import SharedAdmit
 from ...errors import (
     AcpError,
-    AdmissionDeferredError,
-    AgentError,
-    BackendUnavailableError,
-    CapacityExceededError,
-    CapacityUnavailableError,
-    DuplicateInFlightError,
-    HttpError,
-    IdempotencyKeyConflictError,
     InternalError,
     InvalidParamsError,
-    LeaseLostError,
     MessageTooLargeError,
     MethodNotAllowedError,
     ParseError,
-    PromptQueueFullError,
-    RateLimitedError,
     RouteNotFoundError,
-    SessionLimitExceededError,
     SessionNotFoundError,
     UnsupportedMediaTypeError,
 )
-from ...handlers import ConnContext
 from ...handlers import prompt as prompt_handler
 from ...handlers import session as session_handler
 from ...handlers.meta import meta_deadline_ms
@@ -80,6 +65,7 @@ from .auth import HttpCaller, current_caller
 from .lean import LeanStream
 from .rest_events import EVENT_TYPES, SseSubscriber
 from .rest_permissions import PermissionBoard, RestChannel
+from .rest_request import RestCaller, RestContext, http_status, refusal, status_of
 from .rest_state import RestState
 from .rest_stream import MAX_SUBSCRIBERS, serve_events
 from .rest_types import (
@@ -98,7 +84,7 @@ from .rest_types import (
     SessionAttached,
     SessionRestored,
 )
-from .rules import error_body, header
+from .rules import header
 
 if TYPE_CHECKING:
     from ...server import Server
@@ -127,72 +113,6 @@ _client_ids: set[str] = set()
 _CLIENT_IDS_KEPT = 1024
 
 
-def status_of(kind: type[AcpError]) -> int:
-    """The HTTP status a refusal of class ``kind`` is sent with."""
-    if issubclass(kind, HttpError):
-        return kind.status
-    if issubclass(kind, (PromptQueueFullError, CapacityExceededError, CapacityUnavailableError, SessionLimitExceededError)):
-        return 503
-    if issubclass(kind, (AdmissionDeferredError, RateLimitedError)):
-        return 429
-    if issubclass(kind, (IdempotencyKeyConflictError, DuplicateInFlightError)):
-        return 409
-    if issubclass(kind, (BackendUnavailableError, LeaseLostError)):
-        return 503
-    if issubclass(kind, AgentError):
-        return 502
-    if issubclass(kind, SessionNotFoundError):
-        return 404
-    if issubclass(kind, MessageTooLargeError):
-        return 413
-    if issubclass(kind, InternalError):
-        return 500
-    return 400
-
-
-def http_status(exc: AcpError) -> int:
-    """The HTTP status the refusal ``exc`` is sent with."""
-    return status_of(type(exc))
-
-
-class RestCaller:
-    """A REST request as the bridge's ``Peer``: it registers client ids but is never attached (closed)."""
-
-    peer_id = -1
-    closed = True
-
-    def send(self, data: bytes) -> None:
-        """Dropped: a REST caller reads events on its SSE subscription."""
-
-    async def send_reliably(self, data: bytes) -> None:
-        """Dropped, as :meth:`send`."""
-
-    async def request(self, method: str, params: Any = None) -> Any:
-        """Never asked: a REST prompt's questions go through :class:`~.rest_permissions.RestChannel`."""
-        raise trio.EndOfChannel
-
-
-class RestContext(ConnContext):
-    """The handlers' context for one REST request: its caller's identity and tenant, the
-    :class:`RestCaller` peer, and a channel that asks the session's SSE subscribers."""
-
-    __slots__ = ("rest_channel",)
-
-    def __init__(
-        self, server: Server, peer: RestCaller, rest_channel: RestChannel | None = None, caller: HttpCaller | None = None
-    ) -> None:
-        super().__init__(server, peer)
-        if caller is None:
-            caller = current_caller.get()
-        self.identity = caller.identity
-        self.tenant = caller.tenant
-        self.initialized = True
-        self.rest_channel = rest_channel
-
-    def channel(self) -> Any:
-        return self.rest_channel if self.rest_channel is not None else super().channel()
-
-
 class _ClientGone(Exception):
     """The client left while its request body was being read."""
 
@@ -213,6 +133,17 @@ def _parse(raw: Any) -> Any:
 
 #: the bodies :meth:`RestApi._typed_body` decodes straight into their type
 _typed_decoders = {PromptRequest: msgspec.json.Decoder(PromptRequest)}
+
+
+def _typed(raw: Any, kind: type[Any]) -> Any:
+    """A body's bytes (or :data:`NO_BODY`) as ``kind``: :func:`_parse` then :func:`_convert`, in one
+    decoding when it is valid."""
+    if raw is not NO_BODY:
+        try:
+            return _typed_decoders[kind].decode(raw)
+        except msgspec.DecodeError:
+            pass  # decoded again as _parse would, for its errors in their order (400 parse_error first)
+    return _convert(_parse(raw), kind)
 
 
 def _convert(obj: Any, kind: type[Any]) -> Any:
@@ -267,15 +198,10 @@ class RestApi:
         await send({"type": "http.response.body", "body": body})
 
     async def refuse(self, send: Send, exc: AcpError, cors: list[tuple[bytes, bytes]]) -> None:
-        """Answer with ``exc``'s status, ``Retry-After`` when it says when, and the error body."""
-        headers = [_JSON, *cors]
-        if isinstance(exc, MethodNotAllowedError):
-            headers.append((b"allow", ", ".join(exc.payload.allowed).encode()))  # type: ignore[attr-defined]
-        retry_ms = getattr(exc.payload, "retry_after_ms", None)
-        if isinstance(retry_ms, int):
-            headers.append((b"retry-after", str(max(1, math.ceil(retry_ms / 1000))).encode()))
-        await send({"type": "http.response.start", "status": http_status(exc), "headers": headers})
-        await send({"type": "http.response.body", "body": error_body(exc)})
+        """Answer with :func:`refusal`'s status, headers and body."""
+        status, headers, body = refusal(exc, cors)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -287,13 +213,7 @@ class RestApi:
         """The body as ``kind``: :meth:`_body` then :func:`_convert`, in one decoding when it is valid."""
         stream = getattr(receive, "__self__", None)
         whole = stream.body_nowait() if type(stream) is LeanStream else None
-        raw = self._checked_body(headers, whole) if whole is not None else await self._raw_body(headers, receive)
-        if raw is not NO_BODY:
-            try:
-                return _typed_decoders[kind].decode(raw)
-            except msgspec.DecodeError:
-                pass  # decoded again as _body would, for its errors in their order (400 parse_error first)
-        return _convert(_parse(raw), kind)
+        return _typed(self._checked_body(headers, whole) if whole is not None else await self._raw_body(headers, receive), kind)
 
     async def _raw_body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> Any:
         """The body's bytes (:data:`NO_BODY` when there is none); 415 and 413 in order."""
@@ -473,6 +393,24 @@ class RestApi:
             admitted = await self._shared_admit(*admitted)
         await self._json(send, 202, admitted, cors)
 
+    def direct_prompt(
+        self, session_id: str, headers: list[tuple[bytes, bytes]], body: bytes, caller: HttpCaller
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """``POST /session/:id/prompt`` of ``caller`` with its whole ``body``, past its route and the
+        listener's checks (``AcpHttpApp.direct_request``): what :meth:`_prompt_route` answers, as its
+        status, headers and body, when the admission is this process's (``None``: a coordinator's,
+        which is waited for on the general path)."""
+        if self.server.bridge.shared is not None:
+            return None
+        try:
+            admitted = self._admit(session_id, _typed(self._checked_body(headers, body), PromptRequest), headers, caller)
+            return 202, [_JSON], msgspec.json.encode(admitted)
+        except AcpError as exc:
+            return refusal(exc, [])
+        except Exception:
+            log.exception("rest: %s %s failed", "POST", f"/session/{session_id}/prompt"[:256])
+            return refusal(InternalError(), [])
+
     # --- the routes -----------------------------------------------------------------------------------
 
     def capabilities(self) -> CapabilitiesBody:
@@ -591,10 +529,11 @@ class RestApi:
         return admitted if isinstance(admitted, PromptAccepted) else await self._shared_admit(*admitted)
 
     def _admit(
-        self, session_id: str, body: PromptRequest, headers: list[tuple[bytes, bytes]]
+        self, session_id: str, body: PromptRequest, headers: list[tuple[bytes, bytes]], caller: HttpCaller | None = None
     ) -> PromptAccepted | tuple[SharedAdmit, int]:
-        """:meth:`prompt`'s synchronous part: the 202's body once admitted here, or the coordinator's
-        admission to wait for, with the session's last event id at admission."""
+        """:meth:`prompt`'s synchronous part for ``caller`` (default: the request's): the 202's body once
+        admitted here, or the coordinator's admission to wait for, with the session's last event id at
+        admission."""
         if body.meta or body.deadline_ms is not None:
             meta = dict(body.meta or {})
             if body.deadline_ms is not None:
@@ -605,7 +544,8 @@ class RestApi:
             client_id = self._client_id(headers)
             meta = {"clientId": client_id} if client_id is not None else {}
         params = PromptParams(session_id=session_id, prompt=body.prompt, meta=meta)
-        caller = current_caller.get()
+        if caller is None:
+            caller = current_caller.get()
         session = self.server.bridge.get(session_id, caller.tenant)
         last_event_id = session.next_event_id - 1
         waiter = prompt_handler.prompt(RestContext(self.server, self.caller, RestChannel(session, self.board), caller), params)

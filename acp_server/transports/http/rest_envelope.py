@@ -118,3 +118,45 @@ def encode_frame(event: dict[str, Any]) -> bytes:
     """One SSE frame: ``id:`` (only with a session event id), ``event:`` and ``data:``."""
     head = f"id: {event['id']}\n" if "id" in event else ""
     return f"{head}event: {event['type']}\n".encode() + b"data: " + _encoder.encode(event) + b"\n\n"
+
+
+class _UpdateMeta(msgspec.Struct):
+    eventId: Any = None
+    originatorClientId: Any = None
+
+
+class _UpdateParams(msgspec.Struct):
+    sessionId: Any = None
+    update: msgspec.Raw = msgspec.Raw(b"null")
+    meta: _UpdateMeta | None = msgspec.field(name="_meta", default=None)
+
+
+class _Line(msgspec.Struct):
+    method: Any = None
+    params: _UpdateParams | None = None
+
+
+_line_decoder = msgspec.json.Decoder(_Line)
+
+
+def _update_frames(line: bytes) -> list[tuple[int | None, bytes]] | None:
+    """:func:`envelopes` then :func:`encode_frame` for a ``session/update`` line, with the update kept
+    as the line's own JSON (decoded into Structs, not dicts, and not encoded again: the same JSON value,
+    its escapes as the line had them); ``None`` for any other line, one of another shape, or one with a
+    carriage return (JSON whitespace, but a line end to SSE), which take the general path."""
+    if b"\r" in line:
+        return None
+    try:
+        msg = _line_decoder.decode(line)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    params = msg.params
+    if msg.method != "session/update" or params is None:
+        return None
+    meta = params.meta
+    event_id = meta.eventId if meta is not None else None
+    if not isinstance(event_id, int) or isinstance(event_id, bool) or event_id < 1:
+        event_id = None
+    data = {"sessionId": params.sessionId, "update": params.update}
+    event = _event("session_update", data, event_id, meta.originatorClientId if meta is not None else None)
+    return [(event_id, encode_frame(event))]

@@ -21,12 +21,20 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import trio
 
 from ...bridge.fanout import encode_update
 from ..outbox import at_pass_end
-from .rest_envelope import EVENT_TYPES, HEARTBEAT, _event, control_event, encode_frame, envelope, envelopes
+from .rest_envelope import (
+    EVENT_TYPES,
+    HEARTBEAT,
+    _event,
+    _update_frames,
+    control_event,
+    encode_frame,
+    envelope,
+    envelopes,
+)
 
 if TYPE_CHECKING:
     from ...auth.tokens import Identity
@@ -35,48 +43,6 @@ __all__ = ["EVENT_TYPES", "SseSubscriber", "control_event", "encode_frame", "env
 
 #: REST peers' ids stay clear of the socket shells' (small counters).
 _ids = itertools.count(1 << 40)
-
-
-class _UpdateMeta(msgspec.Struct):
-    eventId: Any = None
-    originatorClientId: Any = None
-
-
-class _UpdateParams(msgspec.Struct):
-    sessionId: Any = None
-    update: msgspec.Raw = msgspec.Raw(b"null")
-    meta: _UpdateMeta | None = msgspec.field(name="_meta", default=None)
-
-
-class _Line(msgspec.Struct):
-    method: Any = None
-    params: _UpdateParams | None = None
-
-
-_line_decoder = msgspec.json.Decoder(_Line)
-
-
-def _update_frames(line: bytes) -> list[tuple[int | None, bytes]] | None:
-    """:func:`envelopes` then :func:`encode_frame` for a ``session/update`` line, with the update kept
-    as the line's own JSON (decoded into Structs, not dicts, and not encoded again: the same JSON value,
-    its escapes as the line had them); ``None`` for any other line, one of another shape, or one with a
-    carriage return (JSON whitespace, but a line end to SSE), which take the general path."""
-    if b"\r" in line:
-        return None
-    try:
-        msg = _line_decoder.decode(line)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    params = msg.params
-    if msg.method != "session/update" or params is None:
-        return None
-    meta = params.meta
-    event_id = meta.eventId if meta is not None else None
-    if not isinstance(event_id, int) or isinstance(event_id, bool) or event_id < 1:
-        event_id = None
-    data = {"sessionId": params.sessionId, "update": params.update}
-    event = _event("session_update", data, event_id, meta.originatorClientId if meta is not None else None)
-    return [(event_id, encode_frame(event))]
 
 
 #: a ``session/update`` line as the bridge writes it (``fanout.encode_update``): these first bytes, the
@@ -120,6 +86,20 @@ _COMPLETED_REST = re.compile(
 _COMPLETED_FROM_PROMPT = re.compile(rb'([A-Za-z0-9._:-]{1,128})","state":"completed"' + _COMPLETED_REST.pattern)
 
 _Frames = list[tuple[int | None, bytes]]
+#: the characters of a plain id (:data:`_PLAIN_ID`), for ``str.strip``
+_PLAIN_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-"
+_PLAIN_REASON = re.compile(r"[A-Za-z0-9_]{1,64}")
+#: stop reasons -> their bytes in a ``turn_complete`` frame (``None``: not what the cut takes), as met
+_reasons: dict[str, bytes | None] = {}
+
+
+def _reason_of(reason: str) -> bytes | None:
+    """``reason`` as :data:`_COMPLETED_REST` takes it (``[A-Za-z0-9_]{1,64}``), or ``None``; kept."""
+    stop = reason.encode() if _PLAIN_REASON.fullmatch(reason) and reason.isascii() else None
+    if len(_reasons) >= _TAIL_ENDS_KEPT:
+        _reasons.clear()
+    _reasons[reason] = stop
+    return stop
 
 
 def _cut_update(line: bytes, start: int, head: bytes) -> _Frames | None:
@@ -293,12 +273,14 @@ class SseSubscriber:
         self._end = b"}}}\n"
         self._end_len = len(self._end)
         self._member = b""
-        #: an update's frame as a format of its event id, its JSON, its event id twice and the originating
-        #: client id's member (:meth:`send_update`; ``None``: a session id that is not plain)
-        self._update_format = (b"id: %d" + self._frame_head.replace(b"%", b"%%") + b'%s},"_meta":{"eventId":%d},"id":%d%s}\n\n'
-                               if plain else None)
+        #: the session id is plain: :meth:`send_update` builds an update's frame from its parts
+        self._plain = plain
         #: originating client ids -> their member in a frame (``None``: not plain, the line's path decides)
         self._members: dict[str | None, bytes | None] = {None: b""}
+        #: the last originating client id :meth:`send_update` met, and its frame's end (its member, then
+        #: the frame's last bytes; ``None``: not plain)
+        self._originator: str | None = None
+        self._member_end: bytes | None = b"}\n\n"
 
     @property
     def last_event_id(self) -> int:
@@ -437,16 +419,21 @@ class SseSubscriber:
         queues the frame :meth:`send` cuts from its line (``fanout.encode_update``), built from them. The
         update's JSON is msgspec's (no line feed or carriage return); an event id past 16 digits, a
         session id or an originating client id that is not plain take the line's path."""
-        member = self._members.get(originator, b"-")
-        if member == b"-":
-            member = self._member_of(originator)
-        form = self._update_format
-        if member is None or form is None or event_id >= _MAX_CUT_ID:
+        if originator is self._originator:  # (a session's prompts come from the same client, mostly)
+            end = self._member_end
+        else:
+            member = self._members.get(originator, b"-")
+            if member == b"-":
+                member = self._member_of(originator)
+            end = None if member is None else member + b"}\n\n"
+            self._originator, self._member_end = originator, end
+        if end is None or not self._plain or event_id >= _MAX_CUT_ID:
             self.send(encode_update(self.session_id, event_id, body, originator))
             return
         self._last_id = event_id
         self._last_digits = None
-        frame = form % (event_id, body, event_id, event_id, member)
+        digits = b"%d" % event_id  # (once: a join of the parts costs less than a format of three ints)
+        frame = b"".join((b"id: ", digits, self._frame_head, body, b'},"_meta":{"eventId":', digits, b'},"id":', digits, end))
         size = self.nbytes + len(frame)  # (:meth:`_queue`, inline)
         frames = self.frames
         if self._closed or len(frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
@@ -457,6 +444,35 @@ class SseSubscriber:
         self.nbytes = size
         if self._waiting:
             self._wake()
+
+    def send_completed(self, prompt_id: str, reason: str, event_id: int, originator: str | None) -> bool:
+        """The bridge's completed turn to this subscriber alone, as its parts (``fanout.FanOut.completed_sinks``):
+        queues the ``turn_complete`` frame :meth:`send` cuts from its line (``_COMPLETED_FROM_PROMPT``),
+        built from them. ``False`` (nothing done: send the line) for what that cut does not take: a
+        prompt id, stop reason, session id or originating client id that is not plain, an event id past
+        16 digits."""
+        if not self._plain or event_id >= _MAX_CUT_ID or not 0 < len(prompt_id) <= 128 or prompt_id.strip(_PLAIN_CHARS):
+            return False
+        stop = _reasons.get(reason, b"-")
+        if stop == b"-":
+            stop = _reason_of(reason)
+        if stop is None:
+            return False
+        if originator is self._originator:
+            if self._member_end is None:
+                return False
+        else:
+            member = self._members.get(originator, b"-")
+            if member == b"-":
+                member = self._member_of(originator)
+            if member is None:
+                return False
+        digits = b"%d" % event_id
+        self._last_id = event_id
+        self._last_digits = None
+        self._queue(b"".join((b"id: ", digits, self._turn_frame_head, stop, b'","promptId":"', prompt_id.encode(),
+                              b'"},"_meta":{"eventId":', digits, b'},"id":', digits, b"}\n\n")))
+        return True
 
     def _member_of(self, originator: str | None) -> bytes | None:
         """The ``originatorClientId`` member of ``originator``'s frames (``None``: not plain), kept."""

@@ -85,6 +85,7 @@ async def serve_events(
     fanout = bridge.fanout
     try:
         fanout.update_sinks[sub] = sub.send_update  # its live updates as their parts, not lines
+        fanout.completed_sinks[sub] = sub.send_completed  # and its completed turns
         if auth is not None:
             auth.streams.add(sub)  # evicted with its token (SIGHUP revocation, expiry)
         async with trio.open_nursery() as nursery:
@@ -96,6 +97,7 @@ async def serve_events(
         sub.close()
         bridge.peer_closed(sub)
         fanout.update_sinks.pop(sub, None)
+        fanout.completed_sinks.pop(sub, None)
         if auth is not None:
             auth.streams.discard(sub)
     with trio.CancelScope(shield=True):

@@ -263,6 +263,8 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
             return await self.stream.receive_some(max_bytes)
         sock = self._raw if self._raw is not None else self.stream.socket
         while True:
+            if sock.fileno() < 0:  # (closed by this side: an answer that ended its connection)
+                raise trio.ClosedResourceError("the connection is closed")
             await trio.lowlevel.wait_readable(sock)
             fd = sock.fileno()
             if fd < 0:
