@@ -20,8 +20,8 @@ answered. When a wait is over the waiting requests start, one session's after an
 refused into debt again, which starts the next wait. A wait lasts until the debt is paid back, and at
 least :data:`MIN_PAUSE_S`: the tokens refilled beyond the debt pay for the first refusals after it, so a
 client that keeps re-sending is refused in batches (ten at the defaults, one scheduling pass and one
-write each) five times a second, not once every 20 ms. Its neighbours' requests are delayed only when
-they arrive during one of those few batches. So a client that keeps re-sending is paced to about
+write each) five times a second, not once every 20 ms: its neighbours' requests are delayed only when
+they arrive during one of those few batches. It is thus paced to about
 ``rate_per_s / ignored_cost`` refusals a second (50 at the defaults, well under 1% of a CPU), while its
 admissible work is admitted as soon as there is room for it: a session it keeps full stays busy, and the
 server spends its time on admissible work, this client's and its neighbours'. After a run of ``burst``
@@ -189,8 +189,9 @@ class RefusalBudget:
         Returns:
             How long the peer's next requests are to wait: 0 while the bucket holds tokens; in debt, the
             time the refill takes to pay it back, at least :data:`MIN_PAUSE_S` (unless that would
-            refill more than half the bucket beyond the debt) and at most :data:`MAX_PAUSE_S`; ``inf`` once the peer has been refused ``burst`` times since its bucket
-            went into debt without being full again: it is to be evicted.
+            refill more than half the bucket beyond the debt) and at most :data:`MAX_PAUSE_S`;
+            ``inf`` once the peer has been refused ``burst`` times since its bucket went into debt
+            without being full again: it is to be evicted.
         """
         s = self.settings
         self.tokens = min(float(s.burst), self.tokens + (now - self.stamp) * s.rate_per_s)
