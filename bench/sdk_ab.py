@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import shlex
 import sys
 import time
@@ -69,6 +70,9 @@ class Totals:
         self.rounds.append(
             {
                 "prompts_per_s": round(prompts / seconds, 1),
+                # this round's own latency percentiles (ms): rounds are compared in pairs
+                "p50_ms": round((percentile(latencies, 0.50) or 0.0) * 1e3, 3),
+                "p99_ms": round((percentile(latencies, 0.99) or 0.0) * 1e3, 3),
                 "cpu_us_per_prompt": round(cpu_s * 1e6 / prompts, 1),
                 # The SDK client's own CPU (this process): the workload's bottleneck, and it grows with
                 # every message the agent sends it, handled or not.
@@ -119,11 +123,24 @@ class _EchoClient:
 async def _timed(
     pid: int, jobs: list[Callable[[], Awaitable[list[float]]]]
 ) -> tuple[int, float, float, list[float], float, dict[str, int]]:
+    """Run ``jobs`` at once; their latencies, and the agent's CPU and kernel counts meanwhile.
+
+    The client's garbage collector is off while they run (collected just before): the SDK client
+    allocates enough that a young-generation collection of its own ran every few hundred prompts,
+    and one of its older-generation collections (up to 8 ms here) stalled every session's prompt in
+    flight at once, 8 of a round's 1,200 samples, which is a p99's tail: a pause of the client's, not
+    of either agent, landing in one agent's round or the other's by chance.
+    """
     kernel0 = kernel_counts(pid)
-    cpu0, started, client0 = cpu_seconds(pid), time.perf_counter(), time.process_time()
-    per_job = await asyncio.gather(*(job() for job in jobs))
-    seconds, cpu_s = time.perf_counter() - started, cpu_seconds(pid) - cpu0
-    client_s = time.process_time() - client0
+    gc.collect()
+    gc.disable()
+    try:
+        cpu0, started, client0 = cpu_seconds(pid), time.perf_counter(), time.process_time()
+        per_job = await asyncio.gather(*(job() for job in jobs))
+        seconds, cpu_s = time.perf_counter() - started, cpu_seconds(pid) - cpu0
+        client_s = time.process_time() - client0
+    finally:
+        gc.enable()
     kernel1 = kernel_counts(pid)
     kernel = {k: v - kernel0[k] for k, v in kernel1.items() if k in kernel0}
     latencies = [lat for lats in per_job for lat in lats]

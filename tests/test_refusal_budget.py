@@ -39,6 +39,7 @@ from acp_server.transports.refusal_budget import (
     DEFAULT_REFUSAL_BUDGET,
     EVICTION_REASON,
     MAX_PAUSE_S,
+    MIN_PAUSE_S,
     RefusalBudget,
     RefusalBudgetSettings,
 )
@@ -63,8 +64,12 @@ def test_a_refusal_costs_one_and_the_bucket_refills_at_its_rate() -> None:
     # five sessions refused once each: separate holds, one token each
     assert not any(budget.charge(queue_full(f"s{i}"), 0.0) for i in range(5))
     assert budget.tokens == 0
-    # the sixth refusal at once overdraws the bucket: stop reading for the time the refill takes
-    assert budget.charge(queue_full("s5"), 0.0) == pytest.approx(0.1)
+    # the sixth refusal at once overdraws the bucket by one token: its next requests wait for the
+    # refill to pay it back (0.1 s), and at least MIN_PAUSE_S
+    assert MIN_PAUSE_S > 0.1
+    assert budget.charge(queue_full("s5"), 0.0) == pytest.approx(MIN_PAUSE_S)
+    # three more overdraw it by four: the refill takes 0.4 s
+    assert [budget.charge(queue_full(f"s{i}"), 0.0) for i in (6, 7, 8)] == pytest.approx([0.2, 0.3, 0.4])
     budget = RefusalBudget(RefusalBudgetSettings(rate_per_s=10, burst=5), now=0.0)
     for i in range(5):
         budget.charge(queue_full(f"s{i}"), 0.0)
@@ -123,25 +128,36 @@ def test_a_polite_client_never_overdraws_the_default_budget() -> None:
 
 
 def test_a_rude_client_is_paced_then_evicted() -> None:
-    """Re-sent at once (a refusal every 30 us): the burst is spent within 0.1 s; then each refusal
-    makes the next request wait for the debt to be paid back (at most 1 s), which paces the client
-    to about rate / 4 refusals a second; after a burst of refusals in debt it is evicted."""
+    """Re-sent at once (a refusal every 30 us): the burst is spent within 0.1 s; then a refusal into
+    debt makes the next requests wait for the debt to be paid back and at least MIN_PAUSE_S (at most
+    1 s); what refilled beyond the debt meanwhile pays for the first refusals after the wait, so the
+    client is refused in batches, a few times a second, at about rate / 4 refusals a second; after a
+    burst of refusals from the first in debt on it is evicted."""
     settings = DEFAULT_REFUSAL_BUDGET
     budget = RefusalBudget(settings, now=0.0)
     now = 0.0
     while not (pause := budget.charge(queue_full(f"s{budget.refusals % 16}"), now)):
         now += 30e-6
     assert now < 0.1 and budget.refusals >= settings.burst
-    paced_from = now
-    pauses = []
+    paced_from, refused_from = now, budget.refusals
+    pauses, batches = [], []
+    batch = 0
     while pause < math.inf:
-        assert 0 < pause <= MAX_PAUSE_S
-        pauses.append(pause)
-        now += pause  # the next request starts then, and is refused at once
+        if pause:
+            assert MIN_PAUSE_S <= pause <= MAX_PAUSE_S
+            pauses.append(pause)
+            batches.append(batch)
+            batch = 0
+            now += pause  # the next requests start then, and are refused at once
+        batch += 1
         pause = budget.charge(queue_full(f"s{budget.refusals % 16}"), now)
-    assert len(pauses) == settings.burst == budget.in_debt - 1
-    rate = len(pauses) / (now - paced_from)
+    assert budget.refusals - refused_from == settings.burst, "a burst of refusals in the run, then the eviction"
+    assert len(pauses) == budget.in_debt - 1 < settings.burst / 5, "most of them paid by what refilled during a wait"
+    # ten re-sends of four tokens each per wait (forty when holds expire and the re-sends cost one)
+    assert batches[1:] and all(8 <= b <= MIN_PAUSE_S * settings.rate_per_s for b in batches[1:]), batches
+    rate = (budget.refusals - refused_from) / (now - paced_from)
     assert settings.rate_per_s / 5 < rate < settings.rate_per_s / 3
+    assert len(pauses) / (now - paced_from) <= 1.01 / MIN_PAUSE_S, "a few wake-ups a second, not one per refusal"
     assert budget.ignored > 0
     params = budget.evicted_params()
     assert params["reason"] == EVICTION_REASON == "ignored_retry_after"

@@ -244,3 +244,57 @@ async def test_a_session_cancel_ends_the_sessions_parked_prompts_at_once(autojum
 def server_pending(paced: Any) -> int:
     """The bridge's pending prompts on the paced peer's server."""
     return int(paced.server.bridge.statistics().pending_prompts)
+
+
+async def test_a_paced_peer_is_refused_in_batches_a_few_times_a_second(autojump_clock: trio.testing.MockClock) -> None:
+    """240 re-sends kept in flight on a held session, each re-sent as soon as it is refused (what
+    ``bench/run.py``'s hammer does): once its bucket is in debt the peer is refused about
+    rate / ignored_cost times a second, in batches that each leave in one scheduling pass, at most
+    1 / MIN_PAUSE_S batches a second (one every 20 ms, one refusal each, before batching): its
+    neighbours share the server with a few of its wake-ups a second, not fifty."""
+    backend = FakeBackend()
+    backend.hold("held")
+    settings = DEFAULT_REFUSAL_BUDGET
+    with trio.fail_after(60):
+        async with budget_server(settings, backend) as (server, nursery):
+            client_end, server_end = trio.testing.memory_stream_pair()
+            nursery.start_soon(server.handle_stream, server_end, "rude")
+            buf = b""
+            ids = iter(range(1, 1 << 30))
+
+            async def lines() -> list[dict[str, Any]]:
+                nonlocal buf
+                while b"\n" not in buf:
+                    data = await client_end.receive_some(1 << 18)
+                    assert data, "the server closed the connection"
+                    buf += data
+                *complete, buf = buf.split(b"\n")
+                return [json.loads(line) for line in complete]
+
+            def prompts(session_id: str, count: int, text: str = "again") -> bytes:
+                return b"".join(json.dumps(prompt_msg(next(ids), session_id, text)).encode() + b"\n" for _ in range(count))
+
+            await client_end.send_all(b'{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":1,"clientCapabilities":{}}}\n')
+            await client_end.send_all(b'{"jsonrpc":"2.0","id":-1,"method":"session/new","params":{"cwd":"/tmp","mcpServers":[]}}\n')
+            session_id = None
+            while session_id is None:
+                session_id = next((m["result"]["sessionId"] for m in await lines() if m.get("id") == -1), None)
+            await client_end.send_all(prompts(session_id, 1, "held"))
+            await backend.started("held")
+            await client_end.send_all(prompts(session_id, 240))
+            started = trio.current_time()
+            batches: list[tuple[float, int]] = []  # (when, refusals) from one second in: paced
+            while trio.current_time() < started + 6:
+                refused = [m for m in await lines() if "error" in m]
+                assert all(m["error"]["data"]["errorKind"] == "prompt_queue_full" for m in refused)
+                if trio.current_time() >= started + 1:
+                    batches.append((trio.current_time(), len(refused)))
+                await client_end.send_all(prompts(session_id, len(refused)))
+            assert server.evictions == 0, "paced, not yet evicted (that takes about ten seconds)"
+            seconds = batches[-1][0] - batches[0][0]
+            times = {t for t, _ in batches}
+            assert len(times) == len(batches), "each batch is written at once"
+            assert len(batches) <= 5 * seconds + 1, "five batches a second at the defaults"
+            rate = sum(n for _, n in batches[1:]) / seconds
+            assert settings.rate_per_s / 5 < rate < settings.rate_per_s / 3
+            backend.release_all()

@@ -17,11 +17,16 @@ until room opens where they wait: a held session's oldest waiting request starts
 peer's admitted prompts on that session ends. Its other requests start at once, and its notifications
 (``session/cancel`` and ``$/cancel_request`` included) run at once, its admitted prompts run on and are
 answered. When a wait is over the waiting requests start, one session's after another's, until one is
-refused again, which starts the next wait. So a client that keeps re-sending is paced to about
+refused into debt again, which starts the next wait. A wait lasts until the debt is paid back, and at
+least :data:`MIN_PAUSE_S`: the tokens refilled beyond the debt pay for the first refusals after it, so a
+client that keeps re-sending is refused in batches (ten at the defaults, one scheduling pass and one
+write each) five times a second, not once every 20 ms: its neighbours' requests are delayed only when
+they arrive during one of those few batches. It is thus paced to about
 ``rate_per_s / ignored_cost`` refusals a second (50 at the defaults, well under 1% of a CPU), while its
 admissible work is admitted as soon as there is room for it: a session it keeps full stays busy, and the
-server spends its time on admissible work, this client's and its neighbours'. After a run of ``burst`` refusals in
-debt (ten seconds of pacing at the defaults; the run ends when the bucket is full again) the shell sends
+server spends its time on admissible work, this client's and its neighbours'. After a run of ``burst``
+refusals from the one that put its bucket in debt on (ten seconds of pacing at the defaults; the run
+ends when the bucket is full again) the shell sends
 ``_acp_server/evicted {reason: "ignored_retry_after"}`` and closes the connection; its admitted prompts
 end as on any disconnect. Pacing first, rather than evicting at the first empty bucket, is also what
 keeps a client that reconnects at once from spending a new burst every few milliseconds.
@@ -59,6 +64,7 @@ __all__ = [
     "DEFAULT_REFUSAL_BUDGET",
     "EVICTION_REASON",
     "MAX_PAUSE_S",
+    "MIN_PAUSE_S",
     "RefusalBudget",
     "RefusalBudgetSettings",
     "session_of",
@@ -70,6 +76,12 @@ EVICTION_REASON = "ignored_retry_after"
 _MAX_HOLDS = 256
 #: the longest a peer's next requests wait at once while its budget is in debt
 MAX_PAUSE_S = 1.0
+#: the shortest such wait: what the refill brings meanwhile pays for the next few refusals, so a peer
+#: that keeps re-sending is refused a few at a time (one scheduling pass, one write, and one read of
+#: its re-sends each) a few times a second, not one at a time every time one refusal's debt is paid
+#: back (every 20 ms at the defaults): each such wake-up of the peer's costs its neighbours a delay,
+#: so fewer of them leave fewer of the neighbours' requests delayed
+MIN_PAUSE_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -157,7 +169,7 @@ class RefusalBudget:
         self.refusals = 0
         self.ignored = 0
         self.in_debt = 0
-        self._debt_run = 0  # refusals in debt since the bucket was last full
+        self._debt_run = 0  # refusals since the bucket went into debt (0: not in a run; it ends when full)
         #: scope -> (when its hold opened, when it ends)
         self._holds: dict[Any, tuple[float, float]] = {}
         self._kinds_until = 0.0  # when the last hold on a kind (not a session) ends
@@ -176,8 +188,10 @@ class RefusalBudget:
 
         Returns:
             How long the peer's next requests are to wait: 0 while the bucket holds tokens; in debt, the
-            time the refill takes to pay it back, at most :data:`MAX_PAUSE_S`; ``inf`` once the peer has
-            been refused ``burst`` times in debt since its bucket was last full: it is to be evicted.
+            time the refill takes to pay it back, at least :data:`MIN_PAUSE_S` (unless that would
+            refill more than half the bucket beyond the debt) and at most :data:`MAX_PAUSE_S`;
+            ``inf`` once the peer has been refused ``burst`` times since its bucket went into debt
+            without being full again: it is to be evicted.
         """
         s = self.settings
         self.tokens = min(float(s.burst), self.tokens + (now - self.stamp) * s.rate_per_s)
@@ -203,13 +217,21 @@ class RefusalBudget:
                 if type(key) is not str:
                     self._kinds_until = max(self._kinds_until, until)
         tokens = self.tokens = self.tokens - cost
-        if tokens >= 0:
+        if tokens < 0:
+            self.in_debt += 1
+            self._debt_run += 1
+        elif self._debt_run:
+            self._debt_run += 1  # paid by what refilled during a wait: the same run of debt
+        else:
             return 0.0
-        self.in_debt += 1
-        self._debt_run += 1
         if self._debt_run > s.burst:
             return math.inf
-        return min(-tokens / s.rate_per_s, MAX_PAUSE_S)
+        if tokens >= 0:
+            return 0.0
+        # Beyond the debt, a wait refills at most half the bucket: a full bucket would end the run of
+        # debt, and with it the count towards the eviction.
+        batch_s = min(MIN_PAUSE_S, (s.burst / 2 - tokens) / s.rate_per_s)
+        return min(max(-tokens / s.rate_per_s, batch_s), MAX_PAUSE_S)
 
     def _prune(self, now: float) -> None:
         holds = self._holds
