@@ -33,7 +33,6 @@ from typing import Any, TypeAlias, get_args
 import msgspec
 import trio
 
-from ..backends.base import Turn
 from ..store import TURN_STATE, StoredEvent
 from ..types.acp import StopReason, UserMessageChunk
 from ..types.ext import TERMINAL_TURN_STATES, TURN_STATES
@@ -41,7 +40,7 @@ from .clients import TURN_STATES_ALL, TURN_STATES_TERMINAL, ClientRegistry
 from .persistence import Persistence
 from .session import Peer, PromptTicket, Session
 
-__all__ = ["PAGE_EVENTS", "REPLAY_TRUNCATED", "CommitFanOut", "FanOut", "TicketTurn", "encode_update"]
+__all__ = ["PAGE_EVENTS", "REPLAY_TRUNCATED", "CommitFanOut", "FanOut", "encode_update"]
 
 log = logging.getLogger("acp_server.bridge")
 
@@ -480,57 +479,6 @@ class FanOut:
 
 def _event_id(entry: tuple[int, Any]) -> int:
     return entry[0]
-
-
-class TicketTurn(Turn):
-    """The :class:`~acp_server.backends.base.Turn` of an admitted prompt, whose ``emit`` is the
-    fan-out's for its ticket (:meth:`FanOut.emit`'s steps inline, without ``exclude``): a method, not
-    a ``partial`` made per prompt. The runner's turn (``runner._PromptTurn``) sets the rest."""
-
-    __slots__ = ("_fanout", "_ticket")
-
-    _fanout: FanOut
-    _ticket: PromptTicket
-
-    def emit(self, update: Any) -> None:
-        """Record and send one of the running prompt's updates (dropped once the prompt settled)."""
-        ticket = self._ticket
-        if ticket.settled:
-            return
-        fanout = self._fanout
-        session = ticket.session
-        event_id = session.next_event_id
-        session.next_event_id = event_id + 1
-        history = session.history
-        history.append((event_id, update))
-        if len(history) > fanout._trim_at:
-            fanout._trim(session)
-        attached = session.attached
-        add_event = fanout._add_event
-        if not attached:
-            if add_event is not None:
-                add_event(session.session_id, event_id, update)
-            return
-        body = _encoder.encode(update)  # once, for the wire and the store
-        if add_event is not None:
-            add_event(session.session_id, event_id, body)
-        originator = ticket.client_id
-        sinks = fanout.update_sinks
-        if sinks and fanout._direct and len(attached) == 1:
-            for peer in attached:
-                sink = sinks.get(peer)
-                if sink is not None:
-                    sink(event_id, body, originator)
-                    return
-        if originator is None:
-            data = _UPDATE % (session.session_id.encode(), body, event_id)
-        else:
-            data = _UPDATE_FROM % (session.session_id.encode(), body, event_id, originator.encode())
-        if fanout._direct and len(attached) == 1:
-            for peer in attached:
-                peer.send(data)
-            return
-        fanout.send(session, data, None)
 
 
 class CommitFanOut(FanOut):

@@ -26,7 +26,7 @@ the head then fails at once (:meth:`Settlement.fail_head_forks`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from contextlib import aclosing
 from functools import partial
 from typing import Any
@@ -37,14 +37,14 @@ import trio
 from ..admission.policy import PolicyEngine, Queued, Seat, WaitDeadlineExpired
 from ..admission.pool import Lease
 from ..admission.shared import SharedHold
-from ..backends.base import ClientChannel, TranscriptEntry
 from ..errors import AcpError, InternalError
 from ..types.acp import PromptResult
-from .fanout import FanOut, TicketTurn
+from .fanout import FanOut
 from .persistence import Persistence
 from .session import ForkTicket, PromptTicket, Session
 from .sessions import SessionTable
 from .settlement import Settlement, cancelled_result
+from .turn import PromptTurn
 
 __all__ = ["RUNNER_IDLE_S", "SessionRunner"]
 
@@ -54,107 +54,8 @@ log = logging.getLogger("acp_server.bridge")
 RUNNER_IDLE_S = 1.0
 
 
-class _TurnChannel:
-    """A prompt's client channel that reports ``paused_for_approval`` while a permission request is open."""
-
-    __slots__ = ("_fanout", "_inner", "_open", "_ticket")
-
-    def __init__(self, fanout: FanOut, inner: ClientChannel, ticket: PromptTicket) -> None:
-        self._fanout = fanout
-        self._inner = inner
-        self._ticket = ticket
-        self._open = 0
-
-    @property
-    def capabilities(self) -> Any:
-        """The sender's capabilities."""
-        return self._inner.capabilities
-
-    async def request(self, method: str, params: Any) -> Any:
-        """Relay the agent's request to the prompt's sender, after the updates it sent before it."""
-        if method != "session/request_permission":
-            await self._fanout.sent()
-            return await self._inner.request(method, params)
-        ticket = self._ticket
-        self._open += 1
-        if self._open == 1 and not ticket.settled:
-            self._fanout.turn_state(ticket, "paused_for_approval")
-        try:
-            await self._fanout.sent()
-            return await self._inner.request(method, params)
-        finally:
-            self._open -= 1
-            if not self._open and not ticket.settled:
-                self._fanout.turn_state(ticket, "running")
-
-
-_UNSET: Any = object()
-
 #: ``PromptTicket.finish`` while :meth:`SessionRunner._start_now` runs the backend's start
 _STARTING: Any = object()
-
-
-class _PromptTurn(TicketTurn):
-    """The :class:`Turn` of a prompt the runner calls; its ``emit`` is the fan-out's
-    (:class:`~.fanout.TicketTurn`). Its ``client`` (the prompt's channel as a :class:`_TurnChannel`,
-    which reports ``paused_for_approval``), its ``transcript`` reader and its ``result_meta`` are made
-    when a backend first reads them: most turns never do, and each was an object per prompt."""
-
-    __slots__ = ("_client", "_result_meta", "_table", "_transcript", "_upto")
-
-    def __init__(self, ticket: PromptTicket, fanout: FanOut, table: SessionTable, meta: dict[str, Any] | None) -> None:
-        session = ticket.session
-        self.session_id = session.session_id
-        self.prompt_id = ticket.prompt_id
-        self.prompt = ticket.prompt
-        self.meta = meta
-        self.permit = ticket.lease  # a pool lease or a shared hold: a backend may hand it back between calls
-        self.deadline = ticket.deadline if ticket.deadline_ms else None
-        self._ticket = ticket
-        self._fanout = fanout
-        self._table = table
-        self._upto = session.next_event_id - 1  # the transcript before this prompt
-        self._client: Any = _UNSET
-        self._transcript: Any = _UNSET
-        self._result_meta: dict[str, Any] | None = None
-
-    @property
-    def result_meta(self) -> dict[str, Any]:
-        """Keys the backend adds to the result's ``_meta`` (made on first use and kept)."""
-        extra = self._result_meta
-        if extra is None:
-            extra = self._result_meta = {}
-        return extra
-
-    @result_meta.setter
-    def result_meta(self, value: dict[str, Any]) -> None:
-        self._result_meta = value
-
-    @property
-    def client(self) -> ClientChannel | None:
-        """The prompt's sender (``None`` once it is gone), made on first use and kept."""
-        client = self._client
-        if client is _UNSET:
-            ticket = self._ticket
-            channel = ticket.channel
-            client = self._client = _TurnChannel(self._fanout, channel, ticket) if channel is not None else None
-        return client  # type: ignore[no-any-return]
-
-    @client.setter
-    def client(self, value: ClientChannel | None) -> None:
-        self._client = value
-
-    @property
-    def transcript(self) -> Callable[[], Awaitable[list[TranscriptEntry]]] | None:
-        """Reads the session's transcript before this prompt."""
-        transcript = self._transcript
-        if transcript is _UNSET:
-            transcript = self._transcript = partial(self._table.transcript, self._ticket.session, self._upto)
-        return transcript  # type: ignore[no-any-return]
-
-    @transcript.setter
-    def transcript(self, value: Callable[[], Awaitable[list[TranscriptEntry]]] | None) -> None:
-        self._transcript = value
 
 
 class SessionRunner:
@@ -262,7 +163,7 @@ class SessionRunner:
         session.fifo.insert(0, ticket)  # its head: the FIFO is empty, or (after a commit) holds what follows
         ticket.running = True
         fanout = self._fanout
-        turn = _PromptTurn(ticket, fanout, self._table, ticket.meta)
+        turn = PromptTurn(ticket, fanout, self._table, ticket.meta)
         fanout.start(ticket)  # accepted (still due) and running, the prompt's own text to the others
         ticket.finish = _STARTING  # settling meanwhile leaves the holds and abandons the call
         try:
@@ -496,12 +397,12 @@ class SessionRunner:
         """
         ticket.running = True
         lease = ticket.lease
-        turn = _PromptTurn(
+        turn = PromptTurn(
             ticket, self._fanout, self._table, _with_fence(ticket.meta, lease) if isinstance(lease, SharedHold) else ticket.meta
         )
         return await self._settle_call(ticket, scope, turn, self._start_call(ticket, turn, lease))
 
-    async def _start_call(self, ticket: PromptTicket, turn: _PromptTurn, lease: Lease | SharedHold | None) -> Any:
+    async def _start_call(self, ticket: PromptTicket, turn: PromptTurn, lease: Lease | SharedHold | None) -> Any:
         """A call the runner starts: the pool's permit, ``running``, the prompt's own text to the
         session's other connections, then the backend's turn."""
         if lease is not None:
@@ -525,7 +426,7 @@ class SessionRunner:
         return await self._settle_call(ticket, scope, turn, call)
 
     async def _settle_call(
-        self, ticket: PromptTicket, scope: trio.CancelScope, turn: _PromptTurn, call: Awaitable[Any]
+        self, ticket: PromptTicket, scope: trio.CancelScope, turn: PromptTurn, call: Awaitable[Any]
     ) -> bool:
         """Await a prompt's ``call`` under ``scope``, release its holds and settle it with the outcome
         (a no-op when it settled first: cancel, deadline, crash).
@@ -606,7 +507,7 @@ class SessionRunner:
         item.succeed(new)
 
 
-def _result(ticket: PromptTicket, turn: _PromptTurn, stop_reason: Any) -> PromptResult:
+def _result(ticket: PromptTicket, turn: PromptTurn, stop_reason: Any) -> PromptResult:
     """A completed call's result: its stop reason, the backend's ``_meta`` keys and the prompt's id."""
     extra = turn._result_meta
     meta = {**extra, "promptId": ticket.prompt_id} if extra else {"promptId": ticket.prompt_id}
