@@ -9,9 +9,12 @@ requests on the other end. It runs under
 ``valgrind --tool=callgrind`` with:
 
 - ``PYTHONHASHSEED=0``, so that str hashes (dict and set layouts) are the same every run;
-- trio's scheduler seeded (``trio._core._run._r.seed(0)``: the one ``random.Random`` trio draws from to
-  reverse a batch of runnable tasks half the time); trio's Hypothesis mode, which sorts and shuffles
-  every batch, is left off because the server does not run that way;
+- trio's scheduler tuned as the command line tunes it (``acp_server.cli.tune_scheduler``: every batch of
+  runnable tasks first-come, first-served, with no random draw, and trio's run loop and epoll manager
+  given a two-argument ``min``/``max``), so that the counts are those of what ``serve`` runs; trio's
+  generator is seeded first (``trio._core._run._r.seed(0)``), which keeps the run deterministic should
+  ``tune_scheduler`` not find it (another trio); trio's Hypothesis mode, which sorts and shuffles every
+  batch, is left off because the server does not run that way;
 - a ``trio.testing.MockClock`` that stands still (``rate=0``): callgrind slows Python ~50x, and on the
   real clock timers (a runner's idle exit, the idle sweeper) would fire a different number of times
   per run. Nothing in the workload waits for time.
@@ -101,11 +104,12 @@ def run_workload(sizes: dict[str, Any], marker: bool) -> dict[str, int]:
     import trio.testing
     from trio._core import _run as trio_run
 
-    from acp_server.cli import tune_gc
+    from acp_server.cli import tune_gc, tune_scheduler
     from acp_server.server import Server, ServerConfig, serve
     from acp_server.transports.listeners import PipeStream
 
     trio_run._r.seed(0)
+    tune_scheduler()  # what the command line does before serving (cli.main)
 
     class Msg(msgspec.Struct):
         id: int | None = None
