@@ -292,7 +292,7 @@ class Harness:
                 assert len(t.answers) == 1, f"{t.text} settled or cancelled but its caller has no answer"
             if not t.settled:
                 assert not t.answers, f"{t.text} answered before it settled"
-                assert now < t.ticket.deadline, f"{t.text} outlived its deadline"
+                assert now < t.ticket.expires_at, f"{t.text} outlived its deadline"
 
     async def finish(self) -> None:
         self.backend.release_all()

@@ -3,6 +3,7 @@
     SessionBridge (this module)     lifecycle, forks, reaping, statistics
     ├── admit.PromptAdmission       admission with idempotency, the ticket (a base of SessionBridge)
     ├── runner.SessionRunner        a task per busy session: its FIFO, policy seats, the backend call
+    │   │                           (a prompt's ticket is the backend's Turn: session.PromptTicket)
     │   └── settlement.Settlement   one outcome per prompt, its slot back, deadlines, PromptWaiter
     │       ├── fanout.FanOut       updates and turn states: history, encoding, sends (after a commit)
     │       └── persistence         the store, or nothing (--ephemeral): what is recorded and committed
@@ -145,6 +146,7 @@ class SessionBridge(PromptAdmission):
         )
         self.settlement = Settlement(self.fanout, self.persistence)
         self.table = SessionTable(limits, self.backends, self.backend, self.persistence, self.fanout)
+        self.fanout.table = self.table
         self.runner = SessionRunner(self.table, self.settlement, self.fanout, self.persistence, self.policy)
         #: the live sessions by id
         self.sessions = self.table.live

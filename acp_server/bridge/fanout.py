@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from functools import partial
 from time import time_ns
-from typing import Any, TypeAlias, get_args
+from typing import TYPE_CHECKING, Any, TypeAlias, get_args
 
 import msgspec
 import trio
@@ -37,8 +37,14 @@ from ..store import TURN_STATE, StoredEvent
 from ..types.acp import StopReason, UserMessageChunk
 from ..types.ext import TERMINAL_TURN_STATES, TURN_STATES
 from .clients import TURN_STATES_ALL, TURN_STATES_TERMINAL, ClientRegistry
+from .lines import UPDATE as _UPDATE
+from .lines import UPDATE_FROM as _UPDATE_FROM
+from .lines import encode_update
 from .persistence import Persistence
 from .session import Peer, PromptTicket, Session
+
+if TYPE_CHECKING:
+    from .sessions import SessionTable
 
 __all__ = ["PAGE_EVENTS", "REPLAY_TRUNCATED", "CommitFanOut", "FanOut", "encode_update"]
 
@@ -63,23 +69,6 @@ class _ExtMsg(msgspec.Struct):
     method: str
     params: dict[str, Any]
 
-
-def encode_update(session_id: str, event_id: int, body: bytes, originator: str | None = None) -> bytes:
-    """One ``session/update`` line: SessionNotification's shape around ``body`` (the update's JSON).
-
-    ``originator``: the client id whose prompt caused it (``_meta.originatorClientId``); replays carry none.
-    One bytes format per line (the ids are arguments: a ``%`` in them or in ``body`` is not read).
-    """
-    if originator is None:
-        return _UPDATE % (session_id.encode(), body, event_id)
-    return _UPDATE_FROM % (session_id.encode(), body, event_id, originator.encode())
-
-
-_UPDATE = b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"%s","update":%s,"_meta":{"eventId":%d}}}\n'
-_UPDATE_FROM = (
-    b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"%s","update":%s,'
-    b'"_meta":{"eventId":%d,"originatorClientId":"%s"}}}\n'
-)
 
 #: each turn state as the bytes its line carries, and the level a connection needs to receive it
 #: (states met that are not listed here are encoded as met)
@@ -149,6 +138,8 @@ class FanOut:
         #: connections that take a completed turn's state as its parts (prompt id, stop reason, event id,
         #: the originating client id) in :meth:`completed`'s usual case; ``False`` from one: send the line
         self.completed_sinks: dict[Peer, Callable[[str, str, int, str | None], bool]] = {}
+        #: the live sessions (set by the bridge): a prompt's transcript reader reads through them
+        self.table: SessionTable | None = None
         #: the last epoch millisecond a turn state carried, and its digits
         self._at_ms = -1
         self._at_digits = b""

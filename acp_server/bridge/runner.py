@@ -44,7 +44,6 @@ from .persistence import Persistence
 from .session import ForkTicket, PromptTicket, Session
 from .sessions import SessionTable
 from .settlement import Settlement, cancelled_result
-from .turn import PromptTurn
 
 __all__ = ["RUNNER_IDLE_S", "SessionRunner"]
 
@@ -162,12 +161,12 @@ class SessionRunner:
                 return False  # the runner waits for it, reporting waiting_for_dependency
         session.fifo.insert(0, ticket)  # its head: the FIFO is empty, or (after a commit) holds what follows
         ticket.running = True
-        fanout = self._fanout
-        turn = PromptTurn(ticket, fanout, self._table, ticket.meta)
+        fanout = ticket.fanout = self._fanout  # the ticket is the backend's turn
+        ticket.upto = session.next_event_id - 1  # the transcript before this prompt
         fanout.start(ticket)  # accepted (still due) and running, the prompt's own text to the others
         ticket.finish = _STARTING  # settling meanwhile leaves the holds and abandons the call
         try:
-            started = start(turn)
+            started = start(ticket)
         except AcpError as exc:
             self._end_now(session, ticket, None, exc)
             return True
@@ -176,9 +175,9 @@ class SessionRunner:
             self._end_now(session, ticket, None, InternalError())
             return True
         if isinstance(started, str):
-            self._end_now(session, ticket, _result(ticket, turn, started), None)
+            self._end_now(session, ticket, _result(ticket, started), None)
             return True
-        ticket.finish = (started, turn)
+        ticket.finish = started
         self._kick(session)
         return True
 
@@ -339,7 +338,7 @@ class SessionRunner:
             got = ticket.seat = self._policy.enqueue(
                 tenant=session.tenant,
                 priority=ticket.priority,
-                deadline=ticket.deadline if ticket.deadline_ms else None,
+                deadline=ticket.deadline,
                 session_id=session.session_id,
             )
             if isinstance(got, Queued) and got.waiting:
@@ -397,12 +396,13 @@ class SessionRunner:
         """
         ticket.running = True
         lease = ticket.lease
-        turn = PromptTurn(
-            ticket, self._fanout, self._table, _with_fence(ticket.meta, lease) if isinstance(lease, SharedHold) else ticket.meta
-        )
-        return await self._settle_call(ticket, scope, turn, self._start_call(ticket, turn, lease))
+        ticket.fanout = self._fanout  # the ticket is the backend's turn
+        ticket.upto = ticket.session.next_event_id - 1  # the transcript before this prompt
+        if isinstance(lease, SharedHold):
+            ticket.meta = _with_fence(ticket.meta, lease)
+        return await self._settle_call(ticket, scope, self._start_call(ticket, lease))
 
-    async def _start_call(self, ticket: PromptTicket, turn: PromptTurn, lease: Lease | SharedHold | None) -> Any:
+    async def _start_call(self, ticket: PromptTicket, lease: Lease | SharedHold | None) -> Any:
         """A call the runner starts: the pool's permit, ``running``, the prompt's own text to the
         session's other connections, then the backend's turn."""
         if lease is not None:
@@ -411,7 +411,7 @@ class SessionRunner:
         session = ticket.session
         fanout.turn_state(ticket, "running")
         fanout.own_text(ticket)
-        return await session.backend.prompt(turn)
+        return await session.backend.prompt(ticket)
 
     async def _finish_call(self, ticket: PromptTicket, scope: trio.CancelScope) -> bool:
         """Await the rest of a call that :meth:`_start_now` started, as :meth:`_call_backend` does its
@@ -420,14 +420,12 @@ class SessionRunner:
         Returns:
             Whether ``scope`` was cancelled, so that the next call gets a fresh one.
         """
-        call, turn = ticket.finish
+        call = ticket.finish
         if ticket.settled:
             scope.cancel()  # settling marked the call abandoned, and left this to the runner
-        return await self._settle_call(ticket, scope, turn, call)
+        return await self._settle_call(ticket, scope, call)
 
-    async def _settle_call(
-        self, ticket: PromptTicket, scope: trio.CancelScope, turn: PromptTurn, call: Awaitable[Any]
-    ) -> bool:
+    async def _settle_call(self, ticket: PromptTicket, scope: trio.CancelScope, call: Awaitable[Any]) -> bool:
         """Await a prompt's ``call`` under ``scope``, release its holds and settle it with the outcome
         (a no-op when it settled first: cancel, deadline, crash).
 
@@ -444,7 +442,7 @@ class SessionRunner:
             finally:
                 ticket.call_scope = None  # the call is over: settling now abandons nothing
                 ticket.finish = None
-            result = _result(ticket, turn, stop_reason)
+            result = _result(ticket, stop_reason)
         except AcpError as exc:
             result, error = None, exc
         except trio.Cancelled:
@@ -507,9 +505,9 @@ class SessionRunner:
         item.succeed(new)
 
 
-def _result(ticket: PromptTicket, turn: PromptTurn, stop_reason: Any) -> PromptResult:
+def _result(ticket: PromptTicket, stop_reason: Any) -> PromptResult:
     """A completed call's result: its stop reason, the backend's ``_meta`` keys and the prompt's id."""
-    extra = turn._result_meta
+    extra = ticket._result_meta
     meta = {**extra, "promptId": ticket.prompt_id} if extra else {"promptId": ticket.prompt_id}
     return PromptResult(stop_reason=stop_reason, meta=meta)
 

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
 import trio
 
 from ..admission.policy import Queued
+from ..backends.base import ClientChannel, TranscriptEntry, Turn
 from ..errors import AcpError
 from ..parking import ParkingSpot
 from ..types.acp import ContentBlock, PromptResult
+from .lines import UPDATE, UPDATE_FROM
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
+    from .fanout import FanOut
 
 __all__ = ["ClientReg", "ForkTicket", "Peer", "PromptTicket", "Session"]
+
+_encoder = msgspec.json.Encoder()
 
 
 class Peer(Protocol):
@@ -64,7 +72,7 @@ class ClientReg:
         self.last_seen = now
 
 
-class PromptTicket:
+class PromptTicket(Turn):
     """One admitted prompt, from admission to its single, caller-visible outcome.
 
     It settles exactly once (:meth:`~acp_server.bridge.settlement.Settlement.settle` guards it): the
@@ -74,25 +82,34 @@ class PromptTicket:
     as ``trio.Event``'s), raised when its answer may go out; its event is made only if somebody waits
     before then (on the wire a prompt's outcome goes to callbacks: a latch object and an event per
     prompt were ~3% of an echo prompt's instructions).
+
+    It is also the :class:`~acp_server.backends.base.Turn` its backend call gets (one object per prompt
+    instead of two: a turn object of its own was ~3,200 instructions to make): the runner sets
+    :attr:`fanout` and :attr:`upto` as the call starts. Its ``emit`` is the fan-out's for it
+    (:meth:`FanOut.emit`'s steps inline, without ``exclude``): a method, not a ``partial`` made per
+    prompt. Its ``client`` (the prompt's channel as a :class:`TurnChannel`, which reports
+    ``paused_for_approval``), its ``transcript`` reader and its ``result_meta`` are made when a backend
+    first reads them: most turns never do.
     """
 
     __slots__ = (
         "_answered_event",
+        "_client",
+        "_result_meta",
+        "_transcript",
         "accepted_due",
         "admitted_at",
         "answered",
         "call_scope",
         "channel",
         "client_id",
-        "deadline",
         "deadline_ms",
         "error",
+        "expires_at",
+        "fanout",
         "finish",
         "lease",
-        "meta",
         "priority",
-        "prompt",
-        "prompt_id",
         "result",
         "running",
         "seat",
@@ -104,7 +121,16 @@ class PromptTicket:
         "session",
         "settled",
         "state_ends",
+        "upto",
     )
+
+    #: set by the runner as the call starts: the fan-out its updates go through, and the last event
+    #: before the call (its transcript reads up to there)
+    fanout: FanOut
+    upto: int
+    #: made when a backend first reads ``client`` / ``transcript`` (unset until then)
+    _client: ClientChannel | None
+    _transcript: Callable[[], Awaitable[list[TranscriptEntry]]] | None
 
     def __init__(
         self,
@@ -129,7 +155,8 @@ class PromptTicket:
         self.client_id = client_id
         self.admitted_at = admitted_at
         self.deadline_ms = deadline_ms
-        self.deadline = admitted_at + deadline_ms / 1000 if deadline_ms else math.inf
+        #: when its deadline passes on trio's clock (``inf``: it has none; :attr:`deadline` is the turn's)
+        self.expires_at = admitted_at + deadline_ms / 1000 if deadline_ms else math.inf
         self.running = False
         self.settled = False
         self.result: PromptResult | None = None
@@ -143,7 +170,8 @@ class PromptTicket:
         self.waiters: list[Any] | tuple[()] = ()
         #: the sender, for the agent's own requests (permission, fs, terminal)
         self.channel = channel
-        #: the request's ``_meta`` without our own keys, passed to the agent
+        #: the request's ``_meta`` without our own keys, passed to the agent (with shared limits the
+        #: runner adds the lease's fencing token as the call starts)
         self.meta = meta
         #: the backend pool lease, held from admission to settlement
         self.lease = lease
@@ -163,6 +191,112 @@ class PromptTicket:
         #: its ``accepted`` turn state is still to be sent: with ``running`` if the prompt starts in the
         #: step that admits it (:meth:`~acp_server.bridge.fanout.FanOut.start`), else once it is queued
         self.accepted_due = False
+        #: keys the backend adds to the result's ``_meta`` (``None``: none yet; see :attr:`result_meta`)
+        self._result_meta: dict[str, Any] | None = None
+
+    # --- the Turn its backend gets -----------------------------------------------------------------
+
+    @property
+    def session_id(self) -> str:  # type: ignore[override]
+        """The session's id."""
+        return self.session.session_id
+
+    @property
+    def deadline(self) -> float | None:  # type: ignore[override]
+        """When the prompt's deadline passes on trio's clock (``None``: it has none)."""
+        return self.expires_at if self.deadline_ms else None
+
+    @property
+    def permit(self) -> Any:  # type: ignore[override]
+        """Its pool lease or shared hold: a backend may hand it back between calls."""
+        return self.lease
+
+    def emit(self, update: Any) -> None:
+        """Record and send one of the running prompt's updates (dropped once the prompt settled)."""
+        if self.settled:
+            return
+        fanout = self.fanout
+        session = self.session
+        event_id = session.next_event_id
+        session.next_event_id = event_id + 1
+        history = session.history
+        history.append((event_id, update))
+        if len(history) > fanout._trim_at:
+            fanout._trim(session)
+        attached = session.attached
+        add_event = fanout._add_event
+        if not attached:
+            if add_event is not None:
+                add_event(session.session_id, event_id, update)
+            return
+        body = _encoder.encode(update)  # once, for the wire and the store
+        if add_event is not None:
+            add_event(session.session_id, event_id, body)
+        originator = self.client_id
+        sinks = fanout.update_sinks
+        if sinks and fanout._direct and len(attached) == 1:
+            for peer in attached:
+                sink = sinks.get(peer)
+                if sink is not None:
+                    sink(event_id, body, originator)
+                    return
+        if originator is None:
+            data = UPDATE % (session.session_id.encode(), body, event_id)
+        else:
+            data = UPDATE_FROM % (session.session_id.encode(), body, event_id, originator.encode())
+        if fanout._direct and len(attached) == 1:
+            for peer in attached:
+                peer.send(data)
+            return
+        fanout.send(session, data, None)
+
+    @property
+    def result_meta(self) -> dict[str, Any]:
+        """Keys the backend adds to the result's ``_meta`` (made on first use and kept)."""
+        extra = self._result_meta
+        if extra is None:
+            extra = self._result_meta = {}
+        return extra
+
+    @result_meta.setter
+    def result_meta(self, value: dict[str, Any]) -> None:
+        self._result_meta = value
+
+    @property
+    def client(self) -> ClientChannel | None:
+        """The prompt's sender (``None`` once it is gone), made on first use and kept."""
+        try:
+            return self._client
+        except AttributeError:
+            pass
+        channel = self.channel
+        client: ClientChannel | None = TurnChannel(self.fanout, channel, self) if channel is not None else None
+        self._client = client
+        return client
+
+    @client.setter
+    def client(self, value: ClientChannel | None) -> None:
+        self._client = value
+
+    @property
+    def transcript(self) -> Callable[[], Awaitable[list[TranscriptEntry]]] | None:
+        """Reads the session's transcript before this prompt."""
+        try:
+            return self._transcript
+        except AttributeError:
+            pass
+        table = self.fanout.table
+        transcript: Callable[[], Awaitable[list[TranscriptEntry]]] | None = (
+            partial(table.transcript, self.session, self.upto) if table is not None else None
+        )
+        self._transcript = transcript
+        return transcript
+
+    @transcript.setter
+    def transcript(self, value: Callable[[], Awaitable[list[TranscriptEntry]]] | None) -> None:
+        self._transcript = value
+
+    # --- the done latch ----------------------------------------------------------------------------
 
     @property
     def done(self) -> PromptTicket:
@@ -205,6 +339,40 @@ class PromptTicket:
                 seat.cancel()
             else:
                 seat.release()
+
+
+class TurnChannel:
+    """A prompt's client channel that reports ``paused_for_approval`` while a permission request is open."""
+
+    __slots__ = ("_fanout", "_inner", "_open", "_ticket")
+
+    def __init__(self, fanout: FanOut, inner: ClientChannel, ticket: PromptTicket) -> None:
+        self._fanout = fanout
+        self._inner = inner
+        self._ticket = ticket
+        self._open = 0
+
+    @property
+    def capabilities(self) -> Any:
+        """The sender's capabilities."""
+        return self._inner.capabilities
+
+    async def request(self, method: str, params: Any) -> Any:
+        """Relay the agent's request to the prompt's sender, after the updates it sent before it."""
+        if method != "session/request_permission":
+            await self._fanout.sent()
+            return await self._inner.request(method, params)
+        ticket = self._ticket
+        self._open += 1
+        if self._open == 1 and not ticket.settled:
+            self._fanout.turn_state(ticket, "paused_for_approval")
+        try:
+            await self._fanout.sent()
+            return await self._inner.request(method, params)
+        finally:
+            self._open -= 1
+            if not self._open and not ticket.settled:
+                self._fanout.turn_state(ticket, "running")
 
 
 class ForkTicket:

@@ -167,7 +167,7 @@ class Settlement:
 
     def watch_deadline(self, ticket: PromptTicket) -> None:
         """Expire ``ticket`` at its deadline unless it settles first."""
-        heapq.heappush(self._deadlines, (ticket.deadline, ticket.seq, ticket))
+        heapq.heappush(self._deadlines, (ticket.expires_at, ticket.seq, ticket))
         if self._deadlines[0][2] is ticket:
             self._deadline_changed.set()
 
