@@ -149,7 +149,7 @@ class SessionRunner:
             False when nothing was done: the prompt goes through the runner.
         """
         lease = ticket.lease
-        if isinstance(lease, SharedHold) or (self._seats and not isinstance(ticket.seat, Seat)):
+        if (lease is not None and isinstance(lease, SharedHold)) or (self._seats and not isinstance(ticket.seat, Seat)):
             return False
         start = getattr(session.backend, "start_prompt", None)
         if start is None or self.nursery is None:

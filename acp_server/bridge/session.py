@@ -105,7 +105,6 @@ class PromptTicket(Turn):
         "client_id",
         "deadline_ms",
         "error",
-        "expires_at",
         "fanout",
         "finish",
         "lease",
@@ -155,8 +154,6 @@ class PromptTicket(Turn):
         self.client_id = client_id
         self.admitted_at = admitted_at
         self.deadline_ms = deadline_ms
-        #: when its deadline passes on trio's clock (``inf``: it has none; :attr:`deadline` is the turn's)
-        self.expires_at = admitted_at + deadline_ms / 1000 if deadline_ms else math.inf
         self.running = False
         self.settled = False
         self.result: PromptResult | None = None
@@ -195,6 +192,13 @@ class PromptTicket(Turn):
         self._result_meta: dict[str, Any] | None = None
 
     # --- the Turn its backend gets -----------------------------------------------------------------
+
+    @property
+    def expires_at(self) -> float:
+        """When its deadline passes on trio's clock (``inf``: it has none; :attr:`deadline` is the turn's).
+        Worked out when read (a deadline's heap entry, once): most prompts have none."""
+        deadline_ms = self.deadline_ms
+        return self.admitted_at + deadline_ms / 1000 if deadline_ms else math.inf
 
     @property
     def session_id(self) -> str:  # type: ignore[override]
