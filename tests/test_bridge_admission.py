@@ -774,15 +774,15 @@ async def test_ticket_done_latch_behaves_like_an_event() -> None:
     """A ticket's ``done`` latch (the ticket itself): set before or after the wait, every waiter wakes,
     once set it stays."""
     from acp_server.backends import EchoBackend
-    from acp_server.bridge.session import PromptTicket, Session
+    from acp_server.bridge.session import Session, new_ticket
 
     session = Session("s", "/", [], EchoBackend(), 0.0, 0)
-    early = PromptTicket(session, "prompt_1", [], None, None, 0.0, 0)
+    early = new_ticket(session, "prompt_1", [], None, None, 0.0, 0)
     assert early.done is early
     early.done.set()
     with trio.testing.assert_checkpoints():
         await early.done.wait()
-    late = PromptTicket(session, "prompt_2", [], None, None, 0.0, 0)
+    late = new_ticket(session, "prompt_2", [], None, None, 0.0, 0)
     woken: list[int] = []
 
     async def waiter(n: int) -> None:

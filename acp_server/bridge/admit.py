@@ -40,7 +40,7 @@ from .clients import ClientRegistry
 from .fanout import FanOut
 from .persistence import Persistence
 from .runner import SessionRunner
-from .session import Peer, PromptTicket, Session
+from .session import Peer, PromptTicket, Session, new_ticket
 from .settlement import PromptWaiter, Settlement
 
 __all__ = ["PromptAdmission"]
@@ -236,7 +236,7 @@ class PromptAdmission:
         its deadline, announced (``accepted``, then ``queued`` at ``queued_at`` when it waits for a seat)
         and put in its session's FIFO. ``now``: trio's clock, if the caller read it already."""
         seq = self._prompt_seq = self._prompt_seq + 1
-        ticket = PromptTicket(
+        ticket = new_ticket(
             session, f"prompt_{seq}", prompt, peer, client, self._now() if now is None else now,
             effective_deadline_ms, channel, meta, lease, priority, seat, seq,
         )
