@@ -73,12 +73,12 @@ class EchoBackend(BaseBackend):
         subclass with its own :meth:`prompt` gets that instead)."""
         if self.delay_ms or self._own_prompt:
             return self.prompt(turn)
-        emit = turn.emit
         for block in turn.prompt:
             text = block.text if type(block) is TextContent else describe_block(block)
             if " " not in text and text.isprintable() and text:  # split_words' one-word case, inline
-                emit(AgentMessageChunk(content=TextContent(text=text)))
+                turn.emit(AgentMessageChunk(content=TextContent(text=text)))  # (no bound method made)
                 continue
+            emit = turn.emit
             for chunk in split_words(text):
                 emit(AgentMessageChunk(content=TextContent(text=chunk)))
         return "end_turn"

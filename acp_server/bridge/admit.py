@@ -211,7 +211,7 @@ class PromptAdmission:
         session.pending_count += 1
         ticket = self.make_ticket(  # positional: a call with keywords costs more
             session, prompt, peer, client, effective, channel, meta, priority, seat, lease,
-            seat.position_hint if isinstance(seat, Queued) else None, now,
+            seat.position_hint if seat is not None and isinstance(seat, Queued) else None, now,
         )
         if idempotency_key is not None:
             self._remember(session_id, idempotency_key, fingerprint, ticket)

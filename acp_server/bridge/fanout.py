@@ -87,6 +87,8 @@ _TURN_STATE = b'%s%s","at":%s%s,"_meta":{"eventId":%d%s'
 _TWO_TURN_STATES = _TURN_STATE + _TURN_STATE
 #: a terminal turn state as the transcript keeps it (TurnStateBody): prompt id, state, ``at``, the rest
 _TURN_STATE_BODY = b'{"promptId":"%s","state":"%s","at":%s%s}'
+#: the same for ``completed``, its usual state
+_COMPLETED_BODY = b'{"promptId":"%s","state":"completed","at":%s%s}'
 
 
 def _turn_state_ends(session_id: str, prompt_id: str, client_id: str | None) -> tuple[bytes, bytes]:
@@ -349,8 +351,7 @@ class FanOut:
         if at != self._at_ms:
             self._at_ms = at
             self._at_digits = b"%d" % at
-        # _TURN_STATE_BODY's bytes, joined
-        text = b"".join((b'{"promptId":"', ticket.prompt_id.encode(), b'","state":"completed","at":', self._at_digits, extra, b"}"))
+        text = _COMPLETED_BODY % (ticket.prompt_id.encode(), self._at_digits, extra)
         history = session.history
         history.append((event_id, StoredEvent(event_id, TURN_STATE, msgspec.Raw(text))))
         if len(history) > self._trim_at:
