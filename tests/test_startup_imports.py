@@ -41,6 +41,8 @@ UNUSED = (
     "coredis",
     "httpx",
     "tomllib",
+    "fractions",
+    "shlex",
     "acp_server.metrics",
     "acp_server.store.session_store",
     "acp_server.store.writer",
