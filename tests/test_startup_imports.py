@@ -220,3 +220,32 @@ def test_help_loads_no_tokens_file(tmp_path: pathlib.Path, argv: list[str]) -> N
     assert returncode == 0, output
     assert "acp_server.auth.identity" in modules  # the list is the parser's (token --scope's choices)
     assert _loaded(modules, TOKENS_FILE) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve"],
+        ["serve", "--stdio", "--max-running-prompts", "4", "--listen", "tcp://127.0.0.1:0"],
+        ["serve", "--bogus"],
+        ["serve", "--listen", "ftp://x"],
+        ["serve", "--help"],
+    ],
+)
+def test_serve_parses_the_same_without_the_other_commands(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``serve`` command lines are parsed with the ``serve`` subparser alone (the others are not built):
+    the same values, the same help, the same errors as with every command built."""
+    from acp_server import cli
+
+    def parse(command: str | None) -> tuple[object, str, str]:
+        parser, serve = cli._build(command)
+        try:
+            result: object = vars(cli._parse(parser, argv))
+        except SystemExit as exc:
+            result = ("exit", exc.code)
+        out, err = capsys.readouterr()
+        return result, out, err + serve.format_help()
+
+    everything = parse(None)
+    assert parse("serve") == everything
+    assert everything[0] != {} and (everything[1] or everything[2])
