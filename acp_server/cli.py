@@ -13,9 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import __version__, cluster_cli
-from .auth import cli as auth_cli
 from .cli_flags import POLICY_FLAGS, add_serve_arguments, parse_listen
-from .client import cli_flags as client_flags
 from .lazy import lazy_exports
 
 if TYPE_CHECKING:
@@ -70,6 +68,9 @@ def _build(command: str | None = None) -> tuple[argparse.ArgumentParser, argpars
     add_serve_arguments(s)
     if command == "serve":
         return parser, s
+    from .auth import cli as auth_cli  # the other commands' flags, with their modules
+    from .client import cli_flags as client_flags
+
     client_flags.add_commands(sub)  # prompt, sessions: after serve, which --help lists first
     auth_cli.add_commands(sub)  # token
     cluster_cli.add_commands(sub)
@@ -112,6 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser, serve_parser = _build(argv[0] if argv else None)
     args = _parse(parser, argv)
+    if args.command == "serve":
+        return _serve(args, serve_parser)
+    from .auth import cli as auth_cli
+    from .client import cli_flags as client_flags
+
     if args.command in client_flags.COMMANDS:
         from .client import cli as client_cli
 

@@ -30,6 +30,8 @@ sys.exit(main(["serve", "--stdio", *sys.argv[2:]]))
 #: The same, for any command line (``--help`` and a usage error leave through ``SystemExit``).
 _PARSE_WRAPPER = _WRAPPER.replace('["serve", "--stdio", *sys.argv[2:]]', "sys.argv[2:]")
 
+#: The flags of the commands other than ``serve``: a ``serve`` command line builds its own parser alone.
+OTHER_COMMANDS = ("acp_server.auth.cli", "acp_server.client")
 #: Modules of features ``serve --stdio`` does not use: the HTTP server and metrics, the SQLite store and
 #: its writer, Redis, the HTTP client, TOML (no --config), our client SDK and its command line; the
 #: token checks, the tokens file, TLS and the audit log (no --auth-tokens, no --tls-cert) and the ACP
@@ -57,6 +59,8 @@ UNUSED = (
     "acp_server.backends.acp_agent",
     "acp_server.backends.agent_process",
     "acp_server.backends.agent_relay",
+    "acp_server.backends.agent_inbound",
+    *OTHER_COMMANDS,
 )
 #: jsonrpcserver pulls in jsonschema (with referencing and attrs) and asyncio, ~40% of start-up.
 JSONRPCSERVER = ("jsonrpcserver", "jsonschema", "asyncio")
@@ -68,7 +72,7 @@ TOKENS_FILE = ("acp_server.auth.tokens", "hashlib", "hmac", "secrets", "random")
 #: msgspec itself stays: the flags' defaults are fields of ``Limits`` and ``PolicyLimits``. The tokens
 #: file's module loads to check ``token add --expires`` (see :data:`TOKENS_FILE` for the rest).
 NOT_FOR_PARSING = (
-    *(m for m in UNUSED if m not in TOKENS_FILE),
+    *(m for m in UNUSED if m not in (*TOKENS_FILE, *OTHER_COMMANDS)),
     *JSONRPCSERVER,
     "trio",
     "outcome",
@@ -218,7 +222,7 @@ def test_the_check_of_parsing_sees_a_command_that_runs(tmp_path: pathlib.Path) -
 def test_help_loads_no_tokens_file(tmp_path: pathlib.Path, argv: list[str]) -> None:
     returncode, output, modules = _parse_only(tmp_path, *argv)
     assert returncode == 0, output
-    assert "acp_server.auth.identity" in modules  # the list is the parser's (token --scope's choices)
+    assert "acp_server.cli_flags" in modules  # the list is the parser's
     assert _loaded(modules, TOKENS_FILE) == []
 
 
