@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -478,6 +477,8 @@ def _agent_arg(text: str) -> tuple[str, list[str]]:
     name, sep, command = text.partition("=")
     if not sep or not name or not command.strip():
         raise argparse.ArgumentTypeError(f"--agent must be NAME=COMMAND (e.g. claude='claude-code-acp --debug'); got {text!r}")
+    import shlex  # only an --agent flag splits a command line
+
     try:
         argv = shlex.split(command)
     except ValueError as exc:

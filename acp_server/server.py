@@ -23,9 +23,8 @@ from .admission import Limits
 from .admission.policy import PolicyEngine, PolicyLimits
 from .admission.pool import CapacityManager, PoolLimits
 from .admission.shared import SharedAdmission, shared_plan
-from .auth.gate import Authenticator, PeerInfo, describe_stream
+from .auth.peers import PeerInfo, describe_stream
 from .auth.settings import AuthSettings
-from .auth.tls import tls_handler
 from .backends import Backend, EchoBackend
 from .backends.registry import build_backends
 from .bridge import SessionBridge
@@ -44,6 +43,7 @@ from .transports.timing import LatencyHistogram
 from .types.ext import LimitsCapability
 
 if TYPE_CHECKING:
+    from .auth.gate import Authenticator
     from .store import SessionStore
 
 __all__ = ["ListenAddress", "Server", "ServerConfig", "serve"]
@@ -364,6 +364,8 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
     settings = config.auth or AuthSettings()
     auth = None
     if settings.tokens is not None:
+        from .auth.gate import Authenticator  # the token checks load only with tokens
+
         auth = Authenticator(settings.tokens, audit=settings.audit, rate_limit_rps=settings.rate_limit_rps)
     coordinator: Any = None
     shared: SharedAdmission | None = None
@@ -436,6 +438,8 @@ async def _serve(
                         bound = await listeners.start(tcp, server.handle_stream, addr.port)
                     elif addr.kind == "tls":
                         assert tls is not None  # the command line checked it
+                        from .auth.tls import tls_handler  # loaded with TLS settings (--tls-cert)
+
                         handler = tls_handler(server.handle_stream, tls, f"tls {addr}")
                         tcp = partial(serve_tcp, host=addr.host, gate=gate)
                         bound = await listeners.start(tcp, handler, addr.port)

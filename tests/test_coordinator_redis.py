@@ -94,8 +94,14 @@ async def test_concurrent_acquires_never_pass_the_cap(redis_server: RedisServer)
 
 
 async def test_a_seat_freed_on_one_replica_wakes_a_waiter_on_another(redis_server: RedisServer) -> None:  # noqa: F811
-    # The re-check is an hour: only the pub/sub message can wake the waiter.
-    async with replicas(redis_server, 2, recheck_s=3600) as (a, b):
+    await check_a_freed_seat_wakes_a_waiter_on_another_replica(redis_server)
+
+
+async def check_a_freed_seat_wakes_a_waiter_on_another_replica(server: RedisServer) -> None:
+    """Two replicas, one seat: the second waits, and the first's release wakes it over pub/sub (the
+    re-check is an hour, so nothing else can); then it leaves the waiting set. Shared by the plain and
+    the TLS tests (``test_coordinator_tls.py``)."""
+    async with replicas(server, 2, recheck_s=3600) as (a, b):
         holder = a.new_lease()
         await a.acquire(holder, Option((Need("seats", 1),)))
         waiter = b.new_lease()
@@ -108,22 +114,22 @@ async def test_a_seat_freed_on_one_replica_wakes_a_waiter_on_another(redis_serve
         async with trio.open_nursery() as nursery:
             nursery.start_soon(wait)
             await trio.sleep(0.2)
-            assert not got.is_set()
+            assert not got.is_set(), "one seat: the second replica waits"
             # b's refused attempt put it among the waiting replicas, so a's release is announced
-            assert await _waiting(redis_server) == {"r1"}
+            assert await _waiting(server) == {"r1"}
             a.release(holder)
             with trio.fail_after(5):
                 await got.wait()
         assert waiter.state == "held" and waiter.token > holder.token
         # b has no waiter any more: it leaves the set, and releases are no longer announced
         for _ in range(500):
-            if not await _waiting(redis_server):
+            if not await _waiting(server):
                 break
             await trio.sleep(0.01)
-        assert not await _waiting(redis_server)
+        assert not await _waiting(server)
         b.release(waiter)
         await b.flush()
-        assert await _count(redis_server, "seats") == 0
+        assert await _count(server, "seats") == 0
 
 
 async def _waiting(server: RedisServer) -> set[str]:

@@ -74,51 +74,63 @@ def test_session_of_reads_the_params_session_id(params: bytes | None, session: s
 # --- the shell ------------------------------------------------------------------------------------
 
 
+class LineClient:
+    """One connection to ``server`` over a memory stream, speaking JSON lines: requests numbered from 1,
+    answers read as whole lines (what ``bench/run.py``'s load generator does over TCP)."""
+
+    def __init__(self, server: Server, nursery: trio.Nursery, name: str) -> None:
+        self.stream, server_end = trio.testing.memory_stream_pair()
+        nursery.start_soon(server.handle_stream, server_end, name)
+        self._buf = b""
+        self._ids = iter(range(1, 1 << 30))
+
+    async def lines(self) -> list[dict[str, Any]]:
+        """The complete lines that have arrived, waiting for at least one."""
+        while b"\n" not in self._buf:
+            data = await self.stream.receive_some(1 << 18)
+            assert data, "the server closed the connection"
+            self._buf += data
+        *complete, self._buf = self._buf.split(b"\n")
+        return [json.loads(line) for line in complete]
+
+    async def call(self, method: str, params: Any) -> Any:
+        """Send one request and return its result, skipping other lines."""
+        id = next(self._ids)
+        await self.stream.send_all(json.dumps({"jsonrpc": "2.0", "id": id, "method": method, "params": params}).encode() + b"\n")
+        while True:
+            for msg in await self.lines():
+                if msg.get("id") == id and "method" not in msg:
+                    return msg["result"]
+
+    async def open_session(self) -> str:
+        return str((await self.call("session/new", {"cwd": "/tmp", "mcpServers": []}))["sessionId"])
+
+    def prompts(self, targets: list[str], text: str = "hello", pending: dict[int, str] | None = None) -> bytes:
+        """One prompt line for each session of ``targets``, joined; their ids go into ``pending``."""
+        out = []
+        for session_id in targets:
+            id = next(self._ids)
+            if pending is not None:
+                pending[id] = session_id
+            out.append(json.dumps(prompt_msg(id, session_id, text)).encode() + b"\n")
+        return b"".join(out)
+
+
 async def pipelined_goodput(server: Server, nursery: trio.Nursery, *, sessions: int, depth: int, seconds: float) -> tuple[float, int]:
     """Keep ``depth`` prompts in flight on each of ``sessions`` sessions of one connection for
     ``seconds``, re-sending each refused prompt at once (a client ignoring ``retryAfterMs``); the
     admitted prompts answered per second, and the refusals."""
-    client_end, server_end = trio.testing.memory_stream_pair()
-    nursery.start_soon(server.handle_stream, server_end, "pipelined")
-    buf = b""
-    ids = iter(range(1, 1 << 30))
-
-    async def lines() -> list[dict[str, Any]]:
-        nonlocal buf
-        while b"\n" not in buf:
-            data = await client_end.receive_some(1 << 18)
-            assert data, "the server closed the connection"
-            buf += data
-        *complete, buf = buf.split(b"\n")
-        return [json.loads(line) for line in complete]
-
-    async def call(method: str, params: Any) -> Any:
-        id = next(ids)
-        await client_end.send_all(json.dumps({"jsonrpc": "2.0", "id": id, "method": method, "params": params}).encode() + b"\n")
-        while True:
-            for msg in await lines():
-                if msg.get("id") == id and "method" not in msg:
-                    return msg["result"]
-
-    await call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
-    session_ids = [(await call("session/new", {"cwd": "/tmp", "mcpServers": []}))["sessionId"] for _ in range(sessions)]
+    client = LineClient(server, nursery, "pipelined")
+    await client.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+    session_ids = [await client.open_session() for _ in range(sessions)]
     pending: dict[int, str] = {}
-
-    def prompts(targets: list[str]) -> bytes:
-        out = []
-        for session_id in targets:
-            id = next(ids)
-            pending[id] = session_id
-            out.append(json.dumps(prompt_msg(id, session_id, "hello")).encode() + b"\n")
-        return b"".join(out)
-
     ok = refused = 0
     started = trio.current_time()
     stop_at = started + seconds
-    await client_end.send_all(prompts([s for _ in range(depth) for s in session_ids]))
+    await client.stream.send_all(client.prompts([s for _ in range(depth) for s in session_ids], pending=pending))
     while trio.current_time() < stop_at:
         again = []
-        for msg in await lines():
+        for msg in await client.lines():
             if "method" in msg:
                 continue
             session_id = pending.pop(msg["id"])
@@ -128,7 +140,7 @@ async def pipelined_goodput(server: Server, nursery: trio.Nursery, *, sessions: 
                 assert msg["error"]["data"]["errorKind"] == "prompt_queue_full"
                 refused += 1
             again.append(session_id)
-        await client_end.send_all(prompts(again))
+        await client.stream.send_all(client.prompts(again, pending=pending))
     return ok / (trio.current_time() - started), refused
 
 
@@ -257,39 +269,20 @@ async def test_a_paced_peer_is_refused_in_batches_a_few_times_a_second(autojump_
     settings = DEFAULT_REFUSAL_BUDGET
     with trio.fail_after(60):
         async with budget_server(settings, backend) as (server, nursery):
-            client_end, server_end = trio.testing.memory_stream_pair()
-            nursery.start_soon(server.handle_stream, server_end, "rude")
-            buf = b""
-            ids = iter(range(1, 1 << 30))
-
-            async def lines() -> list[dict[str, Any]]:
-                nonlocal buf
-                while b"\n" not in buf:
-                    data = await client_end.receive_some(1 << 18)
-                    assert data, "the server closed the connection"
-                    buf += data
-                *complete, buf = buf.split(b"\n")
-                return [json.loads(line) for line in complete]
-
-            def prompts(session_id: str, count: int, text: str = "again") -> bytes:
-                return b"".join(json.dumps(prompt_msg(next(ids), session_id, text)).encode() + b"\n" for _ in range(count))
-
-            await client_end.send_all(b'{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":1,"clientCapabilities":{}}}\n')
-            await client_end.send_all(b'{"jsonrpc":"2.0","id":-1,"method":"session/new","params":{"cwd":"/tmp","mcpServers":[]}}\n')
-            session_id = None
-            while session_id is None:
-                session_id = next((m["result"]["sessionId"] for m in await lines() if m.get("id") == -1), None)
-            await client_end.send_all(prompts(session_id, 1, "held"))
+            client = LineClient(server, nursery, "rude")
+            await client.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+            session_id = await client.open_session()
+            await client.stream.send_all(client.prompts([session_id], "held"))
             await backend.started("held")
-            await client_end.send_all(prompts(session_id, 240))
+            await client.stream.send_all(client.prompts([session_id] * 240, "again"))
             started = trio.current_time()
             batches: list[tuple[float, int]] = []  # (when, refusals) from one second in: paced
             while trio.current_time() < started + 6:
-                refused = [m for m in await lines() if "error" in m]
+                refused = [m for m in await client.lines() if "error" in m]
                 assert all(m["error"]["data"]["errorKind"] == "prompt_queue_full" for m in refused)
                 if trio.current_time() >= started + 1:
                     batches.append((trio.current_time(), len(refused)))
-                await client_end.send_all(prompts(session_id, len(refused)))
+                await client.stream.send_all(client.prompts([session_id] * len(refused), "again"))
             assert server.evictions == 0, "paced, not yet evicted (that takes about ten seconds)"
             seconds = batches[-1][0] - batches[0][0]
             times = {t for t, _ in batches}

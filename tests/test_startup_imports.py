@@ -30,8 +30,12 @@ sys.exit(main(["serve", "--stdio", *sys.argv[2:]]))
 #: The same, for any command line (``--help`` and a usage error leave through ``SystemExit``).
 _PARSE_WRAPPER = _WRAPPER.replace('["serve", "--stdio", *sys.argv[2:]]', "sys.argv[2:]")
 
+#: The flags of the commands other than ``serve``: a ``serve`` command line builds its own parser alone.
+OTHER_COMMANDS = ("acp_server.auth.cli", "acp_server.client")
 #: Modules of features ``serve --stdio`` does not use: the HTTP server and metrics, the SQLite store and
-#: its writer, Redis, the HTTP client, TOML (no --config), our client SDK and its command line.
+#: its writer, Redis, the HTTP client, TOML (no --config), our client SDK and its command line; the
+#: token checks, the tokens file, TLS and the audit log (no --auth-tokens, no --tls-cert) and the ACP
+#: agent subprocess backend (the echo agent alone).
 UNUSED = (
     "hypercorn",
     "prometheus_client",
@@ -39,19 +43,36 @@ UNUSED = (
     "coredis",
     "httpx",
     "tomllib",
+    "fractions",
+    "shlex",
     "acp_server.metrics",
     "acp_server.store.session_store",
     "acp_server.store.writer",
     "acp_server.client.client",
     "acp_server.client.cli",
+    "acp_server.auth.gate",
+    "acp_server.auth.tokens",
+    "acp_server.auth.http_rules",
+    "acp_server.auth.ratelimit",
+    "acp_server.auth.audit",
+    "acp_server.auth.tls",
+    "acp_server.backends.acp_agent",
+    "acp_server.backends.agent_process",
+    "acp_server.backends.agent_relay",
+    "acp_server.backends.agent_inbound",
+    *OTHER_COMMANDS,
 )
 #: jsonrpcserver pulls in jsonschema (with referencing and attrs) and asyncio, ~40% of start-up.
 JSONRPCSERVER = ("jsonrpcserver", "jsonschema", "asyncio")
+#: What only a ``token`` command (or one that checks a token's --id or --expires) needs: the tokens
+#: file's module and the hashing and randomness it loads (libcrypto for hashlib).
+TOKENS_FILE = ("acp_server.auth.tokens", "hashlib", "hmac", "secrets", "random")
 #: What building the parser does not need: the event loop (trio ~130 ms, with outcome, sniffio, ssl),
 #: every feature's library, and our modules that load them or the wire types (msgspec's heavy users).
-#: msgspec itself stays: the flags' defaults are fields of ``Limits`` and ``PolicyLimits``.
+#: msgspec itself stays: the flags' defaults are fields of ``Limits`` and ``PolicyLimits``. The tokens
+#: file's module loads to check ``token add --expires`` (see :data:`TOKENS_FILE` for the rest).
 NOT_FOR_PARSING = (
-    *UNUSED,
+    *(m for m in UNUSED if m not in (*TOKENS_FILE, *OTHER_COMMANDS)),
     *JSONRPCSERVER,
     "trio",
     "outcome",
@@ -144,6 +165,15 @@ def test_a_state_dir_loads_the_store(tmp_path: pathlib.Path) -> None:
     assert {"sqlite3", "acp_server.store.session_store"} <= modules
 
 
+def test_a_tokens_file_loads_the_token_checks(tmp_path: pathlib.Path) -> None:
+    """``--auth-tokens`` loads the tokens file and the checks (stdio stays the owner's, no token asked)."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text("")
+    tokens.chmod(0o600)
+    modules = _serve_stdio(tmp_path, "--auth-tokens", str(tokens))
+    assert {"acp_server.auth.gate", "acp_server.auth.tokens", "acp_server.auth.audit"} <= modules
+
+
 
 def _parse_only(tmp_path: pathlib.Path, *argv: str) -> tuple[int, str, set[str]]:
     """Run ``acp-server ARGV`` that exits while parsing; its exit code, stdout and the modules it had."""
@@ -186,3 +216,40 @@ def test_the_check_of_parsing_sees_a_command_that_runs(tmp_path: pathlib.Path) -
     returncode, output, modules = _parse_only(tmp_path, "cluster", "--coordinator", "redis://127.0.0.1:1/0")
     assert returncode == 1, output
     assert {"trio", "coredis", "acp_server.coordinator.redis"} <= modules
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["--version"], ["token", "--help"]])
+def test_help_loads_no_tokens_file(tmp_path: pathlib.Path, argv: list[str]) -> None:
+    returncode, output, modules = _parse_only(tmp_path, *argv)
+    assert returncode == 0, output
+    assert "acp_server.cli_flags" in modules  # the list is the parser's
+    assert _loaded(modules, TOKENS_FILE) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve"],
+        ["serve", "--stdio", "--max-running-prompts", "4", "--listen", "tcp://127.0.0.1:0"],
+        ["serve", "--bogus"],
+        ["serve", "--listen", "ftp://x"],
+        ["serve", "--help"],
+    ],
+)
+def test_serve_parses_the_same_without_the_other_commands(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``serve`` command lines are parsed with the ``serve`` subparser alone (the others are not built):
+    the same values, the same help, the same errors as with every command built."""
+    from acp_server import cli
+
+    def parse(command: str | None) -> tuple[object, str, str]:
+        parser, serve = cli._build(command)
+        try:
+            result: object = vars(cli._parse(parser, argv))
+        except SystemExit as exc:
+            result = ("exit", exc.code)
+        out, err = capsys.readouterr()
+        return result, out, err + serve.format_help()
+
+    everything = parse(None)
+    assert parse("serve") == everything
+    assert everything[0] != {} and (everything[1] or everything[2])

@@ -7,7 +7,6 @@ Plain data, no clock and no trio: :mod:`.policy` is the engine that reads them.
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from typing import Final, Literal
 
 import msgspec
@@ -124,6 +123,8 @@ def seat_shares(seats: int, shares: dict[str, float]) -> tuple[int, ...]:
 
     The parts sum to ``seats``; remainders that tie go to the higher-ranked class.
     """
+    from fractions import Fraction  # exact shares, only when seats are split (--max-running-prompts)
+
     weights = [Fraction(shares.get(name, 0)) for name in PRIORITIES]
     total = sum(weights)
     exact = [seats * w / total for w in weights]

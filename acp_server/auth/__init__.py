@@ -18,11 +18,10 @@ from ..lazy import lazy_exports
 if TYPE_CHECKING:
     from .audit import AuditLog
     from .binds import RemoteBindError, check_remote_bind
+    from .identity import OWNER, Identity
     from .ratelimit import AuthFailureLimiter, RateLimiter, TokenBucket, is_local_address
     from .tls import ServerTls, TlsConfigError, TlsHandshakeError, accept_tls, client_context, tls_handler
     from .tokens import (
-        OWNER,
-        Identity,
         ReloadResult,
         TokenFileError,
         TokenPermissionError,
@@ -50,8 +49,8 @@ _HOMES = {
     "accept_tls": ".tls",
     "client_context": ".tls",
     "tls_handler": ".tls",
-    "OWNER": ".tokens",
-    "Identity": ".tokens",
+    "OWNER": ".identity",
+    "Identity": ".identity",
     "ReloadResult": ".tokens",
     "TokenFileError": ".tokens",
     "TokenPermissionError": ".tokens",

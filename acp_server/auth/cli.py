@@ -13,25 +13,20 @@ such token), 2 a bad command line. ``acp_server/cli.py`` mounts these with :func
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
-import secrets
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from .tokens import (
-    SCOPES,
-    TokenFileError,
-    TokenRecord,
-    format_expires,
-    is_token_id,
-    load_tokens,
-    new_secret,
-    parse_expires,
-    write_tokens,
-)
+from .identity import SCOPES
+
+if TYPE_CHECKING:
+    from datetime import datetime
+
+    from .tokens import TokenRecord
+
+# The tokens file's module (with hashlib, secrets and datetime) loads when a ``token`` command runs or
+# parses its --id or --expires, not for building the parser: ``acp-server --help`` and ``serve`` skip it.
 
 __all__ = ["COMMANDS", "add_commands", "add_connect_flags", "main", "run"]
 
@@ -41,6 +36,8 @@ EXIT_ERROR = 1
 
 
 def _id_arg(text: str) -> str:
+    from .tokens import is_token_id
+
     if not is_token_id(text):
         raise argparse.ArgumentTypeError(f"--id must be 1-64 letters, digits, '_' or '-'; got {text!r}")
     return text
@@ -53,6 +50,10 @@ def _tenant_arg(text: str) -> str:
 
 
 def _expires_arg(text: str) -> datetime:
+    from datetime import UTC, datetime
+
+    from .tokens import TokenFileError, parse_expires
+
     try:
         when = parse_expires(text, "--expires")
     except TokenFileError as exc:
@@ -111,12 +112,19 @@ def add_connect_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _existing(path: str) -> dict[str, TokenRecord]:
+    from .tokens import load_tokens
+
     if not os.path.lexists(path):
         return {}
     return load_tokens(path)
 
 
 def _add(args: argparse.Namespace, out: TextIO) -> int:
+    import hashlib
+    import secrets
+
+    from .tokens import TokenRecord, new_secret, write_tokens
+
     records = _existing(args.file)
     token_id = args.id
     if token_id is None:
@@ -142,6 +150,8 @@ def _add(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _revoke(args: argparse.Namespace, out: TextIO) -> int:
+    from .tokens import load_tokens, write_tokens
+
     records = load_tokens(args.file)
     if args.id not in records:
         known = ", ".join(sorted(records)) or "none"
@@ -154,12 +164,18 @@ def _revoke(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _describe(record: TokenRecord) -> str:
+    from .tokens import format_expires
+
     scopes = ",".join(sorted(record.scopes)) or "-"
     expires = format_expires(record.expires) if record.expires else "never"
     return f"{record.id}\ttenant={record.tenant}\tscopes={scopes}\texpires={expires}"
 
 
 def _list(args: argparse.Namespace, out: TextIO) -> int:
+    from datetime import UTC, datetime
+
+    from .tokens import load_tokens
+
     now = datetime.now(UTC)
     for record in load_tokens(args.file).values():
         print(_describe(record) + ("\t(expired)" if record.expired(now) else ""), file=out)
@@ -168,6 +184,8 @@ def _list(args: argparse.Namespace, out: TextIO) -> int:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run a parsed ``token`` command; returns the exit code."""
+    from .tokens import TokenFileError
+
     action = {"add": _add, "revoke": _revoke, "list": _list}[args.token_command]
     try:
         return action(args, out or sys.stdout)

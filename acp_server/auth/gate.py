@@ -8,71 +8,25 @@ Transports and handlers ask it three things, and map its plain answers onto thei
 - :meth:`Authenticator.throttle`: may this identity make one more request now?
 - :meth:`Authenticator.reload`: take the tokens file again (SIGHUP), auditing what changed.
 
-It also tells where a stream comes from (:func:`describe_stream`): Unix sockets are the owner's
-(trusted as :data:`~acp_server.auth.tokens.OWNER`); TCP and TLS peers must prove a token.
+Where a stream comes from (:class:`PeerInfo`, :func:`describe_stream`) is :mod:`.peers`, re-exported
+here; this module loads only when tokens are configured.
 """
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import trio
-
 from .audit import AuditLog
 from .http_rules import WS_SUBPROTOCOL, parse_bearer, parse_ws_subprotocols
+from .identity import Identity
+from .peers import PeerInfo, describe_stream
 from .ratelimit import AuthFailureLimiter, RateLimiter
-from .tokens import MAX_SECRET_CHARS, Identity, ReloadResult, TokenStore
+from .tokens import MAX_SECRET_CHARS, ReloadResult, TokenStore
 
 __all__ = ["Authenticator", "Outcome", "PeerInfo", "describe_stream"]
-
-
-@dataclass(frozen=True, slots=True)
-class PeerInfo:
-    """Where a connection comes from.
-
-    Attributes:
-        transport: ``tcp``, ``tls``, ``unix``, ``stdio``, ``http``, ``ws`` or ``stream`` (anything else:
-            memory, pipes).
-        address: the peer's IP address (``None`` when it has none).
-        trusted: the peer is the server's owner (Unix socket, stdio): no token is asked.
-        identity: the token the transport itself checked (HTTP's bearer), or ``None``: the connection
-            proves one with ``authenticate``.
-        tenant: the tenant that ``identity`` acts for.
-        metered: the transport counts each request against the token's rate itself (HTTP POSTs).
-    """
-
-    transport: str
-    address: str | None = None
-    trusted: bool = False
-    identity: Identity | None = None
-    tenant: str | None = None
-    metered: bool = False
-
-
-def describe_stream(stream: trio.abc.Stream) -> PeerInfo:
-    """The transport and peer address of an accepted stream (a TLS stream is seen through; a stream
-    that knows its own, an HTTP connection's, tells it as ``peer_info``)."""
-    known = getattr(stream, "peer_info", None)
-    if isinstance(known, PeerInfo):
-        return known
-    transport = "tcp"
-    inner: Any = stream
-    if isinstance(stream, trio.SSLStream):
-        transport, inner = "tls", stream.transport_stream
-    sock = getattr(inner, "socket", None)
-    if not isinstance(inner, trio.SocketStream) or sock is None:
-        return PeerInfo("stream")
-    if sock.family == socket.AF_UNIX:
-        return PeerInfo("unix", trusted=True)
-    try:
-        address = str(sock.getpeername()[0])
-    except OSError:
-        address = None
-    return PeerInfo(transport, address)
 
 
 @dataclass(frozen=True, slots=True)

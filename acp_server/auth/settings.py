@@ -111,10 +111,6 @@ def settings_from(
         tls_table: the config's ``[tls]`` table (``cert``, ``key``, ``handshake_timeout_s``).
         tls_listeners: a ``tls://`` listener was asked for.
     """
-    from .audit import AuditLog
-    from .tls import ServerTls, TlsConfigError
-    from .tokens import TokenFileError, TokenStore
-
     tokens_path = args.auth_tokens or auth_table.tokens
     audit_log = args.audit_log or auth_table.audit_log
     rps = args.rate_limit_rps if args.rate_limit_rps is not None else auth_table.rate_limit_rps
@@ -137,18 +133,24 @@ def settings_from(
         parser.error("a tls:// --listen needs --tls-cert FILE and --tls-key FILE")
     store = None
     if tokens_path is not None:
+        from .tokens import TokenFileError, TokenStore  # each file's module loads only when it is used
+
         try:
             store = TokenStore.from_file(tokens_path)
         except TokenFileError as exc:
             _file_failure(str(exc))
     tls = None
     if cert is not None and key is not None:
+        from .tls import ServerTls, TlsConfigError
+
         try:
             tls = ServerTls(cert, key, handshake_timeout_s=timeout)
         except TlsConfigError as exc:
             _file_failure(str(exc))
     audit = None
     if store is not None:
+        from .audit import AuditLog
+
         try:
             audit = AuditLog(audit_log)
         except OSError as exc:

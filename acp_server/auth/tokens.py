@@ -25,9 +25,11 @@ import re
 import secrets
 import stat
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+
+from .identity import OWNER, SCOPES, Identity  # theirs; re-exported here, where they were first
 
 __all__ = [
     "MAX_SECRET_CHARS",
@@ -51,8 +53,6 @@ __all__ = [
     "write_tokens",
 ]
 
-#: The scopes a token may carry: ``admin`` acts for any tenant and reads all stats; ``metrics`` scrapes.
-SCOPES = ("admin", "metrics")
 #: A presented secret longer than this is refused before hashing (ours are 43 characters).
 MAX_SECRET_CHARS = 512
 #: Token ids are TOML bare keys (table names that need no quoting): letters, digits, ``_``, ``-``.
@@ -91,39 +91,6 @@ class TokenRecord:
     def expired(self, now: datetime) -> bool:
         """Whether the token has expired at ``now`` (an aware datetime)."""
         return self.expires is not None and now >= self.expires
-
-
-@dataclass(frozen=True, slots=True)
-class Identity:
-    """Who a connection is, as the server granted it.
-
-    Attributes:
-        token_id: the token that proved it, or ``None`` for the owner (Unix socket, stdio).
-        tenant: the token's tenant, or ``None`` for the owner (who names any tenant).
-        scopes: ``admin`` and/or ``metrics``.
-    """
-
-    token_id: str | None
-    tenant: str | None
-    scopes: frozenset[str] = field(default_factory=frozenset)
-
-    @property
-    def admin(self) -> bool:
-        """May act for any tenant and read all statistics."""
-        return "admin" in self.scopes
-
-    @property
-    def may_scrape(self) -> bool:
-        """May read ``/metrics`` and ``_acp_server/stats``."""
-        return "admin" in self.scopes or "metrics" in self.scopes
-
-    def may_act_for(self, tenant: str) -> bool:
-        """Whether this identity may act for ``tenant`` (its own, or any with ``admin``)."""
-        return self.admin or tenant == self.tenant
-
-
-#: The identity of Unix-socket and stdio peers: the socket is 0600, so they are the server's owner.
-OWNER = Identity(token_id=None, tenant=None, scopes=frozenset({"admin"}))
 
 
 def is_token_id(text: str) -> bool:

@@ -16,6 +16,9 @@ back off after repeated failures (0 s, then 0.5 s doubling to 30 s; reset once a
 inside that window calls fail at once with the last failure's reason (``spawn_failed``,
 ``initialize_failed`` or ``exited``). Errors the child answers never pass for ours: ``-32000`` becomes
 ``auth_required``, anything else ``agent_error`` with the agent's code, message and data.
+
+This module is the backend's calls to the child and its lifecycle; what the child sends us (its updates
+and requests, routed to our sessions) is :mod:`.agent_inbound`.
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ from ..errors import (
     BackendUnavailableError,
     SessionNotFoundError,
 )
-from ..jsonrpc import Notification, Request
 from ..types.acp import StopReason
-from .agent_process import AgentProcess, AgentRpcError, ChildExitedError, PendingCall, decode_params
-from .agent_relay import RELAYED_METHODS, TurnRelay
+from .agent_inbound import AgentSession, ChildMessages
+from .agent_process import AgentProcess, AgentRpcError, ChildExitedError, PendingCall
+from .agent_relay import TurnRelay
 from .agent_start import (
     BACKOFF_RESET_S,
     FailureReason,
@@ -56,24 +59,7 @@ log = logging.getLogger("acp_server.backends.acp_agent")
 _STOP_REASONS: Final = frozenset(get_args(StopReason))
 
 
-class _Session:
-    __slots__ = ("attach_lock", "child", "child_sid", "cwd", "emit", "id", "loading", "mcp_servers", "run")
-
-    def __init__(
-        self, id: str, cwd: str, mcp_servers: list[dict[str, Any]], emit: Callable[[Any], None] | None
-    ) -> None:
-        self.id = id
-        self.cwd = cwd
-        self.mcp_servers = mcp_servers
-        self.emit = emit
-        self.child: AgentProcess | None = None
-        self.child_sid: str | None = None
-        self.run: TurnRelay | None = None
-        self.loading = False  # session/load replays history as updates: not news for anyone
-        self.attach_lock = trio.Lock()
-
-
-class AcpAgentBackend(BaseBackend):
+class AcpAgentBackend(BaseBackend, ChildMessages):
     """Runs an ACP agent as a child process and multiplexes our sessions onto it.
 
     Args:
@@ -119,8 +105,8 @@ class AcpAgentBackend(BaseBackend):
         self._child: AgentProcess | None = None
         self._starting: StartAttempt | None = None
         self._init_result: dict[str, Any] = {}
-        self._sessions: dict[str, _Session] = {}
-        self._routes: dict[str, _Session] = {}  # the current child's session id -> our session
+        self._sessions: dict[str, AgentSession] = {}
+        self._routes: dict[str, AgentSession] = {}  # the current child's session id -> our session
         self._failures = 0
         self._retry_at = 0.0
         self._last_failure: tuple[FailureReason, int | None] = ("spawn_failed", None)
@@ -304,18 +290,18 @@ class AcpAgentBackend(BaseBackend):
             backend_id=self.name, agent_code=-32603, agent_message=f"malformed {method} result: {what}"
         )
 
-    def _bind(self, session: _Session, child: AgentProcess, child_sid: str) -> None:
+    def _bind(self, session: AgentSession, child: AgentProcess, child_sid: str) -> None:
         session.child = child
         session.child_sid = child_sid
         if child is self._child:
             self._routes[child_sid] = session
 
-    def _unbind(self, session: _Session) -> None:
+    def _unbind(self, session: AgentSession) -> None:
         if session.child_sid is not None and self._routes.get(session.child_sid) is session:
             del self._routes[session.child_sid]
         session.child = None
 
-    def _bind_on_result(self, session: _Session, child: AgentProcess) -> Callable[[Any], None]:
+    def _bind_on_result(self, session: AgentSession, child: AgentProcess) -> Callable[[Any], None]:
         def bind(result: Any) -> None:
             if isinstance(result, dict) and isinstance(result.get("sessionId"), str):
                 self._bind(session, child, result["sessionId"])
@@ -323,7 +309,7 @@ class AcpAgentBackend(BaseBackend):
         return bind
 
     async def _new_child_session(
-        self, session: _Session, child: AgentProcess, meta: dict[str, Any] | None = None
+        self, session: AgentSession, child: AgentProcess, meta: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         params: dict[str, Any] = {"cwd": session.cwd, "mcpServers": session.mcp_servers}
         if meta:
@@ -339,7 +325,7 @@ class AcpAgentBackend(BaseBackend):
             raise
         return result
 
-    async def _attach(self, session: _Session) -> tuple[AgentProcess, str]:
+    async def _attach(self, session: AgentSession) -> tuple[AgentProcess, str]:
         """The child and its session id for ``session``, re-opening it on a restarted child."""
         child = await self._ensure_child(session.id)
         if session.child is child and session.child_sid is not None:
@@ -360,7 +346,7 @@ class AcpAgentBackend(BaseBackend):
             assert session.child_sid is not None
             return child, session.child_sid
 
-    async def _load(self, session: _Session, child: AgentProcess) -> None:
+    async def _load(self, session: AgentSession, child: AgentProcess) -> None:
         assert session.child_sid is not None
         params = {"sessionId": session.child_sid, "cwd": session.cwd, "mcpServers": session.mcp_servers}
         self._bind(session, child, session.child_sid)
@@ -374,7 +360,7 @@ class AcpAgentBackend(BaseBackend):
             session.loading = False
         log.info("backend %s: re-opened %s on agent pid %s (session/load)", self.name, session.id, child.pid)
 
-    def _session(self, session_id: str) -> _Session:
+    def _session(self, session_id: str) -> AgentSession:
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFoundError(session_id=session_id)
@@ -390,7 +376,7 @@ class AcpAgentBackend(BaseBackend):
         emit: Callable[[Any], None],
         meta: dict[str, Any] | None = None,
     ) -> SessionSetup:
-        session = _Session(session_id, cwd, list(mcp_servers), emit)
+        session = AgentSession(session_id, cwd, list(mcp_servers), emit)
         child = await self._ensure_child(session_id)
         result = await self._new_child_session(session, child, meta)
         self._sessions[session_id] = session
@@ -418,7 +404,7 @@ class AcpAgentBackend(BaseBackend):
         the agent's own replay is not forwarded)."""
         if session_id in self._sessions:
             return
-        session = _Session(session_id, cwd, list(mcp_servers), emit)
+        session = AgentSession(session_id, cwd, list(mcp_servers), emit)
         agent_sid = (state or {}).get("agentSessionId")
         if isinstance(agent_sid, str):
             session.child_sid = agent_sid  # child None: _attach re-opens it
@@ -443,7 +429,7 @@ class AcpAgentBackend(BaseBackend):
         return await self._prompt_answer(session, turn, child, child_sid, run, call)
 
     def _send_prompt(
-        self, session: _Session, turn: Turn, child: AgentProcess, child_sid: str
+        self, session: AgentSession, turn: Turn, child: AgentProcess, child_sid: str
     ) -> tuple[TurnRelay, PendingCall]:
         """Queue the turn's ``session/prompt`` for the child, with the relay of what it asks meanwhile."""
         assert self._nursery is not None
@@ -455,7 +441,7 @@ class AcpAgentBackend(BaseBackend):
         return run, child.start_request("session/prompt", params)
 
     async def _prompt_answer(
-        self, session: _Session, turn: Turn, child: AgentProcess, child_sid: str, run: TurnRelay, call: PendingCall
+        self, session: AgentSession, turn: Turn, child: AgentProcess, child_sid: str, run: TurnRelay, call: PendingCall
     ) -> StopReason:
         """Wait for the child's answer to the turn's ``session/prompt`` (a cancel asks the child to stop)."""
         try:
@@ -535,7 +521,7 @@ class AcpAgentBackend(BaseBackend):
         """The branch gets a fresh session of the child at its first prompt (the bridge keeps the history)."""
         source = self._session(source_session_id)
         if new_session_id not in self._sessions:
-            branch = _Session(new_session_id, source.cwd, list(source.mcp_servers), None)
+            branch = AgentSession(new_session_id, source.cwd, list(source.mcp_servers), None)
             self._sessions[new_session_id] = branch
         await trio.lowlevel.checkpoint()
 
@@ -556,97 +542,6 @@ class AcpAgentBackend(BaseBackend):
         self._auth = None
         child = await self._ensure_child(None)
         await self._call(child, None, "logout", {})
-
-    # --- what the child sends us -------------------------------------------------------------------
-
-    def _too_large(self, child: AgentProcess, method: str, params: Any) -> bool:
-        """Whether ``params`` exceed what a client accepts; if so its turn fails (see ``relay_max_bytes``)."""
-        limit = self.relay_max_bytes
-        if limit is None or params is None or len(params) <= limit:
-            return False
-        error = AgentError(
-            backend_id=self.name,
-            agent_code=-32600,
-            agent_message=f"the agent sent a {method} of {len(params)} bytes, over the {limit} bytes a client accepts",
-            reason="message_too_large",
-        )
-        session_id = self._session_id_in(params)
-        session = self._routes.get(session_id) if session_id is not None else None
-        run = session.run if session is not None else None
-        if session is not None and run is not None and run.child is child:
-            log.warning("backend %s: %s; failing the prompt of %s", self.name, error.message, session.id)
-            run.fail(error)
-        else:
-            log.warning("backend %s: %s outside a prompt turn; dropped", self.name, error.message)
-        return True
-
-    @staticmethod
-    def _session_id_in(params: Any) -> str | None:
-        """The ``sessionId`` of a large message, read without decoding all of it."""
-        head = bytes(memoryview(params)[:4096])
-        marker = head.find(b'"sessionId"')
-        if marker < 0:
-            decoded = decode_params(params)
-            sid = decoded.get("sessionId") if isinstance(decoded, dict) else None
-            return sid if isinstance(sid, str) else None
-        rest = head[marker + len(b'"sessionId"') :].lstrip(b" \t\r\n:")
-        if not rest.startswith(b'"'):
-            return None
-        end = rest.find(b'"', 1)
-        return rest[1:end].decode("utf-8", "replace") if end > 0 else None
-
-    def _on_child_notification(self, child: AgentProcess, note: Notification) -> None:
-        if note.method != "session/update":
-            log.debug("backend %s: ignoring %s from the agent", self.name, note.method)
-            return
-        if self._too_large(child, note.method, note.params):
-            return
-        params = decode_params(note.params)
-        if not isinstance(params, dict) or not isinstance(params.get("update"), dict):
-            log.warning("backend %s: dropping a malformed session/update", self.name)
-            return
-        child_sid = params.get("sessionId")
-        session = self._routes.get(child_sid) if isinstance(child_sid, str) else None
-        if session is None or session.child is not child:
-            log.debug("backend %s: dropping an update of unknown session %r", self.name, child_sid)
-            return
-        if session.loading:
-            return
-        run = session.run
-        emit = run.turn.emit if run is not None and run.child is child else session.emit
-        if emit is None:
-            return
-        try:
-            emit(params["update"])
-        except Exception:
-            log.exception("backend %s: emitting an update of %s failed", self.name, session.id)
-
-    def _on_child_request(self, child: AgentProcess, req: Request) -> None:
-        if req.method in RELAYED_METHODS and self._too_large(child, req.method, req.params):
-            child.respond_error(req.id, {"code": -32600, "message": f"{req.method} is too large to relay"})
-            return
-        refusal = self._take_request(child, req)
-        if refusal is not None:
-            code, message = refusal
-            log.info("backend %s: refused %s from the agent: %s", self.name, req.method, message)
-            child.respond_error(req.id, {"code": code, "message": message})
-
-    def _take_request(self, child: AgentProcess, req: Request) -> tuple[int, str] | None:
-        """Start relaying ``req``, or answer it for the client; else the refusal's code and message."""
-        method = req.method
-        if method not in RELAYED_METHODS:
-            return -32601, f'Method not found: acp-server does not relay "{method}" to its clients'
-        params = decode_params(req.params)
-        child_sid = params.get("sessionId") if isinstance(params, dict) else None
-        if not isinstance(params, dict) or not isinstance(child_sid, str):
-            return -32602, f"Invalid params: {method} needs an object with a string sessionId"
-        session = self._routes.get(child_sid)
-        if session is None or session.child is not child:
-            return -32603, f'{method} names session "{child_sid}", which acp-server does not know'
-        run = session.run
-        if run is None or run.child is not child:
-            return -32603, f"{method} arrived outside a prompt turn of the session: there is no client to ask"
-        return run.take(req.id, method, {**params, "sessionId": session.id})
 
 
 def _with_meta(params: dict[str, Any], meta: dict[str, Any] | None) -> dict[str, Any]:

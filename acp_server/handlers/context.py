@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..auth.gate import PeerInfo
-from ..auth.tokens import OWNER, Identity
+from ..auth.identity import OWNER, Identity
+from ..auth.peers import PeerInfo
 from ..backends.base import ClientGoneError, ClientRequestError
 from ..jsonrpc import HandlerContext
 from ..types.acp import ClientCapabilities

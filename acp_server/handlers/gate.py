@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..auth import TOKEN_METHOD_ID
-from ..auth.tls import ServerTls
 from ..errors import InvalidParamsError, RateLimitedError, TokenRequiredError
 from ..jsonrpc import Connection, Method
 from ..types.acp import AuthenticateParams
 from .context import ConnContext
 
 if TYPE_CHECKING:
+    from ..auth.tls import ServerTls
     from ..server import Server
 
 __all__ = [
