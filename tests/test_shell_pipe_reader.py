@@ -10,6 +10,9 @@ run on pipes and sockets alike in tests/test_shell_socket_reader.py.
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import trio
 import trio.testing
@@ -54,8 +57,8 @@ async def test_a_request_response_peer_costs_one_read_per_message(reads: list[in
             (task,) = [t for t in nursery.child_tasks if t.name == "the connection"]
             names = [c.co_qualname for c in awaited(task.coro)]
             run = names.index("ConnectionShell.run")
-            # the epoll manager's own wait (trio.lowlevel.wait_readable without its wrappers), nothing between
-            assert names[run + 1] in ("EpollIOManager._epoll_wait", "wait_readable"), names
+            # the edge-triggered wait of the pipe (transports/pipe_wait.py), trio's trap just under it
+            assert names[run + 1 : run + 3] == ["edge_waiter.<locals>.wait_edge", "wait_task_rescheduled"], names
             assert "PipeStream.receive_some" not in names
             await client_end.aclose()
 
@@ -84,6 +87,7 @@ async def test_without_the_epoll_managers_wait_the_reader_uses_trios_public_one(
     import types
 
     monkeypatch.setattr(shell_module, "inspect", types.SimpleNamespace(iscoroutinefunction=lambda f: False))
+    monkeypatch.setattr(shell_module, "edge_waiter", lambda pipe: None)  # (the pipe's own wait is a socket's then)
     with trio.fail_after(10):
         async with running_server() as (server, nursery):
             client_end, server_end = pipe_pair()
@@ -99,3 +103,62 @@ async def test_without_the_epoll_managers_wait_the_reader_uses_trios_public_one(
             run = names.index("ConnectionShell.run")
             assert names[run + 1 : run + 3] == ["_public_wait_readable", "wait_readable"], names
             await client_end.aclose()
+
+
+async def test_lines_and_the_end_of_input_in_one_edge_are_answered_then_the_connection_ends() -> None:
+    """The pipe is waited on edge-triggered (transports/pipe_wait.py): when the last lines and the
+    writer's close arrive before the server's next epoll_wait, one event reports both; the read after it
+    is short, and no edge comes any more. The reader must still see the end of input (``printf ... |
+    acp-server serve --stdio``): the prompts are answered and the connection ends."""
+    with trio.fail_after(10):
+        async with running_server() as (server, nursery):
+            client_end, server_end = pipe_pair()
+            ended = await _serve(server, nursery, server_end)
+            client = RawClient(client_end)
+            nursery.start_soon(client.pump)
+            await client.initialize()
+            session_id, _ = await client.new_session()
+            await trio.testing.wait_all_tasks_blocked()  # the reader waits on its edge
+            (task,) = [t for t in nursery.child_tasks if t.name == "the connection"]
+            assert "edge_waiter.<locals>.wait_edge" in [c.co_qualname for c in awaited(task.coro)]
+            lines = b"".join(
+                json.dumps({"jsonrpc": "2.0", "id": 100 + n, "method": "session/prompt",
+                            "params": {"sessionId": session_id, "prompt": [{"type": "text", "text": f"p{n}"}]}}).encode()
+                + b"\n"
+                for n in range(3)
+            )
+            fd, client_end.send_fd = client_end.send_fd, None
+            assert fd is not None
+            os.write(fd, lines)  # the lines and the close with no scheduling pass between them
+            os.close(fd)
+            await ended.wait()
+            await client.eof.wait()
+            answers = {m.get("id"): m for m in client.messages if "result" in m}
+            assert [answers[100 + n]["result"]["stopReason"] for n in range(3)] == ["end_turn"] * 3
+
+
+async def test_the_pipe_read_with_trios_own_wait_first_is_then_waited_on_edge_triggered() -> None:
+    """``PipeStream.receive_some`` (trio's one-shot wait) and the shell's edge-triggered wait on one
+    descriptor, one after the other: each drops or replaces the other's registration."""
+    with trio.fail_after(10):
+        a, b = pipe_pair()
+        async with trio.open_nursery() as nursery:
+
+            async def later() -> None:
+                await trio.sleep(0.01)
+                await b.send_all(b"x")
+
+            nursery.start_soon(later)
+            assert await a.receive_some(10) == b"x"  # trio's wait: a one-shot registration
+            wait = shell_module.edge_waiter(a)
+            assert wait is not None
+            assert a.receive_fd is not None
+            nursery.start_soon(later)
+            await wait(a.receive_fd)  # registered anew, edge-triggered
+            assert os.read(a.receive_fd, 10) == b"x"
+            assert a.edge_epoll is not None
+            nursery.start_soon(later)
+            assert await a.receive_some(10) == b"x"  # the edge registration dropped, trio's again
+            assert a.edge_epoll is None
+        await a.aclose()
+        await b.aclose()

@@ -66,7 +66,8 @@ from ..types.acp import CancelRequestParams
 from .deadlines import Deadline, deadlines
 from .inflight import BatchReplies, Slot
 from .listeners import PipeStream
-from .outbox import RELIABLE_WATERMARK_BYTES
+from .outbox import RELIABLE_WATERMARK_BYTES, _run_flusher
+from .pipe_wait import edge_waiter
 from .refusal_budget import RefusalBudget, RefusalBudgetSettings, session_of
 from .refusals import RefusalGuard
 from .timing import LatencyHistogram
@@ -298,6 +299,12 @@ class ConnectionShell(RefusalGuard):
         emptied = False  # the last read was short
         limit_waiting = 4 * self.max_inflight
         wait_readable = _readable_waiter()
+        # The stdio pipe is waited on edge-triggered, without re-arming it at each wait (see .pipe_wait);
+        # ``drained`` is the scheduling pass in which a read last saw it empty: the reader waits on it
+        # only if no pass (no epoll_wait, which may take the edge) ended since, else it reads first.
+        wait_edge = edge_waiter(pipe) if pipe is not None else None
+        flusher = _run_flusher() if wait_edge is not None else None
+        drained = -1
         received = self._received
         try:
             async with trio.open_nursery() as tasks:
@@ -324,15 +331,25 @@ class ConnectionShell(RefusalGuard):
                                 if rfd is None:
                                     raise trio.ClosedResourceError("the stream is closed")
                                 read = None
+                                if emptied and flusher is not None and flusher.passes != drained:
+                                    emptied = False  # an epoll_wait since the pipe was seen empty: read first
                                 if not emptied:
                                     await trio.lowlevel.checkpoint_if_cancelled()
                                     if (read := _read_now(rfd)) is not None:
+                                        if flusher is not None:  # (if short) the pipe was empty in this pass
+                                            drained = flusher.passes
                                         await trio.lowlevel.cancel_shielded_checkpoint()
                                 # Waited for outside any ``except`` block: a handled exception stays
                                 # alive (with its traceback) as long as the block runs, awaits included.
                                 while read is None:
-                                    await wait_readable(rfd, "read_task")
-                                    read = _read_now(rfd)
+                                    if wait_edge is not None:
+                                        await wait_edge(rfd)  # seen empty in this step, no epoll_wait since
+                                        read = _read_now(rfd)
+                                        assert flusher is not None
+                                        drained = flusher.passes
+                                    else:
+                                        await wait_readable(rfd, "read_task")
+                                        read = _read_now(rfd)
                                 emptied = len(read) < _READ_SIZE
                                 data, read = read, None
                             else:
