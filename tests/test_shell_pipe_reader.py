@@ -58,7 +58,7 @@ async def test_a_request_response_peer_costs_one_read_per_message(reads: list[in
             names = [c.co_qualname for c in awaited(task.coro)]
             run = names.index("ConnectionShell.run")
             # the edge-triggered wait of the pipe (transports/pipe_wait.py), trio's trap just under it
-            assert names[run + 1 : run + 3] == ["edge_waiter.<locals>.wait_edge", "wait_task_rescheduled"], names
+            assert names[run + 1 : run + 3] == ["edge_waiter.<locals>.wait_edge", "_real_async_yield"], names
             assert "PipeStream.receive_some" not in names
             await client_end.aclose()
 

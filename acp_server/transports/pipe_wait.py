@@ -76,8 +76,10 @@ def edge_waiter(pipe: PipeStream) -> Callable[[int], Awaitable[None]] | None:
     try:
         from trio._core._io_epoll import EpollIOManager, EpollWaiters
         from trio._core._run import GLOBAL_RUN_CONTEXT
+        from trio._core._traps import WaitTaskRescheduled, _async_yield
 
-        io: Any = GLOBAL_RUN_CONTEXT.runner.io_manager
+        run_context: Any = GLOBAL_RUN_CONTEXT
+        io: Any = run_context.runner.io_manager
         registered = io._registered
         epoll = io._epoll
     except (ImportError, AttributeError):
@@ -88,9 +90,8 @@ def edge_waiter(pipe: PipeStream) -> Callable[[int], Awaitable[None]] | None:
         return None
     entry = _waiter_type(EpollWaiters)()
     entry.hangup = False
-    current_task = trio.lowlevel.current_task
-    wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
     succeeded = trio.lowlevel.Abort.SUCCEEDED
+    readable = select.EPOLLIN
 
     def abort(_: object) -> trio.lowlevel.Abort:
         # Cancelled: nobody waits any more; the registration stays (the reader reads before its next wait).
@@ -100,6 +101,10 @@ def edge_waiter(pipe: PipeStream) -> Callable[[int], Awaitable[None]] | None:
         if fd is not None and registered.get(fd) is entry:
             del registered[fd]
         return succeeded
+
+    # trio.lowlevel.wait_task_rescheduled(abort)'s yield, its one trap object made once (its abort is
+    # always this one): no coroutine frame and no trap object per wait
+    trap = WaitTaskRescheduled(abort)
 
     async def wait_edge(fd: int) -> None:
         if entry.hangup or fd in registered:
@@ -119,9 +124,9 @@ def edge_waiter(pipe: PipeStream) -> Callable[[int], Awaitable[None]] | None:
                 await trio.lowlevel.wait_readable(fd)  # (a regular file) trio's wait raises as before
                 return
             pipe.edge_epoll = epoll
-        entry.read_task = current_task()
-        entry.current_flags = select.EPOLLIN  # armed, as trio sees it: it makes no epoll_ctl
+        entry.read_task = run_context.task  # trio.lowlevel.current_task(), without the call
+        entry.current_flags = readable  # armed, as trio sees it: it makes no epoll_ctl
         registered[fd] = entry
-        await wait_task_rescheduled(abort)
+        (await _async_yield(trap)).unwrap()
 
     return wait_edge
