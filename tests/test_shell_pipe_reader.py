@@ -18,6 +18,7 @@ import trio
 import trio.testing
 
 from acp_server.transports import shell as shell_module
+from acp_server.transports import waits as waits_module
 
 from .helpers import RawClient, running_server
 from .test_shell_socket_reader import _serve, awaited, pipe_pair
@@ -57,7 +58,7 @@ async def test_a_request_response_peer_costs_one_read_per_message(reads: list[in
             (task,) = [t for t in nursery.child_tasks if t.name == "the connection"]
             names = [c.co_qualname for c in awaited(task.coro)]
             run = names.index("ConnectionShell.run")
-            # the edge-triggered wait of the pipe (transports/pipe_wait.py), trio's trap just under it
+            # the edge-triggered wait of the pipe (transports/waits.py), trio's trap just under it
             assert names[run + 1 : run + 3] == ["edge_waiter.<locals>.wait_edge", "_real_async_yield"], names
             assert "PipeStream.receive_some" not in names
             await client_end.aclose()
@@ -86,7 +87,7 @@ async def test_without_the_epoll_managers_wait_the_reader_uses_trios_public_one(
     ``_epoll_wait`` coroutine to call (another trio, another platform), and serves the same."""
     import types
 
-    monkeypatch.setattr(shell_module, "inspect", types.SimpleNamespace(iscoroutinefunction=lambda f: False))
+    monkeypatch.setattr(waits_module, "inspect", types.SimpleNamespace(iscoroutinefunction=lambda f: False))
     monkeypatch.setattr(shell_module, "edge_waiter", lambda pipe: None)  # (the pipe's own wait is a socket's then)
     with trio.fail_after(10):
         async with running_server() as (server, nursery):
@@ -106,7 +107,7 @@ async def test_without_the_epoll_managers_wait_the_reader_uses_trios_public_one(
 
 
 async def test_lines_and_the_end_of_input_in_one_edge_are_answered_then_the_connection_ends() -> None:
-    """The pipe is waited on edge-triggered (transports/pipe_wait.py): when the last lines and the
+    """The pipe is waited on edge-triggered (transports/waits.py): when the last lines and the
     writer's close arrive before the server's next epoll_wait, one event reports both; the read after it
     is short, and no edge comes any more. The reader must still see the end of input (``printf ... |
     acp-server serve --stdio``): the prompts are answered and the connection ends."""

@@ -342,7 +342,7 @@ class PipeStream(trio.abc.HalfCloseableStream):
         send_fd: the descriptor written, ``None`` once the stream is closed (the outbox writes it
             itself at the end of a pass, as :meth:`write_nowait` does).
         edge_epoll: the epoll object (of a trio run) in which :attr:`receive_fd` is registered
-            edge-triggered by :func:`~.pipe_wait.edge_waiter`, if any.
+            edge-triggered by :func:`~.waits.edge_waiter`, if any.
     """
 
     def __init__(self, receive_fd: int, send_fd: int) -> None:

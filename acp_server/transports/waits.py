@@ -1,6 +1,10 @@
-"""Waiting for the stdio pipe to become readable with one ``epoll_wait`` per wait, no ``epoll_ctl``.
+"""How the connection shell's reader waits for input, and reads without waiting.
 
-trio registers a descriptor it waits on with ``EPOLLONESHOT``: each wait re-arms it (an ``epoll_ctl``
+- :func:`read_now`: a non-blocking read, ``None`` when there is nothing yet.
+- :func:`readable_waiter`: trio's readable wait without its two wrapper coroutines (sockets).
+- :func:`edge_waiter`: the stdio pipe, waited on with one ``epoll_wait`` per wait and no ``epoll_ctl``.
+
+The pipe's wait. trio registers a descriptor it waits on with ``EPOLLONESHOT``: each wait re-arms it (an ``epoll_ctl``
 system call, and ``_update_registrations`` in Python), since an event disarms it. A sequential stdio
 prompt then costs four system calls: ``read``, ``write``, ``epoll_wait`` and that ``epoll_ctl``. Here the
 pipe's read end is registered once in the run's epoll, edge-triggered (``EPOLLIN | EPOLLET``, no
@@ -21,6 +25,8 @@ it when the stream closes.
 
 from __future__ import annotations
 
+import inspect
+import os
 import select
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
@@ -32,9 +38,44 @@ import trio
 if TYPE_CHECKING:
     from .listeners import PipeStream
 
-__all__ = ["edge_waiter"]
+__all__ = ["READ_SIZE", "edge_waiter", "read_now", "readable_waiter"]
 
+#: how much the shell's reader asks for at each read (a shorter read emptied the kernel's buffer)
+READ_SIZE = 65536
 _EDGE = select.EPOLLIN | select.EPOLLET
+
+
+def read_now(fd: int) -> bytes | None:
+    """What a non-blocking descriptor has to read now (``b""`` at its end), ``None`` if nothing yet."""
+    try:
+        return os.read(fd, READ_SIZE)
+    except BlockingIOError:
+        return None
+
+
+def readable_waiter() -> Callable[[int, str], Awaitable[None]]:
+    """``wait(fd, "read_task")``: trio's ``wait_readable(fd)``, without its two wrapper coroutines.
+
+    ``trio.lowlevel.wait_readable`` awaits the run's I/O manager's ``wait_readable``, which awaits its
+    ``_epoll_wait(fd, "read_task")``: every step of a reader that waits goes through both frames again.
+    On trio's epoll manager (Linux) this calls ``_epoll_wait`` itself; without it (another trio, another
+    platform), ``trio.lowlevel.wait_readable``.
+    """
+    try:
+        from trio._core._run import GLOBAL_RUN_CONTEXT
+
+        io = GLOBAL_RUN_CONTEXT.runner.io_manager
+        epoll_wait = io._epoll_wait
+        public = io.wait_readable
+    except (ImportError, AttributeError):
+        epoll_wait = None
+    if epoll_wait is None or not inspect.iscoroutinefunction(epoll_wait) or not inspect.iscoroutinefunction(public):
+        return _public_wait_readable
+    return epoll_wait
+
+
+async def _public_wait_readable(fd: int, _: str) -> None:
+    await trio.lowlevel.wait_readable(fd)
 
 
 @cache
