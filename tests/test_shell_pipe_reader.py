@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 import trio
@@ -163,3 +164,57 @@ async def test_the_pipe_read_with_trios_own_wait_first_is_then_waited_on_edge_tr
             assert a.edge_epoll is None
         await a.aclose()
         await b.aclose()
+
+
+class _CountingEpoll:
+    """The run's epoll object, counting the registrations trio makes through it (``epoll_ctl`` calls)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.ctl = 0
+
+    def poll(self, *args: Any) -> Any:
+        return self.real.poll(*args)
+
+    def modify(self, *args: Any) -> None:
+        self.ctl += 1
+        self.real.modify(*args)
+
+    def register(self, *args: Any) -> None:
+        self.ctl += 1
+        self.real.register(*args)
+
+    def unregister(self, *args: Any) -> None:
+        self.ctl += 1
+        self.real.unregister(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+async def test_sequential_prompts_on_the_pipe_make_no_epoll_registration() -> None:
+    """A sequential prompt on stdio costs one epoll_wait and no epoll_ctl (the pipe's registration is
+    kept, edge-triggered): a guard for a trio whose internals would make the shell fall back silently."""
+    from trio._core._run import GLOBAL_RUN_CONTEXT
+
+    with trio.fail_after(10):
+        async with running_server() as (server, nursery):
+            client_end, server_end = pipe_pair()
+            await _serve(server, nursery, server_end)
+            client = RawClient(client_end)
+            nursery.start_soon(client.pump)
+            await client.initialize()
+            session_id, _ = await client.new_session()
+            await trio.testing.wait_all_tasks_blocked()
+            io: Any = GLOBAL_RUN_CONTEXT.runner.io_manager
+            counting = io._epoll = _CountingEpoll(io._epoll)
+            try:
+                for n in range(5):
+                    assert (await client.prompt(session_id, f"hello {n}"))["stopReason"] == "end_turn"
+                    await trio.testing.wait_all_tasks_blocked()
+                # the client's end is read with trio's one-shot wait: one re-arm per answer it waited for
+                # (PipeStream.receive_some); the server's end, none
+                assert counting.ctl <= 5, counting.ctl
+            finally:
+                io._epoll = counting.real
+            await client_end.aclose()
