@@ -213,3 +213,37 @@ async def test_sequential_prompts_on_the_pipe_make_no_epoll_registration() -> No
         finally:
             io._epoll = counting.real
         await client_end.aclose()
+
+
+async def test_an_edge_wait_cancelled_leaves_the_registration_for_the_next_wait() -> None:
+    """A cancelled wait gives up its entry in trio's table but keeps the kernel's registration: the next
+    wait on the same pipe is woken by the next write, with no registration of its own."""
+    from trio._core._run import GLOBAL_RUN_CONTEXT
+
+    with trio.fail_after(10):
+        a, b = pipe_pair()
+        assert a.receive_fd is not None
+        wait = shell_module.edge_waiter(a)
+        assert wait is not None
+        with trio.move_on_after(0.01) as scope:
+            await wait(a.receive_fd)
+        assert scope.cancelled_caught and a.edge_epoll is not None
+        io: Any = GLOBAL_RUN_CONTEXT.runner.io_manager
+        assert a.receive_fd not in io._registered
+        counting = io._epoll = _CountingEpoll(io._epoll)
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def later() -> None:
+                    await trio.sleep(0.01)
+                    assert b.send_fd is not None
+                    os.write(b.send_fd, b"y")
+
+                nursery.start_soon(later)
+                await wait(a.receive_fd)
+            assert os.read(a.receive_fd, 10) == b"y"
+            assert counting.ctl == 0
+        finally:
+            io._epoll = counting.real
+        await a.aclose()
+        await b.aclose()
