@@ -22,6 +22,7 @@ Usage::
 
     python bench/server_instr.py [--prompts 4000] [--no-turn-states] [-- extra serve flags]
     python bench/server_instr.py --stdio [--words 1] [--prompts 2000] [--probe callgrind|strace|passes|cpu]
+    python bench/server_instr.py --stdio --probe cpu --pace-us 130   # at the official SDK client's pace
 
 The TCP server gets ``--ephemeral`` unless other flags are given after ``--`` (e.g. ``-- --state-dir DIR``).
 With ``--stdio``, ``SERVER_INSTR_SCRIPT=FILE`` runs that Python file as the server instead (``python -c``
@@ -167,9 +168,13 @@ class _StdioClient:
                 raise SystemExit("server_instr: the server closed its output")
             self.buf += data
 
-    def prompts(self, template: bytes, count: int) -> None:
-        """``count`` sequential prompts, each written once the last one's answer has been read."""
+    def prompts(self, template: bytes, count: int, pace_s: float = 0.0) -> None:
+        """``count`` sequential prompts, each written once the last one's answer has been read (and,
+        with ``pace_s``, that long after it: the server then sleeps between prompts, as it does for a
+        client that does work of its own between them)."""
         for _ in range(count):
+            if pace_s:
+                time.sleep(pace_s)
             prompt_id = self.next_id
             self.next_id += 1
             os.write(self.out, template % prompt_id)
@@ -211,7 +216,7 @@ def _stdio(args: argparse.Namespace) -> int:
         time.sleep(1 if probe == "callgrind" else 0.3)
         before = cpu_seconds(server.pid) if probe == "cpu" else None
         user_sys = _user_sys(server.pid) if probe == "cpu" else None
-        client.prompts(template, args.prompts)
+        client.prompts(template, args.prompts, args.pace_us / 1e6)
         after = cpu_seconds(server.pid) if probe == "cpu" else None
         user_sys_after = _user_sys(server.pid) if probe == "cpu" else None
         time.sleep(0.3)
@@ -294,6 +299,14 @@ def main() -> int:
     parser.add_argument("--stdio", action="store_true", help="serve --stdio, sequential prompts from a fixed client")
     parser.add_argument("--words", type=int, default=1, help="--stdio: words per prompt (default 1)")
     parser.add_argument("--warmup", type=int, default=500, help="--stdio: prompts before the counted ones (default 500)")
+    parser.add_argument(
+        "--pace-us",
+        type=float,
+        default=0.0,
+        help="--stdio: the client sleeps this long after each answer before its next prompt (default 0: at "
+        "once). The official SDK client's pace (~130 us between prompts) leaves the server's caches cold: "
+        "with --probe cpu this shows what a prompt costs then, which instruction counts do not",
+    )
     parser.add_argument(
         "--probe", choices=("callgrind", "strace", "passes", "cpu"), default="callgrind", help="--stdio: what watches the server"
     )

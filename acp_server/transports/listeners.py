@@ -341,6 +341,8 @@ class PipeStream(trio.abc.HalfCloseableStream):
             woken with ``ClosedResourceError`` first).
         send_fd: the descriptor written, ``None`` once the stream is closed (the outbox writes it
             itself at the end of a pass, as :meth:`write_nowait` does).
+        edge_epoll: the epoll object (of a trio run) in which :attr:`receive_fd` is registered
+            edge-triggered by :func:`~.waits.edge_waiter`, if any.
     """
 
     def __init__(self, receive_fd: int, send_fd: int) -> None:
@@ -349,6 +351,7 @@ class PipeStream(trio.abc.HalfCloseableStream):
         self.receive_fd: int | None = receive_fd
         self.send_fd: int | None = send_fd
         self._emptied = False  # the last read returned less than asked: the pipe was empty then
+        self.edge_epoll: object | None = None
 
     def open_fd(self) -> int:
         """:attr:`receive_fd`, for a reader that reads it itself (asked for again after each wait).
@@ -386,7 +389,18 @@ class PipeStream(trio.abc.HalfCloseableStream):
             await trio.lowlevel.cancel_shielded_checkpoint()
         return data
 
+    def drop_edge(self) -> None:
+        """Unregister :attr:`receive_fd`'s edge-triggered registration (trio's one-shot wait comes next)."""
+        epoll, self.edge_epoll = self.edge_epoll, None
+        if epoll is not None and self.receive_fd is not None:
+            try:
+                epoll.unregister(self.receive_fd)  # type: ignore[attr-defined]
+            except (OSError, ValueError):  # the run's epoll is closed, or the descriptor is gone
+                pass
+
     async def _wait_readable(self, fd: int) -> int:
+        if self.edge_epoll is not None:
+            self.drop_edge()
         await trio.lowlevel.wait_readable(fd)
         if self.receive_fd is None:
             raise trio.ClosedResourceError("the stream was closed while reading")
@@ -441,6 +455,8 @@ class PipeStream(trio.abc.HalfCloseableStream):
         fd = getattr(self, attr)
         if fd is not None:
             setattr(self, attr, None)
+            if attr == "receive_fd":
+                self.edge_epoll = None  # notify_closing unregisters it
             trio.lowlevel.notify_closing(fd)  # a task waiting on it wakes with ClosedResourceError
             os.close(fd)
 

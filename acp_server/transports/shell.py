@@ -21,11 +21,8 @@ within its own deadline, all within ``drain_timeout_s``, after which they are ca
 fail at once then (nobody can answer them). A write that fails (the peer closed its read side too)
 ends the wait at once.
 
-Socket hygiene (not for stdio, the editor's own pipe): a connection that sends no complete line within
-``first_message_timeout_s`` is closed, and so is one that holds nothing (no request in flight, no
-request of ours open, nothing ``holds`` says it keeps, such as an attached session) and sends nothing
-for ``idle_timeout_s``. Both are kept by one timer for the whole run (:mod:`.deadlines`), not by a
-task per connection: a socket costs one heap entry, and a wake-up per timeout period.
+Socket hygiene (not for stdio): the first-message and idle timeouts, in the base :class:`~.hygiene.IdleTimeouts`.
+How the reader waits for input (the stdio pipe edge-triggered): :mod:`.waits`.
 
 Overload refusals (timed, counted, charged to the peer's refusal budget) are answered through
 the base class :class:`~.refusals.RefusalGuard`.
@@ -33,11 +30,9 @@ the base class :class:`~.refusals.RefusalGuard`.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
-import os
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from functools import partial
 from time import perf_counter_ns
 from typing import Any
@@ -63,13 +58,15 @@ from ..jsonrpc import (
 )
 from ..logtext import clip
 from ..types.acp import CancelRequestParams
-from .deadlines import Deadline, deadlines
+from .deadlines import Deadline
+from .hygiene import IdleTimeouts
 from .inflight import BatchReplies, Slot
 from .listeners import PipeStream
-from .outbox import RELIABLE_WATERMARK_BYTES
+from .outbox import RELIABLE_WATERMARK_BYTES, _run_flusher
 from .refusal_budget import RefusalBudget, RefusalBudgetSettings, session_of
-from .refusals import RefusalGuard
 from .timing import LatencyHistogram
+from .waits import READ_SIZE, edge_waiter, readable_waiter
+from .waits import read_now as _read_now  # (a global here: tests count the reads)
 
 __all__ = ["RELIABLE_WATERMARK_BYTES", "ConnectionShell"]
 
@@ -78,46 +75,12 @@ log = logging.getLogger("acp_server.connection")
 _ids = itertools.count(1)
 _decode_cancel = msgspec.json.Decoder(CancelRequestParams).decode
 _FLUSH_TIMEOUT_S = 2.0
-_READ_SIZE = 65536
 #: task names given to trio (one it derived from the function would be a new string per task)
 _WRITER_TASK = "acp_server connection writer"
 _HANDLER_TASK = "acp_server connection request"
 
 
-def _read_now(fd: int) -> bytes | None:
-    """What a non-blocking descriptor has to read now (``b""`` at its end), ``None`` if nothing yet."""
-    try:
-        return os.read(fd, _READ_SIZE)
-    except BlockingIOError:
-        return None
-
-
-def _readable_waiter() -> Callable[[int, str], Awaitable[None]]:
-    """``wait(fd, "read_task")``: trio's ``wait_readable(fd)``, without its two wrapper coroutines.
-
-    ``trio.lowlevel.wait_readable`` awaits the run's I/O manager's ``wait_readable``, which awaits its
-    ``_epoll_wait(fd, "read_task")``: every step of a reader that waits goes through both frames again.
-    On trio's epoll manager (Linux) this calls ``_epoll_wait`` itself; without it (another trio, another
-    platform), ``trio.lowlevel.wait_readable``.
-    """
-    try:
-        from trio._core._run import GLOBAL_RUN_CONTEXT
-
-        io = GLOBAL_RUN_CONTEXT.runner.io_manager
-        epoll_wait = io._epoll_wait
-        public = io.wait_readable
-    except (ImportError, AttributeError):
-        epoll_wait = None
-    if epoll_wait is None or not inspect.iscoroutinefunction(epoll_wait) or not inspect.iscoroutinefunction(public):
-        return _public_wait_readable
-    return epoll_wait
-
-
-async def _public_wait_readable(fd: int, _: str) -> None:
-    await trio.lowlevel.wait_readable(fd)
-
-
-class ConnectionShell(RefusalGuard):
+class ConnectionShell(IdleTimeouts):
     """Serve one JSON-RPC connection on a trio stream.
 
     Its attributes are slots (a server holds one per connection: an instance dict of this many keys
@@ -147,18 +110,13 @@ class ConnectionShell(RefusalGuard):
 
     __slots__ = (
         "__dict__",
-        "_deadline",
         "_finished_unanswered",
-        "_first_message_timeout_s",
         "_got_line",
         "_handlers",
         "_holds",
-        "_idle_timeout_s",
         "_inflight",
         "_input_ended",
-        "_last_input",
         "_on_close",
-        "_opened",
         "_outbound",
         "_reading",
         "_room",
@@ -297,7 +255,13 @@ class ConnectionShell(RefusalGuard):
         pipe = stream if type(stream) is PipeStream else None
         emptied = False  # the last read was short
         limit_waiting = 4 * self.max_inflight
-        wait_readable = _readable_waiter()
+        wait_readable = readable_waiter()
+        # The stdio pipe is waited on edge-triggered, without re-arming it at each wait (see .waits);
+        # ``drained`` is the scheduling pass in which a read last saw it empty: the reader waits on it
+        # only if no pass (no epoll_wait, which may take the edge) ended since, else it reads first.
+        wait_edge = edge_waiter(pipe) if pipe is not None else None
+        flusher = _run_flusher() if wait_edge is not None else None
+        drained = -1
         received = self._received
         try:
             async with trio.open_nursery() as tasks:
@@ -324,19 +288,29 @@ class ConnectionShell(RefusalGuard):
                                 if rfd is None:
                                     raise trio.ClosedResourceError("the stream is closed")
                                 read = None
+                                if emptied and flusher is not None and flusher.passes != drained:
+                                    emptied = False  # an epoll_wait since the pipe was seen empty: read first
                                 if not emptied:
                                     await trio.lowlevel.checkpoint_if_cancelled()
                                     if (read := _read_now(rfd)) is not None:
+                                        if flusher is not None:  # (if short) the pipe was empty in this pass
+                                            drained = flusher.passes
                                         await trio.lowlevel.cancel_shielded_checkpoint()
                                 # Waited for outside any ``except`` block: a handled exception stays
                                 # alive (with its traceback) as long as the block runs, awaits included.
                                 while read is None:
-                                    await wait_readable(rfd, "read_task")
-                                    read = _read_now(rfd)
-                                emptied = len(read) < _READ_SIZE
+                                    if wait_edge is not None:
+                                        await wait_edge(rfd)  # seen empty in this step, no epoll_wait since
+                                        read = _read_now(rfd)
+                                        assert flusher is not None
+                                        drained = flusher.passes
+                                    else:
+                                        await wait_readable(rfd, "read_task")
+                                        read = _read_now(rfd)
+                                emptied = len(read) < READ_SIZE
                                 data, read = read, None
                             else:
-                                data = await stream.receive_some(_READ_SIZE)
+                                data = await stream.receive_some(READ_SIZE)
                             if not data:
                                 log.debug("%s: end of input", self.name)
                                 await self._drain()
@@ -404,46 +378,6 @@ class ConnectionShell(RefusalGuard):
             self._slots.clear()
             if self._slots_gone is not None:
                 self._slots_gone.set()
-
-    def _holds_nothing(self) -> bool:
-        return not (self._slots or self._outbound or (self._holds is not None and self._holds(self)))
-
-    def _arm_timeouts(self) -> None:
-        """Ask the run's shared timer for this socket's first wake-up (first message, else idle)."""
-        now = self._opened = trio.current_time()
-        first, idle = self._first_message_timeout_s, self._idle_timeout_s
-        if first is not None:
-            self._deadline = deadlines().at(now + first, self._first_message_due)
-        elif idle is not None:
-            self._deadline = deadlines().at(now + idle, self._idle_due)
-
-    def _first_message_due(self) -> None:
-        """Close a socket that sent no complete line in time; else watch it for idling."""
-        self._deadline = None
-        if self._closed:
-            return
-        if not self._got_line and not self._input_ended:
-            log.info("%s: no complete message within %.0f s; closing", self.name, self._first_message_timeout_s)
-            self.close()
-            return
-        if self._idle_timeout_s is not None:
-            self._idle_due()
-
-    def _idle_due(self) -> None:
-        """Close a socket idle for ``idle_timeout_s`` holding nothing; else wake up again when it may be."""
-        self._deadline = None
-        idle = self._idle_timeout_s
-        if self._closed or idle is None:
-            return
-        now = trio.current_time()
-        deadline = max(self._last_input, self._opened) + idle
-        if now >= deadline:
-            if self._holds_nothing() and not self._input_ended:
-                log.info("%s: idle for %.0f s holding nothing; closing", self.name, idle)
-                self.close()
-                return
-            deadline = now + idle
-        self._deadline = deadlines().at(deadline, self._idle_due)
 
     def _received(self, data: bytes | bytearray) -> bool:
         """Dispatch what ``data`` completes; ``False``: the connection must close (a line too large)."""
