@@ -7,27 +7,21 @@ A subscriber (:class:`SseSubscriber`) is attached to its session with the bridge
 (``replay`` then live fan-out), so it receives exactly the NDJSON lines an ACP connection receives,
 each turned into qwen's envelope (:func:`~.rest_envelope.envelope`); a live update sent to it alone
 comes as its parts instead (:meth:`SseSubscriber.send_update`), and its frame is the one of its line.
-
-Bounds: a subscriber's queue holds at most ``max_frames`` frames and ``max_bytes`` bytes. Past 75 % of
-either it is sent one ``slow_client_warning``; past the bound it gets ``client_evicted`` and its
-stream ends, and nobody else waits (the bridge never waits on a live send).
+Its frames are queued, bounded and written by :class:`~.rest_queue.FrameQueue` (the slow reader's
+warning and eviction are there).
 """
 
 from __future__ import annotations
 
 import itertools
 import re
-from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ...bridge.fanout import encode_update
-from ..outbox import at_pass_end
 from .rest_envelope import (
     EVENT_TYPES,
-    HEARTBEAT,
     _event,
     _update_frames,
     control_event,
@@ -35,6 +29,7 @@ from .rest_envelope import (
     envelope,
     envelopes,
 )
+from .rest_queue import FrameQueue
 
 if TYPE_CHECKING:
     from ...auth.tokens import Identity
@@ -210,8 +205,9 @@ def frames_of(line: bytes) -> list[tuple[int | None, bytes]]:
     return frames
 
 
-class SseSubscriber:
-    """One ``GET /session/:id/events`` stream as the bridge's ``Peer`` (see the module docstring).
+class SseSubscriber(FrameQueue):
+    """One ``GET /session/:id/events`` stream as the bridge's ``Peer`` (see the module docstring): a
+    :class:`~.rest_queue.FrameQueue` fed with the frames of the bridge's lines.
 
     Args:
         session_id: the session it watches.
@@ -220,37 +216,10 @@ class SseSubscriber:
     """
 
     def __init__(self, session_id: str, *, max_frames: int = 256, max_bytes: int = 2 * 1024 * 1024) -> None:
+        super().__init__(session_id, max_frames=max_frames, max_bytes=max_bytes)
         self.peer_id = next(_ids)
-        self.session_id = session_id
-        self.max_frames = max_frames
-        self.max_bytes = max_bytes
-        self.frames: deque[bytes] = deque()
-        self.nbytes = 0
-        self.warned = False
-        self.evicted = False
-        #: the newest session event id queued for this stream (:attr:`last_event_id`), or its digits
-        #: as the line had them, read when asked
-        self._last_id = 0
-        self._last_digits: bytes | None = None
-        #: frames queued over the stream's life
-        self.frames_queued = 0
-        self._closed = False
-        self._ready = trio.Event()
-        #: the writer waits on ``_ready`` (a frame queued meanwhile sets it; others need not)
-        self._waiting = False
-        self._room = trio.Event()
-        #: the queue lengths at which the reader is warned (75 % of either bound)
-        self._warn_frames = -(-max_frames * 3 // 4)
-        self._warn_bytes = -(-max_bytes * 3 // 4)
         #: the token the stream was opened with (evicted with it: :meth:`evict`)
         self.identity: Identity | None = None
-        #: when the stream's writer last took something (trio's clock): the heartbeat counts from it
-        self.taken_at = 0.0
-        self._beat = False
-        #: writes a run of frames on the stream at once if that needs no wait (``False``: not written):
-        #: the bridge's live frames then leave as their pass ends, without a step of the writer
-        self.direct: Callable[[bytes], bool] | None = None
-        self._at_end = False
         # the first bytes of this session's update and turn state lines in the bridge's layout, and of an
         # update's frame: its lines are cut without a search for the session id (one that is not plain
         # takes :func:`frames_of`, whose patterns it never matches)
@@ -281,79 +250,6 @@ class SseSubscriber:
         #: the frame's last bytes; ``None``: not plain)
         self._originator: str | None = None
         self._member_end: bytes | None = b"}\n\n"
-
-    @property
-    def last_event_id(self) -> int:
-        """The newest session event id queued for this stream (0: none yet)."""
-        digits = self._last_digits
-        if digits is not None:
-            self._last_id = int(digits)
-            self._last_digits = None
-        return self._last_id
-
-    @last_event_id.setter
-    def last_event_id(self, value: int) -> None:
-        self._last_id = value
-        self._last_digits = None
-
-    @property
-    def closed(self) -> bool:
-        """The stream ended (what it is sent is dropped)."""
-        return self._closed
-
-    def close(self) -> None:
-        """End the stream once what is queued is written."""
-        self._closed = True
-        self._ready.set()
-        self._room.set()
-
-    def evict(self, reason: str) -> None:
-        """End the stream with ``client_evicted`` (``reason``: ``token_revoked``), after what is queued."""
-        if self._closed:
-            return
-        self.evicted = True
-        self._append(encode_frame(_event("client_evicted", {"sessionId": self.session_id, "reason": reason})))
-        self.close()
-
-    def push(self, frame: bytes) -> None:
-        """Queue one frame for the stream, warning then evicting a reader that falls behind."""
-        if self._closed:
-            return
-        frames = len(self.frames) + 1
-        size = self.nbytes + len(frame)
-        if frames > self.max_frames or size > self.max_bytes:
-            self.evicted = True
-            data = {"sessionId": self.session_id, "reason": "queue_overflow", "queueSize": len(self.frames),
-                    "maxQueued": self.max_frames, "queuedBytes": self.nbytes, "maxQueuedBytes": self.max_bytes,
-                    "eventBytes": len(frame)}
-            self._append(encode_frame(_event("client_evicted", data)))
-            self.close()
-            return
-        self._append(frame)
-        if not self.warned and (frames * 4 >= self.max_frames * 3 or size * 4 >= self.max_bytes * 3):
-            self.warned = True
-            data = {"sessionId": self.session_id, "queueSize": frames, "maxQueued": self.max_frames,
-                    "lastEventId": self.last_event_id, "queuedBytes": size, "maxQueuedBytes": self.max_bytes,
-                    "threshold": "frames" if frames * 4 >= self.max_frames * 3 else "bytes"}
-            self._append(encode_frame(_event("slow_client_warning", data)))
-
-    def _append(self, frame: bytes) -> None:
-        self.frames_queued += 1
-        self.frames.append(frame)
-        self.nbytes += len(frame)
-        self._ready.set()
-
-    def push_event(self, event: dict[str, Any]) -> None:
-        """Queue one envelope."""
-        if "id" in event:
-            self.last_event_id = event["id"]
-        self.push(encode_frame(event))
-
-    def push_frame(self, event_id: int | None, frame: bytes) -> None:
-        """Queue one encoded frame (``event_id``: the session event id it carries)."""
-        if event_id is not None:
-            self.last_event_id = event_id
-        self.push(frame)
 
     def _frames_of(self, line: bytes) -> _Frames:
         """:func:`frames_of` of a line, this session's update and turn state lines in the bridge's
@@ -535,53 +431,6 @@ class SseSubscriber:
         self._tail_ends[end] = member
         return member
 
-    def _queue(self, frame: bytes) -> None:
-        """Queue one live frame: here below the warning mark, else through :meth:`push`."""
-        size = self.nbytes + len(frame)
-        if self._closed or len(self.frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
-            self.push(frame)
-            return
-        self.frames_queued += 1
-        self.frames.append(frame)
-        self.nbytes = size
-        if self._waiting:
-            self._wake()
-
-    def _wake(self) -> None:
-        """The writer waits: wake it, or have the frames written as this pass ends (:attr:`direct`)."""
-        self._waiting = False
-        if self.direct is None:
-            self._ready.set()
-        elif not self._at_end:
-            self._at_end = True
-            at_pass_end(self._write_at_end)
-
-    def _write_at_end(self) -> bool:
-        """As the pass that queued live frames ends: write them through :attr:`direct` while the writer
-        waits; what that cannot write wakes the writer. Whether it woke it."""
-        self._at_end = False
-        frames = self.frames
-        if self._ready.is_set() or not frames:
-            return False  # the writer was woken by another frame, or took them already
-        direct = self.direct
-        if direct is not None and not self._closed and direct(b"".join(frames) if len(frames) > 1 else frames[0]):
-            frames.clear()
-            self.nbytes = 0
-            self.taken_at = trio.current_time()
-            self._room.set()
-            self._waiting = True  # the writer still waits on ``_ready``
-            return False
-        self._ready.set()
-        return True
-
-    def beat(self) -> bool:
-        """Have the writer send ``: heartbeat`` (unless frames come first); ``False`` once closed."""
-        if self._closed:
-            return False
-        self._beat = True
-        self._ready.set()
-        return True
-
     async def send_reliably(self, data: bytes) -> None:
         """A replayed line: waits while the queue is at half its bound instead of evicting."""
         frames = frames_of(data)
@@ -602,23 +451,3 @@ class SseSubscriber:
     async def request(self, method: str, params: Any = None) -> Any:
         """A subscriber is never asked directly (permissions go through :class:`RestChannel`)."""
         raise trio.EndOfChannel
-
-    async def take(self) -> list[bytes] | None:
-        """Every queued frame, once there is one, or a heartbeat (``None``: closed and drained)."""
-        while not self.frames:
-            if self._closed:
-                return None
-            if self._beat:
-                self._beat = False
-                self.taken_at = trio.current_time()
-                return [HEARTBEAT]
-            self._ready = trio.Event()
-            self._waiting = True
-            await self._ready.wait()
-        self._beat = False
-        self.taken_at = trio.current_time()
-        frames = list(self.frames)
-        self.frames.clear()
-        self.nbytes = 0
-        self._room.set()
-        return frames
