@@ -38,6 +38,8 @@ __all__ = ["EVENT_TYPES", "SseSubscriber", "control_event", "encode_frame", "env
 
 #: REST peers' ids stay clear of the socket shells' (small counters).
 _ids = itertools.count(1 << 40)
+#: an originating client id no update comes from (see ``SseSubscriber._fast_originator``)
+_NOBODY = object()
 
 
 #: a ``session/update`` line as the bridge writes it (``fanout.encode_update``): these first bytes, the
@@ -250,6 +252,11 @@ class SseSubscriber(FrameQueue):
         #: the frame's last bytes; ``None``: not plain)
         self._originator: str | None = None
         self._member_end: bytes | None = b"}\n\n"
+        #: the originating client id whose updates :meth:`send_update` frames at once (the last one met,
+        #: while the session id and it are plain and the stream is open; :data:`_NOBODY` otherwise), and
+        #: its frame's end
+        self._fast_originator: object = None if plain else _NOBODY
+        self._fast_end = b"}\n\n"
 
     def _frames_of(self, line: bytes) -> _Frames:
         """:func:`frames_of` of a line, this session's update and turn state lines in the bridge's
@@ -284,7 +291,7 @@ class SseSubscriber(FrameQueue):
         global _last_update
         last = _last_update
         if last[0] is data:  # another subscriber of the session cut this line already
-            self._last_digits = last[1]
+            self._last_id = last[1]
             self._queue(last[2])
             return
         if data.startswith(self._update_head) and data.endswith(self._end):
@@ -295,7 +302,7 @@ class SseSubscriber(FrameQueue):
                 frame = b"".join((b"id: ", digits, self._frame_head, data[self._update_start:cut], b'},"_meta":{"eventId":',
                                   digits, b'},"id":', digits, self._member, b"}\n\n"))
                 _last_update = (data, digits, frame)
-                self._last_digits = digits
+                self._last_id = digits
                 self._queue(frame)
                 return
         elif data.startswith(self._turn_head):  # a completed turn's line, as _frames_of cuts it
@@ -305,7 +312,7 @@ class SseSubscriber(FrameQueue):
                 frame = b"".join((b"id: ", digits, self._turn_frame_head, reason or b"end_turn", b'","promptId":"', prompt_id,
                                   b'"},"_meta":{"eventId":', digits, b'},"id":', digits, b"}\n\n"))
                 _last_update = (data, digits, frame)
-                self._last_digits = digits
+                self._last_id = digits
                 self._queue(frame)
                 return
         self._send_line(data)
@@ -314,8 +321,31 @@ class SseSubscriber(FrameQueue):
         """The bridge's live update to this subscriber alone, as its parts (``fanout.FanOut.update_sinks``):
         queues the frame :meth:`send` cuts from its line (``fanout.encode_update``), built from them. The
         update's JSON is msgspec's (no line feed or carriage return); an event id past 16 digits, a
-        session id or an originating client id that is not plain take the line's path."""
-        if originator is self._originator:  # (a session's prompts come from the same client, mostly)
+        session id or an originating client id that is not plain take the line's path. The usual update
+        (the same originating client id as the last, the queue below its warning) is framed and queued
+        here; any other goes through :meth:`_send_update`."""
+        if originator is not self._fast_originator or event_id >= _MAX_CUT_ID:
+            self._send_update(event_id, body, originator)
+            return
+        digits = b"%d" % event_id  # (once: a join of the parts costs less than a format of three ints)
+        frame = b"".join((b"id: ", digits, self._frame_head, body, b'},"_meta":{"eventId":', digits, b'},"id":', digits,
+                          self._fast_end))
+        size = self.nbytes + len(frame)
+        frames = self.frames
+        if len(frames) >= self._fast_frames or size >= self._warn_bytes:
+            self._last_id = event_id
+            self.push(frame)
+            return
+        self._last_id = event_id
+        frames.append(frame)
+        self.nbytes = size
+        if self._waiting:
+            self._wake()
+
+    def _send_update(self, event_id: int, body: bytes, originator: str | None) -> None:
+        """:meth:`send_update` of an update its first test does not take: another originating client id
+        (learnt here), a closed stream, a session id that is not plain, a long event id."""
+        if originator is self._originator:
             end = self._member_end
         else:
             member = self._members.get(originator, b"-")
@@ -326,20 +356,16 @@ class SseSubscriber(FrameQueue):
         if end is None or not self._plain or event_id >= _MAX_CUT_ID:
             self.send(encode_update(self.session_id, event_id, body, originator))
             return
+        if not self._closed:
+            self._fast_originator, self._fast_end = originator, end
         self._last_id = event_id
-        self._last_digits = None
-        digits = b"%d" % event_id  # (once: a join of the parts costs less than a format of three ints)
-        frame = b"".join((b"id: ", digits, self._frame_head, body, b'},"_meta":{"eventId":', digits, b'},"id":', digits, end))
-        size = self.nbytes + len(frame)  # (:meth:`_queue`, inline)
-        frames = self.frames
-        if self._closed or len(frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
-            self.push(frame)
-            return
-        self.frames_queued += 1
-        frames.append(frame)
-        self.nbytes = size
-        if self._waiting:
-            self._wake()
+        digits = b"%d" % event_id
+        self._queue(b"".join((b"id: ", digits, self._frame_head, body, b'},"_meta":{"eventId":', digits, b'},"id":', digits, end)))
+
+    def close(self) -> None:
+        """End the stream once what is queued is written (its later live updates are dropped by :meth:`push`)."""
+        self._fast_originator = _NOBODY
+        super().close()
 
     def send_completed(self, prompt_id: str, reason: str, event_id: int, originator: str | None) -> bool:
         """The bridge's completed turn to this subscriber alone, as its parts (``fanout.FanOut.completed_sinks``):
@@ -365,7 +391,6 @@ class SseSubscriber(FrameQueue):
                 return False
         digits = b"%d" % event_id
         self._last_id = event_id
-        self._last_digits = None
         self._queue(b"".join((b"id: ", digits, self._turn_frame_head, stop, b'","promptId":"', prompt_id.encode(),
                               b'"},"_meta":{"eventId":', digits, b'},"id":', digits, b"}\n\n")))
         return True

@@ -40,11 +40,10 @@ class FrameQueue:
         self.warned = False
         self.evicted = False
         #: the newest session event id queued for this stream (:attr:`last_event_id`), or its digits
-        #: as the line had them, read when asked
-        self._last_id = 0
-        self._last_digits: bytes | None = None
-        #: frames queued over the stream's life
-        self.frames_queued = 0
+        #: as the line had them (``bytes``), read when asked
+        self._last_id: int | bytes = 0
+        #: frames taken from the queue over the stream's life (:attr:`frames_queued` counts from it)
+        self._taken = 0
         self._closed = False
         self._ready = trio.Event()
         #: the writer waits on ``_ready`` (a frame queued meanwhile sets it; others need not)
@@ -53,6 +52,8 @@ class FrameQueue:
         #: the queue lengths at which the reader is warned (75 % of either bound)
         self._warn_frames = -(-max_frames * 3 // 4)
         self._warn_bytes = -(-max_bytes * 3 // 4)
+        #: the queue length from which a frame is queued through :meth:`push` (its warning's check)
+        self._fast_frames = self._warn_frames - 1
         #: when the stream's writer last took something (trio's clock): the heartbeat counts from it
         self.taken_at = 0.0
         self._beat = False
@@ -64,16 +65,19 @@ class FrameQueue:
     @property
     def last_event_id(self) -> int:
         """The newest session event id queued for this stream (0: none yet)."""
-        digits = self._last_digits
-        if digits is not None:
-            self._last_id = int(digits)
-            self._last_digits = None
-        return self._last_id
+        last = self._last_id
+        if type(last) is bytes:
+            last = self._last_id = int(last)
+        return last  # type: ignore[return-value]  # (an int: bytes were read above)
 
     @last_event_id.setter
     def last_event_id(self, value: int) -> None:
         self._last_id = value
-        self._last_digits = None
+
+    @property
+    def frames_queued(self) -> int:
+        """Frames queued over the stream's life (those taken and those waiting)."""
+        return self._taken + len(self.frames)
 
     @property
     def closed(self) -> bool:
@@ -117,7 +121,6 @@ class FrameQueue:
             self._append(encode_frame(_event("slow_client_warning", data)))
 
     def _append(self, frame: bytes) -> None:
-        self.frames_queued += 1
         self.frames.append(frame)
         self.nbytes += len(frame)
         self._ready.set()
@@ -137,10 +140,9 @@ class FrameQueue:
     def _queue(self, frame: bytes) -> None:
         """Queue one live frame: here below the warning mark, else through :meth:`push`."""
         size = self.nbytes + len(frame)
-        if self._closed or len(self.frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
+        if self._closed or len(self.frames) >= self._fast_frames or size >= self._warn_bytes:
             self.push(frame)
             return
-        self.frames_queued += 1
         self.frames.append(frame)
         self.nbytes = size
         if self._waiting:
@@ -164,6 +166,7 @@ class FrameQueue:
             return False  # the writer was woken by another frame, or took them already
         direct = self.direct
         if direct is not None and not self._closed and direct(b"".join(frames) if len(frames) > 1 else frames[0]):
+            self._taken += len(frames)
             frames.clear()
             self.nbytes = 0
             self.taken_at = trio.current_time()
@@ -196,6 +199,7 @@ class FrameQueue:
         self._beat = False
         self.taken_at = trio.current_time()
         frames = list(self.frames)
+        self._taken += len(frames)
         self.frames.clear()
         self.nbytes = 0
         self._room.set()
