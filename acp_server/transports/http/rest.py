@@ -108,8 +108,9 @@ FEATURES = (
     "client_heartbeat", "session_permission_vote",
 )
 _decoder = msgspec.json.Decoder()
-#: client ids of the header's syntax seen already (a client sends its own on every request); cleared when full
-_client_ids: set[str] = set()
+#: client id headers of the right syntax seen already, as their value (a client sends its own on every
+#: request: the same ``str`` for each, whose hash the bridge's lookups then find made); cleared when full
+_client_ids: dict[bytes, str] = {}
 _CLIENT_IDS_KEPT = 1024
 
 
@@ -235,9 +236,16 @@ class RestApi:
                 break
         return self._checked_body(headers, body)
 
-    def _checked_body(self, headers: list[tuple[bytes, bytes]], body: bytes | bytearray) -> Any:
-        """:meth:`_raw_body`'s checks of the body read (415, then 413)."""
+    def _checked_body(
+        self, headers: list[tuple[bytes, bytes]], body: bytes | bytearray, fields: dict[bytes, bytes] | None = None
+    ) -> Any:
+        """:meth:`_raw_body`'s checks of the body read (415, then 413); ``fields``: the headers' first
+        values by name (``SimpleRequest.fields``), whose usual content type is read there."""
         limit = self.max_message_bytes
+        if body and fields is not None and fields.get(b"content-type") == b"application/json":
+            if len(body) > limit:
+                raise MessageTooLargeError(limit=limit)
+            return body
         if not body:
             declared = header(headers, b"content-length")
             if not (declared and declared.strip() not in ("", "0")):
@@ -252,16 +260,29 @@ class RestApi:
         return body
 
     @staticmethod
-    def _client_id(headers: list[tuple[bytes, bytes]]) -> str | None:
-        value = header(headers, CLIENT_HEADER)
-        if value is None or value in _client_ids:
-            return value
-        if not _CLIENT_ID.fullmatch(value):
+    def _client_id(headers: list[tuple[bytes, bytes]], fields: dict[bytes, bytes] | None = None) -> str | None:
+        """The ``X-Qwen-Client-Id`` header's client id (its first; ``None``: none), 400 for one of another
+        syntax; ``fields``: the headers' first values by name, read instead of the headers."""
+        if fields is not None:
+            raw = fields.get(CLIENT_HEADER)
+        else:
+            raw = None
+            for name, value in headers:
+                if name == CLIENT_HEADER:
+                    raw = value
+                    break
+        if raw is None:
+            return None
+        client_id = _client_ids.get(raw)
+        if client_id is not None:
+            return client_id
+        client_id = raw.decode("latin-1")
+        if not _CLIENT_ID.fullmatch(client_id):
             raise InvalidParamsError(path="X-Qwen-Client-Id", detail="must match [A-Za-z0-9._:-]{1,128}")
         if len(_client_ids) >= _CLIENT_IDS_KEPT:
             _client_ids.clear()
-        _client_ids.add(value)
-        return value
+        _client_ids[bytes(raw)] = client_id
+        return client_id
 
     def _ctx(self, channel: RestChannel | None = None) -> RestContext:
         return RestContext(self.server, self.caller, channel)
@@ -394,16 +415,18 @@ class RestApi:
         await self._json(send, 202, admitted, cors)
 
     def direct_prompt(
-        self, session_id: str, headers: list[tuple[bytes, bytes]], body: bytes, caller: HttpCaller
+        self, session_id: str, headers: list[tuple[bytes, bytes]], body: bytes, caller: HttpCaller,
+        fields: dict[bytes, bytes] | None = None,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
         """``POST /session/:id/prompt`` of ``caller`` with its whole ``body``, past its route and the
         listener's checks (``AcpHttpApp.direct_request``): what :meth:`_prompt_route` answers, as its
         status, headers and body, when the admission is this process's (``None``: a coordinator's,
-        which is waited for on the general path)."""
+        which is waited for on the general path). ``fields``: the headers' first values by name."""
         if self.server.bridge.shared is not None:
             return None
         try:
-            admitted = self._admit(session_id, _typed(self._checked_body(headers, body), PromptRequest), headers, caller)
+            request = _typed(self._checked_body(headers, body, fields), PromptRequest)
+            admitted = self._admit(session_id, request, headers, caller, fields)
             return 202, [_JSON], msgspec.json.encode(admitted)
         except AcpError as exc:
             return refusal(exc, [])
@@ -529,11 +552,12 @@ class RestApi:
         return admitted if isinstance(admitted, PromptAccepted) else await self._shared_admit(*admitted)
 
     def _admit(
-        self, session_id: str, body: PromptRequest, headers: list[tuple[bytes, bytes]], caller: HttpCaller | None = None
+        self, session_id: str, body: PromptRequest, headers: list[tuple[bytes, bytes]], caller: HttpCaller | None = None,
+        fields: dict[bytes, bytes] | None = None,
     ) -> PromptAccepted | tuple[SharedAdmit, int]:
         """:meth:`prompt`'s synchronous part for ``caller`` (default: the request's): the 202's body once
         admitted here, or the coordinator's admission to wait for, with the session's last event id at
-        admission."""
+        admission (``fields``: the headers' first values by name, when the request has them)."""
         if body.meta or body.deadline_ms is not None:
             meta = dict(body.meta or {})
             if body.deadline_ms is not None:
@@ -541,7 +565,7 @@ class RestApi:
             meta_deadline_ms(meta)
             meta = self._meta(headers, meta) or {}
         else:  # (the usual body: _meta is the header's client id alone, if any)
-            client_id = self._client_id(headers)
+            client_id = self._client_id(headers, fields)
             meta = {"clientId": client_id} if client_id is not None else {}
         params = PromptParams(session_id=session_id, prompt=body.prompt, meta=meta)
         if caller is None:
