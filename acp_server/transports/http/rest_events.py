@@ -462,8 +462,7 @@ class SseSubscriber(FrameQueue):
         if not frames:
             return
         while not self._closed and (len(self.frames) * 2 >= self.max_frames or self.nbytes * 2 >= self.max_bytes):
-            self._room = trio.Event()
-            await self._room.wait()
+            await self.wait_for_room()
         for event_id, frame in frames:
             self.push_frame(event_id, frame)
 

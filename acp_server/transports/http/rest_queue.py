@@ -48,7 +48,10 @@ class FrameQueue:
         self._ready = trio.Event()
         #: the writer waits on ``_ready`` (a frame queued meanwhile sets it; others need not)
         self._waiting = False
-        self._room = trio.Event()
+        #: what a replay waits on while the queue is full (``None``: nobody waits; see ``send_reliably``)
+        self._room: trio.Event | None = None
+        #: the run's clock (:attr:`taken_at`'s), read once there is a run
+        self._clock: trio.abc.Clock | None = None
         #: the queue lengths at which the reader is warned (75 % of either bound)
         self._warn_frames = -(-max_frames * 3 // 4)
         self._warn_bytes = -(-max_bytes * 3 // 4)
@@ -88,7 +91,7 @@ class FrameQueue:
         """End the stream once what is queued is written."""
         self._closed = True
         self._ready.set()
-        self._room.set()
+        self._made_room()
 
     def evict(self, reason: str) -> None:
         """End the stream with ``client_evicted`` (``reason``: ``token_revoked``), after what is queued."""
@@ -169,8 +172,9 @@ class FrameQueue:
             self._taken += len(frames)
             frames.clear()
             self.nbytes = 0
-            self.taken_at = trio.current_time()
-            self._room.set()
+            self.taken_at = self._now()
+            if self._room is not None:
+                self._made_room()
             self._waiting = True  # the writer still waits on ``_ready``
             return False
         self._ready.set()
@@ -191,16 +195,38 @@ class FrameQueue:
                 return None
             if self._beat:
                 self._beat = False
-                self.taken_at = trio.current_time()
+                self.taken_at = self._now()
                 return [HEARTBEAT]
             self._ready = trio.Event()
             self._waiting = True
             await self._ready.wait()
         self._beat = False
-        self.taken_at = trio.current_time()
+        self.taken_at = self._now()
         frames = list(self.frames)
         self._taken += len(frames)
         self.frames.clear()
         self.nbytes = 0
-        self._room.set()
+        if self._room is not None:
+            self._made_room()
         return frames
+
+    def _made_room(self) -> None:
+        """Wake a replay that waits for room (if one does)."""
+        room, self._room = self._room, None
+        if room is not None:
+            room.set()
+
+    async def wait_for_room(self) -> None:
+        """Wait until the queue was taken from, or the stream closed."""
+        if self._closed:
+            return
+        if self._room is None:
+            self._room = trio.Event()
+        await self._room.wait()
+
+    def _now(self) -> float:
+        """The run's clock (``trio.current_time()``, without its two calls to get to the clock)."""
+        clock = self._clock
+        if clock is None:
+            clock = self._clock = trio.lowlevel.current_clock()
+        return clock.current_time()
