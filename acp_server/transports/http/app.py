@@ -80,6 +80,7 @@ _SESSION_KEY = SESSION_HEADER.lower().encode()
 #: the most answers :meth:`AcpHttpApp.inline_request` keeps, and the longest path kept
 _INLINE_KEPT = 1024
 _INLINE_PATH_KEPT = 512
+_HOSTS_KEPT = 256
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,10 @@ class AcpHttpApp:
         self._inline: dict[tuple[bytes, bytes], bool] = {}
         #: :meth:`_prompt_path`'s answers for POST paths (``None``: not a prompt's); cleared when full
         self._prompt_paths: dict[bytes, str | None] = {}
+        #: ``Host`` values :meth:`direct_request` found ours (``rules.check_host``'s answer is fixed), and
+        #: the owner's caller by client address; each cleared when full
+        self._hosts_ok: set[bytes | None] = set()
+        self._owners: dict[Any, HttpCaller] = {}
 
     def inline_request(self, method: bytes, path: bytes) -> bool:
         """Whether a whole request may be served in its connection's reading task (no task of its own;
@@ -225,13 +230,26 @@ class AcpHttpApp:
             return None
         else:
             host = fields.get(b"host")
-        if host is None or self.rules.check_host(host.decode("latin-1")) is not None:
-            return None
-        source = str(client[0]) if client and client[0] else None  # (what client_address reads)
-        answer: tuple[int, list[tuple[bytes, bytes]], bytes] | None = rest.direct_prompt(
-            session_id, headers, body, self.guard.owner("default", source), fields
-        )
+        if host not in self._hosts_ok:
+            if host is None or self.rules.check_host(host.decode("latin-1")) is not None:
+                return None
+            if len(self._hosts_ok) >= _HOSTS_KEPT:
+                self._hosts_ok.clear()
+            self._hosts_ok.add(host)
+        owner = self._owners.get(client)
+        if owner is None:
+            owner = self._owner_of(client)
+        answer: tuple[int, list[tuple[bytes, bytes]], bytes] | None = rest.direct_prompt(session_id, headers, body, owner, fields)
         return answer
+
+    def _owner_of(self, client: Any) -> HttpCaller:
+        """The owner's caller from the address ``client`` (a connection's: asked once per request), kept."""
+        source = str(client[0]) if client and client[0] else None  # (what client_address reads)
+        owner = self.guard.owner("default", source)
+        if len(self._owners) >= _HOSTS_KEPT:
+            self._owners.clear()
+        self._owners[client] = owner
+        return owner
 
     def _prompt_path(self, method: bytes, path: bytes) -> str | None:
         """The session id of a ``POST /session/:id/prompt`` path (``None``: another path, or one with a

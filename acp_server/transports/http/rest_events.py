@@ -373,22 +373,25 @@ class SseSubscriber(FrameQueue):
         built from them. ``False`` (nothing done: send the line) for what that cut does not take: a
         prompt id, stop reason, session id or originating client id that is not plain, an event id past
         16 digits."""
-        if not self._plain or event_id >= _MAX_CUT_ID or not 0 < len(prompt_id) <= 128 or prompt_id.strip(_PLAIN_CHARS):
+        if event_id >= _MAX_CUT_ID or not 0 < len(prompt_id) <= 128 or prompt_id.strip(_PLAIN_CHARS):
             return False
         stop = _reasons.get(reason, b"-")
         if stop == b"-":
             stop = _reason_of(reason)
         if stop is None:
             return False
-        if originator is self._originator:
-            if self._member_end is None:
+        if originator is not self._fast_originator:  # (that one's member is plain, as the session id)
+            if not self._plain:
                 return False
-        else:
-            member = self._members.get(originator, b"-")
-            if member == b"-":
-                member = self._member_of(originator)
-            if member is None:
-                return False
+            if originator is self._originator:
+                if self._member_end is None:
+                    return False
+            else:
+                member = self._members.get(originator, b"-")
+                if member == b"-":
+                    member = self._member_of(originator)
+                if member is None:
+                    return False
         digits = b"%d" % event_id
         self._last_id = event_id
         self._queue(b"".join((b"id: ", digits, self._turn_frame_head, stop, b'","promptId":"', prompt_id.encode(),

@@ -120,10 +120,15 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
     def _write_now(self, data: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
         """Write what the kernel takes of ``data`` at once, when nothing is queued or being written before
         it, writes are not joined and the socket is plain; the rest (all of it otherwise) is returned."""
-        if self.join or self._out or self._writing or type(self.stream) is not trio.SocketStream:
+        if self.join or self._out or self._writing:
             return data
-        raw = self._raw
-        fd = raw.fileno() if raw is not None else self.stream.socket.fileno()  # -1 once closed: never a stale number
+        raw = self._raw  # (set only for a plain socket)
+        if raw is not None:
+            fd = raw.fileno()  # -1 once closed: never a stale number
+        elif type(self.stream) is trio.SocketStream:
+            fd = self.stream.socket.fileno()
+        else:
+            return data
         if fd < 0:
             return data
         try:
