@@ -55,6 +55,25 @@ def test_many_originators_are_kept_within_a_bound() -> None:
     assert sub.frames[-1] == rest_events.frames_of(encode_update("s-1", 200, b"{}", "cli-199"))[0][1]
 
 
+@pytest.mark.parametrize("closed_at", [None, 10])
+def test_updates_from_changing_originators_a_warning_and_a_close_are_the_lines_frames(closed_at: int | None) -> None:
+    """``send_update``'s fast path (the last originator's frame end kept) and its other path give the
+    lines' frames as originators change, the warning comes at the same frame as ``send``'s, and a closed
+    stream drops what it is sent, as the lines' subscriber does."""
+    originators = [None, "cli-1", "cli-1", "cli-2", None, "c 1", "cli-1", "cli-1"] * 3
+    by_line, by_parts = SseSubscriber("s-1", max_frames=30), SseSubscriber("s-1", max_frames=30)
+    for n, originator in enumerate(originators, 1):
+        if n == closed_at:
+            by_line.close()
+            by_parts.close()
+        rest_events._last_update = (b"", b"", b"")
+        by_line.send(encode_update("s-1", n, BODY, originator))
+        by_parts.send_update(n, BODY, originator)
+    assert list(by_parts.frames) == list(by_line.frames) and by_parts.warned == (closed_at is None)
+    assert by_parts.last_event_id == by_line.last_event_id and by_parts.frames_queued == by_line.frames_queued
+    assert not by_parts.evicted
+
+
 async def test_a_stream_is_a_sink_while_it_is_open() -> None:
     """The event stream is registered as its session's update and completed-turn sink while open and
     removed once it ends; its prompt's updates and turn_complete arrive as before."""

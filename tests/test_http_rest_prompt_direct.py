@@ -67,6 +67,11 @@ async def _answers(sid: str, port: int, client_id: str) -> list[tuple[bytes, boo
         _request(sid, b'{"prompt":[{"type":"text","text":"x"}],"deadlineMs":-5}'),
         _request(sid, _PROMPT, extra=b"x-qwen-client-id: bad id!\r\n"),
         _request(sid, _PROMPT, extra=b"x-qwen-client-id: never-registered\r\n"),
+        # a header given twice: its first value is the one read, on both paths
+        _request(sid, _PROMPT, extra=b"x-qwen-client-id: %s\r\nx-qwen-client-id: bad id!\r\n" % client_id.encode()),
+        _request(sid, _PROMPT, extra=b"x-qwen-client-id: bad id!\r\nx-qwen-client-id: %s\r\n" % client_id.encode()),
+        _request(sid, _PROMPT, extra=b"content-type: text/plain\r\n"),
+        _request(sid, _PROMPT, content_type=b"text/plain", extra=b"content-type: application/json\r\n"),
     ]
     return [await _exchange(port, case) for case in cases]
 
@@ -96,8 +101,8 @@ async def test_direct_answers_are_the_general_paths_bytes(monkeypatch: pytest.Mo
     assert len(answered) == len(fast) and all(a is not None for a in answered)
     assert [(_normal(a), closed) for a, closed in fast] == [(_normal(a), closed) for a, closed in general]
     assert [a.split(b" ", 2)[1] for a, _ in fast] == [b"202", b"202", b"202", b"404", b"415", b"400", b"400", b"400",
-                                                      b"400", b"400", b"400"]
-    assert [closed for _, closed in fast] == [False, False, True] + [False] * 8
+                                                      b"400", b"400", b"400", b"202", b"400", b"202", b"415"]
+    assert [closed for _, closed in fast] == [False, False, True] + [False] * 12
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 

@@ -80,6 +80,7 @@ _SESSION_KEY = SESSION_HEADER.lower().encode()
 #: the most answers :meth:`AcpHttpApp.inline_request` keeps, and the longest path kept
 _INLINE_KEPT = 1024
 _INLINE_PATH_KEPT = 512
+_HOSTS_KEPT = 256
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,12 @@ class AcpHttpApp:
         self.readiness: Callable[[], AcpError | None] | None = None
         #: :meth:`inline_request`'s answers by method and path (a client asks the same few); cleared when full
         self._inline: dict[tuple[bytes, bytes], bool] = {}
+        #: :meth:`_prompt_path`'s answers for POST paths (``None``: not a prompt's); cleared when full
+        self._prompt_paths: dict[bytes, str | None] = {}
+        #: ``Host`` values :meth:`direct_request` found ours (``rules.check_host``'s answer is fixed), and
+        #: the owner's caller by client address; each cleared when full
+        self._hosts_ok: set[bytes | None] = set()
+        self._owners: dict[Any, HttpCaller] = {}
 
     def inline_request(self, method: bytes, path: bytes) -> bool:
         """Whether a whole request may be served in its connection's reading task (no task of its own;
@@ -192,7 +199,8 @@ class AcpHttpApp:
         return inline
 
     def direct_request(
-        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes, client: Any
+        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes, client: Any,
+        fields: dict[bytes, bytes] | None = None,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
         """A whole plain request answered from its parsed head, without a scope, a stream or the ASGI
         calls (:mod:`.lean` asks it of an inline request): the answer's status, headers and body, or
@@ -200,30 +208,62 @@ class AcpHttpApp:
         would, which then takes that path. Only a REST prompt is answered here, and only when the
         request is the owner's (no tokens), is not a browser's (no ``Origin``: no CORS), names no
         tenant, and its ``Host`` is ours (else the refusal is the general path's): a request that
-        :meth:`inline_request` takes inline, as its answer must be."""
+        :meth:`inline_request` takes inline, as its answer must be. ``fields``: each header's first value
+        by its name (``SimpleRequest.fields``), read instead of the headers when given."""
         rest = self.rest
-        if rest is None or method != b"POST" or not path.startswith(b"/session/") or not path.endswith(b"/prompt") or b"%" in path:
+        if rest is None or self.guard.auth is not None:
             return None
-        guard = self.guard
-        if guard.auth is not None:
+        session_id = self._prompt_paths.get(path, "")
+        if session_id == "":
+            session_id = self._prompt_path(method, path)
+        if session_id is None or method != b"POST":
             return None
-        host = None
-        for name, value in headers:  # (the fields the general path reads before the REST API's own)
-            if name == b"host":
-                if host is None:
-                    host = value
-            elif name == b"origin" or name == TENANT_HEADER:
+        if fields is None:
+            host = None
+            for name, value in headers:  # (the fields the general path reads before the REST API's own)
+                if name == b"host":
+                    if host is None:
+                        host = value
+                elif name == b"origin" or name == TENANT_HEADER:
+                    return None
+        elif b"origin" in fields or TENANT_HEADER in fields:
+            return None
+        else:
+            host = fields.get(b"host")
+        if host not in self._hosts_ok:
+            if host is None or self.rules.check_host(host.decode("latin-1")) is not None:
                 return None
-        if host is None or self.rules.check_host(host.decode("latin-1")) is not None:
-            return None
-        parts = path.decode("ascii").strip("/").split("/")  # (RestApi's own split of the path)
-        if len(parts) != 3 or parts[0] != "session":
-            return None
-        source = str(client[0]) if client and client[0] else None  # (what client_address reads)
-        answer: tuple[int, list[tuple[bytes, bytes]], bytes] | None = rest.direct_prompt(
-            parts[1], headers, body, guard.owner("default", source)
-        )
+            if len(self._hosts_ok) >= _HOSTS_KEPT:
+                self._hosts_ok.clear()
+            self._hosts_ok.add(host)
+        owner = self._owners.get(client)
+        if owner is None:
+            owner = self._owner_of(client)
+        answer: tuple[int, list[tuple[bytes, bytes]], bytes] | None = rest.direct_prompt(session_id, headers, body, owner, fields)
         return answer
+
+    def _owner_of(self, client: Any) -> HttpCaller:
+        """The owner's caller from the address ``client`` (a connection's: asked once per request), kept."""
+        source = str(client[0]) if client and client[0] else None  # (what client_address reads)
+        owner = self.guard.owner("default", source)
+        if len(self._owners) >= _HOSTS_KEPT:
+            self._owners.clear()
+        self._owners[client] = owner
+        return owner
+
+    def _prompt_path(self, method: bytes, path: bytes) -> str | None:
+        """The session id of a ``POST /session/:id/prompt`` path (``None``: another path, or one with a
+        percent sign, which the general path decodes), kept in :attr:`_prompt_paths` (a client prompts
+        the same few sessions)."""
+        if method != b"POST" or not path.startswith(b"/session/") or not path.endswith(b"/prompt") or b"%" in path:
+            return None  # (not kept: a path of another method may be a prompt's later)
+        parts = path.decode("ascii").strip("/").split("/")  # (RestApi's own split of the path)
+        session_id = parts[1] if len(parts) == 3 and parts[0] == "session" else None
+        if len(path) <= _INLINE_PATH_KEPT:
+            if len(self._prompt_paths) >= _INLINE_KEPT:
+                self._prompt_paths.clear()
+            self._prompt_paths[path] = session_id
+        return session_id
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         kind = scope["type"]

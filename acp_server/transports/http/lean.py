@@ -17,7 +17,7 @@ validates and rewrites the headers again and frames a body of unknown length as 
   hypercorn, unless the app's ``inline_request(method, path)`` says the request only reads its body
   and answers (the REST API's ``POST`` and ``DELETE``): then it runs in the connection's reading
   task, and its answer leaves a scheduling pass earlier.
-- **Answers from the head**: a request the app's ``direct_request(method, path, headers, body, client)``
+- **Answers from the head**: a request the app's ``direct_request(method, path, headers, body, client, fields)``
   answers (a REST prompt of the usual kind: see ``AcpHttpApp.direct_request``) gets no scope, no
   stream and no ASGI messages: its answer is written as an inline request's is.
 - **Writing**: the stream writes the response, not h11. ``http.response.start`` is queued held
@@ -181,7 +181,7 @@ class LeanH11Protocol(H11Protocol):
         direct = self._direct_rule
         if direct is None:
             direct = self._direct_rule = self._direct if self.log.access_logger is None else _no_direct
-        answer = direct(request.method, path, request.headers, request.body, self.client)
+        answer = direct(request.method, path, request.headers, request.body, self.client, request.fields)
         if answer is not None:  # answered from its head (an inline request's answer, without its stream)
             self.keep_alive_requests += 1
             context = self.context
@@ -238,7 +238,7 @@ class LeanH11Protocol(H11Protocol):
 
     @property
     def _direct(self) -> Any:
-        """The app's ``direct_request(method, path, headers, body, client)`` (none: :func:`_no_direct`)."""
+        """The app's ``direct_request(method, path, headers, body, client, fields)`` (none: :func:`_no_direct`)."""
         app = getattr(self.app, "app", None)  # hypercorn's wrapper holds the ASGI app
         return getattr(app, "direct_request", None) or _no_direct
 

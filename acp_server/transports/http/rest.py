@@ -13,6 +13,9 @@ Routes (bodies are the Structs of :mod:`.rest_types`; every non-2xx body is
   ``POST /sessions/delete``; ``GET /workspace/:cwd/sessions`` (``session/list``, cursor paging).
 - ``GET /session/:id/events``: see :mod:`.rest_stream` and :mod:`.rest_events`.
 
+How a route reads its request's body and client id header is :mod:`.rest_body` (:class:`RestApi` is a
+:class:`~.rest_body.RestBodies`).
+
 A REST request acts for its caller's tenant (its token's; ``default`` without tokens; an admin's
 ``X-Acp-Tenant``, see :mod:`.auth`) with the client id of its ``X-Qwen-Client-Id`` header. It
 runs the ACP handler of the same method with a :class:`RestContext`, whose peer (:class:`RestCaller`)
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote
 
@@ -44,12 +46,9 @@ from ...errors import (
     AcpError,
     InternalError,
     InvalidParamsError,
-    MessageTooLargeError,
     MethodNotAllowedError,
-    ParseError,
     RouteNotFoundError,
     SessionNotFoundError,
-    UnsupportedMediaTypeError,
 )
 from ...handlers import prompt as prompt_handler
 from ...handlers import session as session_handler
@@ -63,6 +62,7 @@ from ...types.acp import (
 )
 from .auth import HttpCaller, current_caller
 from .lean import LeanStream
+from .rest_body import ClientGone, RestBodies, _convert, _typed
 from .rest_events import EVENT_TYPES, SseSubscriber
 from .rest_permissions import PermissionBoard, RestChannel
 from .rest_request import RestCaller, RestContext, http_status, refusal, status_of
@@ -84,7 +84,6 @@ from .rest_types import (
     SessionAttached,
     SessionRestored,
 )
-from .rules import header
 
 if TYPE_CHECKING:
     from ...server import Server
@@ -94,10 +93,8 @@ __all__ = ["EPOCH_HEADER", "FEATURES", "RestApi", "RestCaller", "RestContext", "
 
 log = logging.getLogger("acp_server.http")
 
-CLIENT_HEADER = b"x-qwen-client-id"
 #: The event epoch (a response header of ``GET /session/:id/events``, sent back with ``Last-Event-ID``).
 EPOCH_HEADER = b"x-qwen-event-epoch"
-_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _JSON = (b"content-type", b"application/json")
 #: The tags of what this API serves (``GET /capabilities`` ``features``), in qwen serve's own names
 #: (its capability registry): no tag is listed for a route or behaviour this API does not have.
@@ -107,55 +104,9 @@ FEATURES = (
     "session_close", "session_events", "slow_client_warning", "typed_event_schema", "client_identity",
     "client_heartbeat", "session_permission_vote",
 )
-_decoder = msgspec.json.Decoder()
-#: client ids of the header's syntax seen already (a client sends its own on every request); cleared when full
-_client_ids: set[str] = set()
-_CLIENT_IDS_KEPT = 1024
 
 
-class _ClientGone(Exception):
-    """The client left while its request body was being read."""
-
-
-#: What :meth:`RestApi._body` returns for a request without a body (JSON ``null`` is a body).
-NO_BODY: Any = object()
-
-
-def _parse(raw: Any) -> Any:
-    """A body's bytes decoded (:data:`NO_BODY` as it is); 400 ``parse_error``."""
-    if raw is NO_BODY:
-        return raw
-    try:
-        return _decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise ParseError(detail=str(exc)) from None
-
-
-#: the bodies :meth:`RestApi._typed_body` decodes straight into their type
-_typed_decoders = {PromptRequest: msgspec.json.Decoder(PromptRequest)}
-
-
-def _typed(raw: Any, kind: type[Any]) -> Any:
-    """A body's bytes (or :data:`NO_BODY`) as ``kind``: :func:`_parse` then :func:`_convert`, in one
-    decoding when it is valid."""
-    if raw is not NO_BODY:
-        try:
-            return _typed_decoders[kind].decode(raw)
-        except msgspec.DecodeError:
-            pass  # decoded again as _parse would, for its errors in their order (400 parse_error first)
-    return _convert(_parse(raw), kind)
-
-
-def _convert(obj: Any, kind: type[Any]) -> Any:
-    try:
-        return msgspec.convert({} if obj is NO_BODY else obj, kind)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        path = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else "body"
-        raise InvalidParamsError(path=path, detail=text) from None
-
-
-class RestApi:
+class RestApi(RestBodies):
     """The REST routes of one HTTP listener (see the module docstring).
 
     Args:
@@ -203,65 +154,6 @@ class RestApi:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    # --- requests -----------------------------------------------------------------------------------
-
-    async def _body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> Any:
-        """The decoded JSON body (:data:`NO_BODY` when there is none); 415, 413, 400 ``parse_error`` in order."""
-        return _parse(await self._raw_body(headers, receive))
-
-    async def _typed_body(self, headers: list[tuple[bytes, bytes]], receive: Receive, kind: type[Any]) -> Any:
-        """The body as ``kind``: :meth:`_body` then :func:`_convert`, in one decoding when it is valid."""
-        stream = getattr(receive, "__self__", None)
-        whole = stream.body_nowait() if type(stream) is LeanStream else None
-        return _typed(self._checked_body(headers, whole) if whole is not None else await self._raw_body(headers, receive), kind)
-
-    async def _raw_body(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> Any:
-        """The body's bytes (:data:`NO_BODY` when there is none); 415 and 413 in order."""
-        stream = getattr(receive, "__self__", None)
-        if type(stream) is LeanStream:
-            whole = stream.body_nowait()
-            if whole is not None:  # (all in already: taken without a message or a coroutine per part)
-                return self._checked_body(headers, whole)
-        limit = self.max_message_bytes
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone
-            body += message.get("body", b"")
-            if len(body) > limit:
-                break
-            if not message.get("more_body", False):
-                break
-        return self._checked_body(headers, body)
-
-    def _checked_body(self, headers: list[tuple[bytes, bytes]], body: bytes | bytearray) -> Any:
-        """:meth:`_raw_body`'s checks of the body read (415, then 413)."""
-        limit = self.max_message_bytes
-        if not body:
-            declared = header(headers, b"content-length")
-            if not (declared and declared.strip() not in ("", "0")):
-                return NO_BODY
-        content_type = header(headers, b"content-type")
-        if content_type != "application/json" and (
-            content_type is None or content_type.split(";")[0].strip().lower() != "application/json"
-        ):
-            raise UnsupportedMediaTypeError(content_type=(content_type or "")[:128])
-        if len(body) > limit:
-            raise MessageTooLargeError(limit=limit)
-        return body
-
-    @staticmethod
-    def _client_id(headers: list[tuple[bytes, bytes]]) -> str | None:
-        value = header(headers, CLIENT_HEADER)
-        if value is None or value in _client_ids:
-            return value
-        if not _CLIENT_ID.fullmatch(value):
-            raise InvalidParamsError(path="X-Qwen-Client-Id", detail="must match [A-Za-z0-9._:-]{1,128}")
-        if len(_client_ids) >= _CLIENT_IDS_KEPT:
-            _client_ids.clear()
-        _client_ids.add(value)
-        return value
 
     def _ctx(self, channel: RestChannel | None = None) -> RestContext:
         return RestContext(self.server, self.caller, channel)
@@ -278,7 +170,7 @@ class RestApi:
             await self._dispatch(scope, receive, send, cors)
         except AcpError as exc:
             await self.refuse(send, exc, cors)
-        except _ClientGone:
+        except ClientGone:
             pass  # the client left before its body was in
         except Exception:
             log.exception("rest: %s %s failed", scope["method"], scope["path"][:256])
@@ -394,16 +286,18 @@ class RestApi:
         await self._json(send, 202, admitted, cors)
 
     def direct_prompt(
-        self, session_id: str, headers: list[tuple[bytes, bytes]], body: bytes, caller: HttpCaller
+        self, session_id: str, headers: list[tuple[bytes, bytes]], body: bytes, caller: HttpCaller,
+        fields: dict[bytes, bytes] | None = None,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
         """``POST /session/:id/prompt`` of ``caller`` with its whole ``body``, past its route and the
         listener's checks (``AcpHttpApp.direct_request``): what :meth:`_prompt_route` answers, as its
         status, headers and body, when the admission is this process's (``None``: a coordinator's,
-        which is waited for on the general path)."""
+        which is waited for on the general path). ``fields``: the headers' first values by name."""
         if self.server.bridge.shared is not None:
             return None
         try:
-            admitted = self._admit(session_id, _typed(self._checked_body(headers, body), PromptRequest), headers, caller)
+            request = _typed(self._checked_body(headers, body, fields), PromptRequest)
+            admitted = self._admit(session_id, request, headers, caller, fields)
             return 202, [_JSON], msgspec.json.encode(admitted)
         except AcpError as exc:
             return refusal(exc, [])
@@ -529,11 +423,12 @@ class RestApi:
         return admitted if isinstance(admitted, PromptAccepted) else await self._shared_admit(*admitted)
 
     def _admit(
-        self, session_id: str, body: PromptRequest, headers: list[tuple[bytes, bytes]], caller: HttpCaller | None = None
+        self, session_id: str, body: PromptRequest, headers: list[tuple[bytes, bytes]], caller: HttpCaller | None = None,
+        fields: dict[bytes, bytes] | None = None,
     ) -> PromptAccepted | tuple[SharedAdmit, int]:
         """:meth:`prompt`'s synchronous part for ``caller`` (default: the request's): the 202's body once
         admitted here, or the coordinator's admission to wait for, with the session's last event id at
-        admission."""
+        admission (``fields``: the headers' first values by name, when the request has them)."""
         if body.meta or body.deadline_ms is not None:
             meta = dict(body.meta or {})
             if body.deadline_ms is not None:
@@ -541,7 +436,7 @@ class RestApi:
             meta_deadline_ms(meta)
             meta = self._meta(headers, meta) or {}
         else:  # (the usual body: _meta is the header's client id alone, if any)
-            client_id = self._client_id(headers)
+            client_id = self._client_id(headers, fields)
             meta = {"clientId": client_id} if client_id is not None else {}
         params = PromptParams(session_id=session_id, prompt=body.prompt, meta=meta)
         if caller is None:

@@ -7,27 +7,21 @@ A subscriber (:class:`SseSubscriber`) is attached to its session with the bridge
 (``replay`` then live fan-out), so it receives exactly the NDJSON lines an ACP connection receives,
 each turned into qwen's envelope (:func:`~.rest_envelope.envelope`); a live update sent to it alone
 comes as its parts instead (:meth:`SseSubscriber.send_update`), and its frame is the one of its line.
-
-Bounds: a subscriber's queue holds at most ``max_frames`` frames and ``max_bytes`` bytes. Past 75 % of
-either it is sent one ``slow_client_warning``; past the bound it gets ``client_evicted`` and its
-stream ends, and nobody else waits (the bridge never waits on a live send).
+Its frames are queued, bounded and written by :class:`~.rest_queue.FrameQueue` (the slow reader's
+warning and eviction are there).
 """
 
 from __future__ import annotations
 
 import itertools
 import re
-from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ...bridge.fanout import encode_update
-from ..outbox import at_pass_end
 from .rest_envelope import (
     EVENT_TYPES,
-    HEARTBEAT,
     _event,
     _update_frames,
     control_event,
@@ -35,6 +29,7 @@ from .rest_envelope import (
     envelope,
     envelopes,
 )
+from .rest_queue import FrameQueue
 
 if TYPE_CHECKING:
     from ...auth.tokens import Identity
@@ -43,6 +38,8 @@ __all__ = ["EVENT_TYPES", "SseSubscriber", "control_event", "encode_frame", "env
 
 #: REST peers' ids stay clear of the socket shells' (small counters).
 _ids = itertools.count(1 << 40)
+#: an originating client id no update comes from (see ``SseSubscriber._fast_originator``)
+_NOBODY = object()
 
 
 #: a ``session/update`` line as the bridge writes it (``fanout.encode_update``): these first bytes, the
@@ -210,8 +207,9 @@ def frames_of(line: bytes) -> list[tuple[int | None, bytes]]:
     return frames
 
 
-class SseSubscriber:
-    """One ``GET /session/:id/events`` stream as the bridge's ``Peer`` (see the module docstring).
+class SseSubscriber(FrameQueue):
+    """One ``GET /session/:id/events`` stream as the bridge's ``Peer`` (see the module docstring): a
+    :class:`~.rest_queue.FrameQueue` fed with the frames of the bridge's lines.
 
     Args:
         session_id: the session it watches.
@@ -220,37 +218,10 @@ class SseSubscriber:
     """
 
     def __init__(self, session_id: str, *, max_frames: int = 256, max_bytes: int = 2 * 1024 * 1024) -> None:
+        super().__init__(session_id, max_frames=max_frames, max_bytes=max_bytes)
         self.peer_id = next(_ids)
-        self.session_id = session_id
-        self.max_frames = max_frames
-        self.max_bytes = max_bytes
-        self.frames: deque[bytes] = deque()
-        self.nbytes = 0
-        self.warned = False
-        self.evicted = False
-        #: the newest session event id queued for this stream (:attr:`last_event_id`), or its digits
-        #: as the line had them, read when asked
-        self._last_id = 0
-        self._last_digits: bytes | None = None
-        #: frames queued over the stream's life
-        self.frames_queued = 0
-        self._closed = False
-        self._ready = trio.Event()
-        #: the writer waits on ``_ready`` (a frame queued meanwhile sets it; others need not)
-        self._waiting = False
-        self._room = trio.Event()
-        #: the queue lengths at which the reader is warned (75 % of either bound)
-        self._warn_frames = -(-max_frames * 3 // 4)
-        self._warn_bytes = -(-max_bytes * 3 // 4)
         #: the token the stream was opened with (evicted with it: :meth:`evict`)
         self.identity: Identity | None = None
-        #: when the stream's writer last took something (trio's clock): the heartbeat counts from it
-        self.taken_at = 0.0
-        self._beat = False
-        #: writes a run of frames on the stream at once if that needs no wait (``False``: not written):
-        #: the bridge's live frames then leave as their pass ends, without a step of the writer
-        self.direct: Callable[[bytes], bool] | None = None
-        self._at_end = False
         # the first bytes of this session's update and turn state lines in the bridge's layout, and of an
         # update's frame: its lines are cut without a search for the session id (one that is not plain
         # takes :func:`frames_of`, whose patterns it never matches)
@@ -281,79 +252,11 @@ class SseSubscriber:
         #: the frame's last bytes; ``None``: not plain)
         self._originator: str | None = None
         self._member_end: bytes | None = b"}\n\n"
-
-    @property
-    def last_event_id(self) -> int:
-        """The newest session event id queued for this stream (0: none yet)."""
-        digits = self._last_digits
-        if digits is not None:
-            self._last_id = int(digits)
-            self._last_digits = None
-        return self._last_id
-
-    @last_event_id.setter
-    def last_event_id(self, value: int) -> None:
-        self._last_id = value
-        self._last_digits = None
-
-    @property
-    def closed(self) -> bool:
-        """The stream ended (what it is sent is dropped)."""
-        return self._closed
-
-    def close(self) -> None:
-        """End the stream once what is queued is written."""
-        self._closed = True
-        self._ready.set()
-        self._room.set()
-
-    def evict(self, reason: str) -> None:
-        """End the stream with ``client_evicted`` (``reason``: ``token_revoked``), after what is queued."""
-        if self._closed:
-            return
-        self.evicted = True
-        self._append(encode_frame(_event("client_evicted", {"sessionId": self.session_id, "reason": reason})))
-        self.close()
-
-    def push(self, frame: bytes) -> None:
-        """Queue one frame for the stream, warning then evicting a reader that falls behind."""
-        if self._closed:
-            return
-        frames = len(self.frames) + 1
-        size = self.nbytes + len(frame)
-        if frames > self.max_frames or size > self.max_bytes:
-            self.evicted = True
-            data = {"sessionId": self.session_id, "reason": "queue_overflow", "queueSize": len(self.frames),
-                    "maxQueued": self.max_frames, "queuedBytes": self.nbytes, "maxQueuedBytes": self.max_bytes,
-                    "eventBytes": len(frame)}
-            self._append(encode_frame(_event("client_evicted", data)))
-            self.close()
-            return
-        self._append(frame)
-        if not self.warned and (frames * 4 >= self.max_frames * 3 or size * 4 >= self.max_bytes * 3):
-            self.warned = True
-            data = {"sessionId": self.session_id, "queueSize": frames, "maxQueued": self.max_frames,
-                    "lastEventId": self.last_event_id, "queuedBytes": size, "maxQueuedBytes": self.max_bytes,
-                    "threshold": "frames" if frames * 4 >= self.max_frames * 3 else "bytes"}
-            self._append(encode_frame(_event("slow_client_warning", data)))
-
-    def _append(self, frame: bytes) -> None:
-        self.frames_queued += 1
-        self.frames.append(frame)
-        self.nbytes += len(frame)
-        self._ready.set()
-
-    def push_event(self, event: dict[str, Any]) -> None:
-        """Queue one envelope."""
-        if "id" in event:
-            self.last_event_id = event["id"]
-        self.push(encode_frame(event))
-
-    def push_frame(self, event_id: int | None, frame: bytes) -> None:
-        """Queue one encoded frame (``event_id``: the session event id it carries)."""
-        if event_id is not None:
-            self.last_event_id = event_id
-        self.push(frame)
+        #: the originating client id whose updates :meth:`send_update` frames at once (the last one met,
+        #: while the session id and it are plain and the stream is open; :data:`_NOBODY` otherwise), and
+        #: its frame's end
+        self._fast_originator: object = None if plain else _NOBODY
+        self._fast_end = b"}\n\n"
 
     def _frames_of(self, line: bytes) -> _Frames:
         """:func:`frames_of` of a line, this session's update and turn state lines in the bridge's
@@ -388,7 +291,7 @@ class SseSubscriber:
         global _last_update
         last = _last_update
         if last[0] is data:  # another subscriber of the session cut this line already
-            self._last_digits = last[1]
+            self._last_id = last[1]
             self._queue(last[2])
             return
         if data.startswith(self._update_head) and data.endswith(self._end):
@@ -399,7 +302,7 @@ class SseSubscriber:
                 frame = b"".join((b"id: ", digits, self._frame_head, data[self._update_start:cut], b'},"_meta":{"eventId":',
                                   digits, b'},"id":', digits, self._member, b"}\n\n"))
                 _last_update = (data, digits, frame)
-                self._last_digits = digits
+                self._last_id = digits
                 self._queue(frame)
                 return
         elif data.startswith(self._turn_head):  # a completed turn's line, as _frames_of cuts it
@@ -409,7 +312,7 @@ class SseSubscriber:
                 frame = b"".join((b"id: ", digits, self._turn_frame_head, reason or b"end_turn", b'","promptId":"', prompt_id,
                                   b'"},"_meta":{"eventId":', digits, b'},"id":', digits, b"}\n\n"))
                 _last_update = (data, digits, frame)
-                self._last_digits = digits
+                self._last_id = digits
                 self._queue(frame)
                 return
         self._send_line(data)
@@ -418,8 +321,31 @@ class SseSubscriber:
         """The bridge's live update to this subscriber alone, as its parts (``fanout.FanOut.update_sinks``):
         queues the frame :meth:`send` cuts from its line (``fanout.encode_update``), built from them. The
         update's JSON is msgspec's (no line feed or carriage return); an event id past 16 digits, a
-        session id or an originating client id that is not plain take the line's path."""
-        if originator is self._originator:  # (a session's prompts come from the same client, mostly)
+        session id or an originating client id that is not plain take the line's path. The usual update
+        (the same originating client id as the last, the queue below its warning) is framed and queued
+        here; any other goes through :meth:`_send_update`."""
+        if originator is not self._fast_originator or event_id >= _MAX_CUT_ID:
+            self._send_update(event_id, body, originator)
+            return
+        digits = b"%d" % event_id  # (once: a join of the parts costs less than a format of three ints)
+        frame = b"".join((b"id: ", digits, self._frame_head, body, b'},"_meta":{"eventId":', digits, b'},"id":', digits,
+                          self._fast_end))
+        size = self.nbytes + len(frame)
+        frames = self.frames
+        if len(frames) >= self._fast_frames or size >= self._warn_bytes:
+            self._last_id = event_id
+            self.push(frame)
+            return
+        self._last_id = event_id
+        frames.append(frame)
+        self.nbytes = size
+        if self._waiting:
+            self._wake()
+
+    def _send_update(self, event_id: int, body: bytes, originator: str | None) -> None:
+        """:meth:`send_update` of an update its first test does not take: another originating client id
+        (learnt here), a closed stream, a session id that is not plain, a long event id."""
+        if originator is self._originator:
             end = self._member_end
         else:
             member = self._members.get(originator, b"-")
@@ -430,20 +356,16 @@ class SseSubscriber:
         if end is None or not self._plain or event_id >= _MAX_CUT_ID:
             self.send(encode_update(self.session_id, event_id, body, originator))
             return
+        if not self._closed:
+            self._fast_originator, self._fast_end = originator, end
         self._last_id = event_id
-        self._last_digits = None
-        digits = b"%d" % event_id  # (once: a join of the parts costs less than a format of three ints)
-        frame = b"".join((b"id: ", digits, self._frame_head, body, b'},"_meta":{"eventId":', digits, b'},"id":', digits, end))
-        size = self.nbytes + len(frame)  # (:meth:`_queue`, inline)
-        frames = self.frames
-        if self._closed or len(frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
-            self.push(frame)
-            return
-        self.frames_queued += 1
-        frames.append(frame)
-        self.nbytes = size
-        if self._waiting:
-            self._wake()
+        digits = b"%d" % event_id
+        self._queue(b"".join((b"id: ", digits, self._frame_head, body, b'},"_meta":{"eventId":', digits, b'},"id":', digits, end)))
+
+    def close(self) -> None:
+        """End the stream once what is queued is written (its later live updates are dropped by :meth:`push`)."""
+        self._fast_originator = _NOBODY
+        super().close()
 
     def send_completed(self, prompt_id: str, reason: str, event_id: int, originator: str | None) -> bool:
         """The bridge's completed turn to this subscriber alone, as its parts (``fanout.FanOut.completed_sinks``):
@@ -451,25 +373,27 @@ class SseSubscriber:
         built from them. ``False`` (nothing done: send the line) for what that cut does not take: a
         prompt id, stop reason, session id or originating client id that is not plain, an event id past
         16 digits."""
-        if not self._plain or event_id >= _MAX_CUT_ID or not 0 < len(prompt_id) <= 128 or prompt_id.strip(_PLAIN_CHARS):
+        if event_id >= _MAX_CUT_ID or not 0 < len(prompt_id) <= 128 or prompt_id.strip(_PLAIN_CHARS):
             return False
         stop = _reasons.get(reason, b"-")
         if stop == b"-":
             stop = _reason_of(reason)
         if stop is None:
             return False
-        if originator is self._originator:
-            if self._member_end is None:
+        if originator is not self._fast_originator:  # (that one's member is plain, as the session id)
+            if not self._plain:
                 return False
-        else:
-            member = self._members.get(originator, b"-")
-            if member == b"-":
-                member = self._member_of(originator)
-            if member is None:
-                return False
+            if originator is self._originator:
+                if self._member_end is None:
+                    return False
+            else:
+                member = self._members.get(originator, b"-")
+                if member == b"-":
+                    member = self._member_of(originator)
+                if member is None:
+                    return False
         digits = b"%d" % event_id
         self._last_id = event_id
-        self._last_digits = None
         self._queue(b"".join((b"id: ", digits, self._turn_frame_head, stop, b'","promptId":"', prompt_id.encode(),
                               b'"},"_meta":{"eventId":', digits, b'},"id":', digits, b"}\n\n")))
         return True
@@ -535,61 +459,13 @@ class SseSubscriber:
         self._tail_ends[end] = member
         return member
 
-    def _queue(self, frame: bytes) -> None:
-        """Queue one live frame: here below the warning mark, else through :meth:`push`."""
-        size = self.nbytes + len(frame)
-        if self._closed or len(self.frames) >= self._warn_frames - 1 or size >= self._warn_bytes:
-            self.push(frame)
-            return
-        self.frames_queued += 1
-        self.frames.append(frame)
-        self.nbytes = size
-        if self._waiting:
-            self._wake()
-
-    def _wake(self) -> None:
-        """The writer waits: wake it, or have the frames written as this pass ends (:attr:`direct`)."""
-        self._waiting = False
-        if self.direct is None:
-            self._ready.set()
-        elif not self._at_end:
-            self._at_end = True
-            at_pass_end(self._write_at_end)
-
-    def _write_at_end(self) -> bool:
-        """As the pass that queued live frames ends: write them through :attr:`direct` while the writer
-        waits; what that cannot write wakes the writer. Whether it woke it."""
-        self._at_end = False
-        frames = self.frames
-        if self._ready.is_set() or not frames:
-            return False  # the writer was woken by another frame, or took them already
-        direct = self.direct
-        if direct is not None and not self._closed and direct(b"".join(frames) if len(frames) > 1 else frames[0]):
-            frames.clear()
-            self.nbytes = 0
-            self.taken_at = trio.current_time()
-            self._room.set()
-            self._waiting = True  # the writer still waits on ``_ready``
-            return False
-        self._ready.set()
-        return True
-
-    def beat(self) -> bool:
-        """Have the writer send ``: heartbeat`` (unless frames come first); ``False`` once closed."""
-        if self._closed:
-            return False
-        self._beat = True
-        self._ready.set()
-        return True
-
     async def send_reliably(self, data: bytes) -> None:
         """A replayed line: waits while the queue is at half its bound instead of evicting."""
         frames = frames_of(data)
         if not frames:
             return
         while not self._closed and (len(self.frames) * 2 >= self.max_frames or self.nbytes * 2 >= self.max_bytes):
-            self._room = trio.Event()
-            await self._room.wait()
+            await self.wait_for_room()
         for event_id, frame in frames:
             self.push_frame(event_id, frame)
 
@@ -602,23 +478,3 @@ class SseSubscriber:
     async def request(self, method: str, params: Any = None) -> Any:
         """A subscriber is never asked directly (permissions go through :class:`RestChannel`)."""
         raise trio.EndOfChannel
-
-    async def take(self) -> list[bytes] | None:
-        """Every queued frame, once there is one, or a heartbeat (``None``: closed and drained)."""
-        while not self.frames:
-            if self._closed:
-                return None
-            if self._beat:
-                self._beat = False
-                self.taken_at = trio.current_time()
-                return [HEARTBEAT]
-            self._ready = trio.Event()
-            self._waiting = True
-            await self._ready.wait()
-        self._beat = False
-        self.taken_at = trio.current_time()
-        frames = list(self.frames)
-        self.frames.clear()
-        self.nbytes = 0
-        self._room.set()
-        return frames

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 import socket as _stdlib_socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import trio
@@ -43,6 +43,8 @@ from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.ws_stream import WSStream
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
+
+from ..shell import _readable_waiter
 
 __all__ = ["BatchedTCPServer", "BatchedWrites", "HeldWrite", "TlsBatchedWrites"]
 
@@ -88,9 +90,13 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         #: the standard socket under a plain one's trio socket, whose ``fileno`` is no Python call (-1 once
         #: closed, as trio's); ``None`` (trio's own is asked) where it is not there
         self._raw: Any = None
+        #: ``wait(fd, "read_task")``: the run's wait for a readable descriptor, without trio's two wrapper
+        #: coroutines (``shell._readable_waiter``), for a plain socket
+        self._wait_readable: Callable[[int, str], Awaitable[None]] | None = None
         if type(stream) is trio.SocketStream:
             raw = getattr(stream.socket, "_sock", None)
             self._raw = raw if isinstance(raw, _stdlib_socket.socket) else None
+            self._wait_readable = _readable_waiter()
         self.limit = limit
         self._out: list[bytes | HeldWrite] = []
         self._nbytes = 0
@@ -114,10 +120,15 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
     def _write_now(self, data: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
         """Write what the kernel takes of ``data`` at once, when nothing is queued or being written before
         it, writes are not joined and the socket is plain; the rest (all of it otherwise) is returned."""
-        if self.join or self._out or self._writing or type(self.stream) is not trio.SocketStream:
+        if self.join or self._out or self._writing:
             return data
-        raw = self._raw
-        fd = raw.fileno() if raw is not None else self.stream.socket.fileno()  # -1 once closed: never a stale number
+        raw = self._raw  # (set only for a plain socket)
+        if raw is not None:
+            fd = raw.fileno()  # -1 once closed: never a stale number
+        elif type(self.stream) is trio.SocketStream:
+            fd = self.stream.socket.fileno()
+        else:
+            return data
         if fd < 0:
             return data
         try:
@@ -259,13 +270,15 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         """Read what is there; a plain socket is read once it is readable (an HTTP/1.1 peer has
         usually sent nothing yet when its connection is read again: no read is tried first to fail)."""
-        if type(self.stream) is not trio.SocketStream:
+        wait = self._wait_readable
+        if wait is None or type(self.stream) is not trio.SocketStream:
             return await self.stream.receive_some(max_bytes)
         sock = self._raw if self._raw is not None else self.stream.socket
         while True:
-            if sock.fileno() < 0:  # (closed by this side: an answer that ended its connection)
+            fd = sock.fileno()
+            if fd < 0:  # (closed by this side: an answer that ended its connection)
                 raise trio.ClosedResourceError("the connection is closed")
-            await trio.lowlevel.wait_readable(sock)
+            await wait(fd, "read_task")
             fd = sock.fileno()
             if fd < 0:
                 raise trio.ClosedResourceError("the connection is closed")
