@@ -44,7 +44,7 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.ws_stream import WSStream
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
-from ..shell import _readable_waiter
+from ..waits import readable_waiter
 
 __all__ = ["BatchedTCPServer", "BatchedWrites", "HeldWrite", "TlsBatchedWrites"]
 
@@ -91,12 +91,12 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         #: closed, as trio's); ``None`` (trio's own is asked) where it is not there
         self._raw: Any = None
         #: ``wait(fd, "read_task")``: the run's wait for a readable descriptor, without trio's two wrapper
-        #: coroutines (``shell._readable_waiter``), for a plain socket
+        #: coroutines (``waits.readable_waiter``), for a plain socket
         self._wait_readable: Callable[[int, str], Awaitable[None]] | None = None
         if type(stream) is trio.SocketStream:
             raw = getattr(stream.socket, "_sock", None)
             self._raw = raw if isinstance(raw, _stdlib_socket.socket) else None
-            self._wait_readable = _readable_waiter()
+            self._wait_readable = readable_waiter()
         self.limit = limit
         self._out: list[bytes | HeldWrite] = []
         self._nbytes = 0
