@@ -23,6 +23,7 @@ Usage::
     python bench/server_instr.py [--prompts 4000] [--no-turn-states] [-- extra serve flags]
     python bench/server_instr.py --stdio [--words 1] [--prompts 2000] [--probe callgrind|strace|passes|cpu]
     python bench/server_instr.py --stdio --probe cpu --pace-us 130   # at the official SDK client's pace
+    python bench/server_instr.py --stdio --probe cpu --pollute-kb 2048   # on caches a busy client evicted
 
 The TCP server gets ``--ephemeral`` unless other flags are given after ``--`` (e.g. ``-- --state-dir DIR``).
 With ``--stdio``, ``SERVER_INSTR_SCRIPT=FILE`` runs that Python file as the server instead (``python -c``
@@ -168,11 +169,16 @@ class _StdioClient:
                 raise SystemExit("server_instr: the server closed its output")
             self.buf += data
 
-    def prompts(self, template: bytes, count: int, pace_s: float = 0.0) -> None:
+    def prompts(self, template: bytes, count: int, pace_s: float = 0.0, pollute_kb: int = 0) -> None:
         """``count`` sequential prompts, each written once the last one's answer has been read (and,
         with ``pace_s``, that long after it: the server then sleeps between prompts, as it does for a
-        client that does work of its own between them)."""
+        client that does work of its own between them). With ``pollute_kb``, the client also writes
+        over a buffer that large after each answer, as a busy client (the official SDK's, a Python
+        asyncio process) evicts the caches the two CPUs share: the server then runs on cold caches."""
+        pollute = _Polluter(pollute_kb * 1024) if pollute_kb else None
         for _ in range(count):
+            if pollute is not None:
+                pollute()
             if pace_s:
                 time.sleep(pace_s)
             prompt_id = self.next_id
@@ -181,6 +187,23 @@ class _StdioClient:
             line = self._answer(b'"id":%d,' % prompt_id)
             if b'"end_turn"' not in line:
                 raise SystemExit(f"server_instr: a prompt did not end its turn: {line[:300]!r}")
+
+
+class _Polluter:
+    """Writes over a buffer of ``size`` bytes at each call (``memset``: one pass, every cache line of it)."""
+
+    def __init__(self, size: int) -> None:
+        import ctypes
+
+        self._buf = (ctypes.c_char * size)()
+        self._memset = ctypes.memset
+        self._addr = ctypes.addressof(self._buf)
+        self._size = size
+        self._byte = 0
+
+    def __call__(self) -> None:
+        self._byte = (self._byte + 1) & 0xFF  # a new value each time: every line is dirtied again
+        self._memset(self._addr, self._byte, self._size)
 
 
 def _stdio(args: argparse.Namespace) -> int:
@@ -216,7 +239,7 @@ def _stdio(args: argparse.Namespace) -> int:
         time.sleep(1 if probe == "callgrind" else 0.3)
         before = cpu_seconds(server.pid) if probe == "cpu" else None
         user_sys = _user_sys(server.pid) if probe == "cpu" else None
-        client.prompts(template, args.prompts, args.pace_us / 1e6)
+        client.prompts(template, args.prompts, args.pace_us / 1e6, args.pollute_kb)
         after = cpu_seconds(server.pid) if probe == "cpu" else None
         user_sys_after = _user_sys(server.pid) if probe == "cpu" else None
         time.sleep(0.3)
@@ -306,6 +329,14 @@ def main() -> int:
         help="--stdio: the client sleeps this long after each answer before its next prompt (default 0: at "
         "once). The official SDK client's pace (~130 us between prompts) leaves the server's caches cold: "
         "with --probe cpu this shows what a prompt costs then, which instruction counts do not",
+    )
+    parser.add_argument(
+        "--pollute-kb",
+        type=int,
+        default=0,
+        help="--stdio: after each answer the client writes over a buffer of this many KiB before its next "
+        "prompt (default 0), as a busy client evicts the caches it shares with the server; with --probe cpu "
+        "this makes the cold-cache cost of a prompt repeatable",
     )
     parser.add_argument(
         "--probe", choices=("callgrind", "strace", "passes", "cpu"), default="callgrind", help="--stdio: what watches the server"
