@@ -219,6 +219,19 @@ def test_dispatch_method_table_is_its_own(dispatcher: Dispatcher) -> None:
     assert reply(d.call(Ctx(), req("other")))["error"]["code"] == -32601
 
 
+def test_dispatch_builds_each_decoder_at_first_use(dispatcher: Dispatcher) -> None:
+    """No params decoder exists before its method's first request (start-up builds none); the first
+    request of a type answers as every later one does, array params included."""
+    assert dict(dispatcher._decoders) == {} and dispatcher._eager == {}
+    first = reply(dispatcher.call(Ctx(), req("session/new", {"cwd": "/w", "mcpServers": []}, id=1)))
+    assert set(dispatcher._decoders) == {NewSessionParams} and set(dispatcher._eager) == {NewSessionParams}
+    again = reply(dispatcher.call(Ctx(), req("session/new", {"cwd": "/w", "mcpServers": []}, id=1)))
+    assert first == again == {"jsonrpc": "2.0", "id": 1, "result": {"mcp": []}}
+    fresh = Dispatcher(dispatcher.requests, {})
+    by_position = [reply(d.call(Ctx(), req("session/prompt", ["s1", []]))) for d in (fresh, fresh, dispatcher, dispatcher)]
+    assert all(msg == by_position[0] for msg in by_position) and by_position[0]["error"]["code"] == -32602
+
+
 # --- notifications ----------------------------------------------------------------------------------
 
 
