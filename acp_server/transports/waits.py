@@ -115,6 +115,7 @@ def edge_waiter(pipe: PipeStream) -> Callable[[int], Awaitable[None]] | None:
     for such an event), and the next wait is trio's own, which returns at once then.
     """
     try:
+        from outcome import Value
         from trio._core._io_epoll import EpollIOManager, EpollWaiters
         from trio._core._run import GLOBAL_RUN_CONTEXT
         from trio._core._traps import WaitTaskRescheduled, _async_yield
@@ -168,6 +169,8 @@ def edge_waiter(pipe: PipeStream) -> Callable[[int], Awaitable[None]] | None:
         entry.read_task = run_context.task  # trio.lowlevel.current_task(), without the call
         entry.current_flags = readable  # armed, as trio sees it: it makes no epoll_ctl
         registered[fd] = entry
-        (await _async_yield(trap)).unwrap()
+        woken = await _async_yield(trap)
+        if type(woken) is not Value:  # an Error (a cancellation): raised. A Value is None: no unwrap call
+            woken.unwrap()
 
     return wait_edge
