@@ -23,7 +23,7 @@ Usage::
     python bench/server_instr.py [--prompts 4000] [--no-turn-states] [-- extra serve flags]
     python bench/server_instr.py --stdio [--words 1] [--prompts 2000] [--probe callgrind|strace|passes|cpu]
     python bench/server_instr.py --stdio --probe cpu --pace-us 130   # at the official SDK client's pace
-    python bench/server_instr.py --stdio --probe cpu --pollute-kb 2048   # on caches a busy client evicted
+    python bench/server_instr.py --stdio --probe cpu --pollute-kb 4096 [--sdk-agent]   # on caches a busy client evicted
 
 The TCP server gets ``--ephemeral`` unless other flags are given after ``--`` (e.g. ``-- --state-dir DIR``).
 With ``--stdio``, ``SERVER_INSTR_SCRIPT=FILE`` runs that Python file as the server instead (``python -c``
@@ -54,6 +54,12 @@ from procfs import cpu_seconds  # noqa: E402
 _SERVER = (
     "import os, signal, sys; signal.signal(signal.SIGUSR1, lambda *a: os.getsid(0)); "
     "from acp_server.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+#: the server of ``--sdk-agent``: the official SDK's echo agent, with the SIGUSR1 cuts (its arguments ignored)
+_SDK_AGENT = (
+    "import os, runpy, signal, sys; signal.signal(signal.SIGUSR1, lambda *a: os.getsid(0)); "
+    "sys.argv = sys.argv[:1]; runpy.run_path(%r, run_name='__main__')"
 )
 
 #: the server of ``--probe passes``: trio.run gets an instrument; each SIGUSR1 prints its counts so far
@@ -213,6 +219,8 @@ def _stdio(args: argparse.Namespace) -> int:
     serve = ["serve", "--stdio", *args.serve_flags]
     probe = args.probe
     script = _SERVER_PASSES if probe == "passes" else _SERVER
+    if args.sdk_agent:
+        script = _SDK_AGENT % str(BENCH / "peers" / "sdk_echo_agent.py")
     if os.environ.get("SERVER_INSTR_SCRIPT"):
         script = Path(os.environ["SERVER_INSTR_SCRIPT"]).read_text()
     argv = [sys.executable, "-c", script, *serve]
@@ -329,6 +337,12 @@ def main() -> int:
         help="--stdio: the client sleeps this long after each answer before its next prompt (default 0: at "
         "once). The official SDK client's pace (~130 us between prompts) leaves the server's caches cold: "
         "with --probe cpu this shows what a prompt costs then, which instruction counts do not",
+    )
+    parser.add_argument(
+        "--sdk-agent",
+        action="store_true",
+        help="--stdio: serve with the official SDK's echo agent (bench/peers/sdk_echo_agent.py) instead, "
+        "the goal's reference (e.g. with --probe cpu --pollute-kb 4096)",
     )
     parser.add_argument(
         "--pollute-kb",
