@@ -232,6 +232,19 @@ def test_dispatch_builds_each_decoder_at_first_use(dispatcher: Dispatcher) -> No
     assert all(msg == by_position[0] for msg in by_position) and by_position[0]["error"]["code"] == -32602
 
 
+@pytest.mark.parametrize("table", ["REQUESTS", "NOTIFICATIONS"])
+def test_every_params_type_of_the_servers_tables_builds_its_decoder(table: str) -> None:
+    """Decoders are built at first use, so a params type msgspec cannot decode into would fail only at
+    its first request: every type of the server's own method tables is built here instead."""
+    import acp_server.handlers as handlers
+
+    methods = getattr(handlers, table)
+    types = {m.params_type for m in methods.values() if m.params_type is not None}
+    assert types, table
+    for params_type in types:
+        msgspec.json.Decoder(params_type)
+
+
 # --- notifications ----------------------------------------------------------------------------------
 
 
