@@ -461,11 +461,12 @@ class RestApi(RestBodies):
         bridge = self.server.bridge
         session = bridge.get(session_id, caller.tenant)
         last_event_id = session.next_event_id - 1
-        ticket, duplicate = bridge.admit(
+        ticket, _ = bridge.admit(
             session_id, body.prompt, self.caller, client_id, None, False, RestChannel(session, self.board), None, None,
             caller.tenant,
         )
-        PromptWaiter(bridge.settlement, ticket, not duplicate).subscribe(_ignore)
+        # no waiter: its only part would be a callback that ignores the outcome (the caller reads the
+        # turn on its SSE subscription), and a ticket without waiters settles exactly as one with it
         return PromptAccepted(prompt_id=ticket.prompt_id, last_event_id=last_event_id, event_epoch=self.state.epoch)
 
     async def _shared_admit(self, waiter: SharedAdmit, last_event_id: int) -> PromptAccepted:
