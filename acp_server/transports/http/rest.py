@@ -19,7 +19,8 @@ How a route reads its request's body and client id header is :mod:`.rest_body` (
 A REST request acts for its caller's tenant (its token's; ``default`` without tokens; an admin's
 ``X-Acp-Tenant``, see :mod:`.auth`) with the client id of its ``X-Qwen-Client-Id`` header. It
 runs the ACP handler of the same method with a :class:`RestContext`, whose peer (:class:`RestCaller`)
-is never attached to a session: a REST caller sees events only on its SSE subscription.
+is never attached to a session: a REST caller sees events only on its SSE subscription. (A prompt whose
+body has no ``_meta`` or deadline takes the handler's usual case inline: the bridge's own ``admit``.)
 
 Prompt checks, in this order: route (404, 405), content type (415, only for a body that is there),
 size (413), JSON (400 ``parse_error``), body shape and ``deadlineMs`` (400 ``invalid_params``),
