@@ -168,9 +168,9 @@ async def test_plain_prompt_admits_as_the_handler_with_no_waiter(monkeypatch: py
                 # the same prompt through the handler's general path (a _meta member the bridge ignores)
                 meta = b'{"prompt":[{"type":"text","text":"hi"}],"_meta":{"x":1}}'
                 general, _ = await _exchange(port, _request(sid, meta, extra=extra))
-                session = server.bridge.get(sid)
-                while session.pending_count:
-                    await trio.sleep(0.01)
+                for ticket in tickets:
+                    await ticket.wait()
+                assert server.bridge.get(sid).pending_count == 0
     assert plain.startswith(b"HTTP/1.1 202 ") and general.startswith(b"HTTP/1.1 202 ")
     assert calls[0][:6] == calls[1][:6] == (sid, "RestCaller", client_id, None, False, "RestChannel")
     assert calls[0][7] == calls[1][7] == "default"
