@@ -133,3 +133,45 @@ async def test_what_direct_does_not_check_takes_the_general_path() -> None:
     assert tenant.startswith(b"HTTP/1.1 404 ")  # the other tenant has no such session
     assert foreign.startswith(b"HTTP/1.1 403 ")
     assert encoded.startswith(b"HTTP/1.1 202 ")
+
+
+async def test_plain_prompt_admits_as_the_handler_with_no_waiter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body with no ``_meta`` or deadline is admitted with the bridge's call itself (positional, no
+    handler context): the same arguments ``session/prompt``'s handler gives it for that body with the
+    header's client id in ``_meta``, and no waiter on the ticket (the turn is read on the SSE stream);
+    the turn still ends and frees its slot."""
+    calls: list[tuple[Any, ...]] = []
+    tickets: list[Any] = []
+    admit: Callable[..., Any] | None = None
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        assert admit is not None
+        ticket, duplicate = admit(self, *args, **kwargs)
+        names = ("peer", "client_id", "deadline_ms", "cancelled", "channel", "meta", "idempotency_key", "tenant")
+        terms = dict(zip(names, args[2:], strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+        calls.append((args[0], type(terms["peer"]).__name__, terms["client_id"], terms.get("deadline_ms"),
+                      terms.get("cancelled"), type(terms["channel"]).__name__, terms.get("meta"), terms.get("tenant")))
+        tickets.append(ticket)
+        return ticket, duplicate
+
+    with trio.fail_after(TIMEOUT_S):
+        async with http_server() as (server, _outer, url):
+            port = int(url.rsplit(":", 1)[1])
+            async with httpx.AsyncClient(timeout=10) as c:
+                made = (await c.post(url + "/session", json={"cwd": "/tmp", "sessionScope": "thread"})).json()
+                sid, client_id = made["sessionId"], made["clientId"]
+                admit = type(server.bridge).admit
+                monkeypatch.setattr(type(server.bridge), "admit", spy)
+                extra = b"x-qwen-client-id: %s\r\n" % client_id.encode()
+                plain, _ = await _exchange(port, _request(sid, _PROMPT, extra=extra))
+                assert tickets[0].waiters == ()
+                # the same prompt through the handler's general path (a _meta member the bridge ignores)
+                meta = b'{"prompt":[{"type":"text","text":"hi"}],"_meta":{"x":1}}'
+                general, _ = await _exchange(port, _request(sid, meta, extra=extra))
+                for ticket in tickets:
+                    await ticket.wait()
+                assert server.bridge.get(sid).pending_count == 0
+    assert plain.startswith(b"HTTP/1.1 202 ") and general.startswith(b"HTTP/1.1 202 ")
+    assert calls[0][:6] == calls[1][:6] == (sid, "RestCaller", client_id, None, False, "RestChannel")
+    assert calls[0][7] == calls[1][7] == "default"
+    assert all(t.settled for t in tickets)

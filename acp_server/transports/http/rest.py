@@ -19,7 +19,8 @@ How a route reads its request's body and client id header is :mod:`.rest_body` (
 A REST request acts for its caller's tenant (its token's; ``default`` without tokens; an admin's
 ``X-Acp-Tenant``, see :mod:`.auth`) with the client id of its ``X-Qwen-Client-Id`` header. It
 runs the ACP handler of the same method with a :class:`RestContext`, whose peer (:class:`RestCaller`)
-is never attached to a session: a REST caller sees events only on its SSE subscription.
+is never attached to a session: a REST caller sees events only on its SSE subscription. (A prompt whose
+body has no ``_meta`` or deadline takes the handler's usual case inline: the bridge's own ``admit``.)
 
 Prompt checks, in this order: route (404, 405), content type (415, only for a body that is there),
 size (413), JSON (400 ``parse_error``), body shape and ``deadlineMs`` (400 ``invalid_params``),
@@ -435,8 +436,11 @@ class RestApi(RestBodies):
                 meta["deadlineMs"] = body.deadline_ms
             meta_deadline_ms(meta)
             meta = self._meta(headers, meta) or {}
-        else:  # (the usual body: _meta is the header's client id alone, if any)
+        else:  # the usual body: _meta is the header's client id alone, if any
             client_id = self._client_id(headers, fields)
+            bridge = self.server.bridge
+            if bridge.shared is None:
+                return self._admit_plain(session_id, body, client_id, caller or current_caller.get())
             meta = {"clientId": client_id} if client_id is not None else {}
         params = PromptParams(session_id=session_id, prompt=body.prompt, meta=meta)
         if caller is None:
@@ -449,6 +453,22 @@ class RestApi(RestBodies):
         assert isinstance(waiter, PromptWaiter)
         waiter.subscribe(_ignore)
         return PromptAccepted(prompt_id=waiter.ticket.prompt_id, last_event_id=last_event_id, event_epoch=self.state.epoch)
+
+    def _admit_plain(self, session_id: str, body: PromptRequest, client_id: str | None, caller: HttpCaller) -> PromptAccepted:
+        """:meth:`_admit` of a body with no ``_meta`` or deadline, admitted in this process: what
+        ``session/prompt``'s handler does for it (``handlers.prompt._prompt``'s usual case), with the
+        bridge's admission called positionally, as TCP's ``prompt_request`` calls it (no context, no
+        ``PromptParams``, no ``_meta`` dict to read back)."""
+        bridge = self.server.bridge
+        session = bridge.get(session_id, caller.tenant)
+        last_event_id = session.next_event_id - 1
+        ticket, _ = bridge.admit(
+            session_id, body.prompt, self.caller, client_id, None, False, RestChannel(session, self.board), None, None,
+            caller.tenant,
+        )
+        # no waiter: its only part would be a callback that ignores the outcome (the caller reads the
+        # turn on its SSE subscription), and a ticket without waiters settles exactly as one with it
+        return PromptAccepted(prompt_id=ticket.prompt_id, last_event_id=last_event_id, event_epoch=self.state.epoch)
 
     async def _shared_admit(self, waiter: SharedAdmit, last_event_id: int) -> PromptAccepted:
         """The 202's body once the coordinator admitted ``waiter`` (its refusal raised)."""
