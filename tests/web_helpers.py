@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,26 +31,22 @@ _HTTP = re.compile(r"http on (http://\S+)")
 _TCP = re.compile(r"listening on (tcp://\S+)")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class ServerProcess:
     """``acp-server serve`` with a TCP and an HTTP listener, in a subprocess.
 
     Args:
         state_dir: its ``--state-dir``.
         args: more ``serve`` flags (and ``-- agent command``).
-        http_port: the HTTP port (default: a free one, kept across :meth:`restart`).
+        http_port: the HTTP port (default: the kernel's pick at the first start). Both listeners
+            bind port 0 at first, so they can never race for one port; :meth:`restart` binds the
+            ports the first process got, so a page keeps its address.
     """
 
     def __init__(self, state_dir: Path, args: list[str], http_port: int | None = None) -> None:
         self.state_dir = state_dir
         self.args = args
-        self.http_port = http_port or free_port()
-        self.tcp_port = free_port()
+        self.http_port = http_port or 0
+        self.tcp_port = 0
         self.proc: subprocess.Popen[str] | None = None
         self.http_url = ""
         self.tcp_url = ""
@@ -78,8 +73,10 @@ class ServerProcess:
                 raise RuntimeError(f"the server exited before listening: {cmd}")
             if m := _HTTP.search(line):
                 self.http_url = m.group(1)
+                self.http_port = int(self.http_url.rsplit(":", 1)[1])
             if m := _TCP.search(line):
                 self.tcp_url = m.group(1)
+                self.tcp_port = int(self.tcp_url.rsplit(":", 1)[1])
             if time.monotonic() > deadline:
                 raise RuntimeError("the server did not listen within 20 s")
         os.set_blocking(self.proc.stderr.fileno(), False)  # unread logs never block the server
