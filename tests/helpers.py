@@ -197,14 +197,15 @@ class RawClient:
 
 @asynccontextmanager
 async def running_server(
-    limits: Limits | None = None, backend: Backend | None = None, *, drain_timeout_s: float = 0
+    limits: Limits | None = None, backend: Backend | None = None, *, drain_timeout_s: float = 0, **options: Any
 ) -> AsyncIterator[tuple[Server, trio.Nursery]]:
     """A server with its bridge running, inside a nursery; cancelled on exit.
 
     ``drain_timeout_s`` is 0 by default: in these tests a client that closes its stream has left (the
-    half-close drain is tested on its own, in ``test_half_close.py``).
+    half-close drain is tested on its own, in ``test_half_close.py``). ``options`` go to
+    :class:`Server` (e.g. ``capacity``, ``policy``).
     """
-    server = Server(limits, backend, drain_timeout_s=drain_timeout_s)
+    server = Server(limits, backend, drain_timeout_s=drain_timeout_s, **options)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.bridge.run)
         yield server, nursery

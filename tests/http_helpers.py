@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -78,10 +78,14 @@ async def http_server(
     backend: Backend | None = None,
     *,
     allow_origins: frozenset[str] = frozenset(),
+    server_options: Mapping[str, Any] | None = None,
     **http: Any,
 ) -> AsyncIterator[tuple[Server, trio.Nursery, str]]:
-    """A server (bridge running) with an HTTP listener on a free loopback port; yields its base URL."""
-    async with running_server(limits, backend) as (server, nursery):
+    """A server (bridge running) with an HTTP listener on a free loopback port; yields its base URL.
+
+    ``server_options`` go to :class:`Server` (e.g. ``capacity``, ``policy``), ``http`` to ``HttpLimits``.
+    """
+    async with running_server(limits, backend, **(server_options or {})) as (server, nursery):
         lim = server.limits
         options = HttpOptions(
             limits=HttpLimits(max_message_bytes=lim.max_message_bytes, max_outbound_bytes=lim.outbound_bytes, **http),
