@@ -1,7 +1,8 @@
-"""A REST prompt refused by each admission layer, live: the status, ``Retry-After`` and body of
-``capacity_exceeded``, ``capacity_unavailable``, ``admission_deferred`` and ``session_limit_exceeded``
-(``prompt_queue_full`` and the request checks are in ``test_http_rest.py``), and the status table and
-``Retry-After`` rounding of every refusal kind the REST API sends."""
+"""The REST API's limits, live: a prompt refused by each admission layer (the status, ``Retry-After``
+and body of ``capacity_exceeded``, ``capacity_unavailable``, ``admission_deferred`` and
+``session_limit_exceeded``; ``prompt_queue_full`` and the request checks are in ``test_http_rest.py``),
+the status table and ``Retry-After`` rounding of every refusal kind it sends, the cursor paging of
+``GET /workspace/:cwd/sessions`` and the byte bound of an event subscriber's queue."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from acp_server.admission import Limits
 from acp_server.admission.policy_limits import PolicyLimits
 from acp_server.admission.pool import CapacityManager, PoolLimits
 from acp_server.backends import EchoBackend
+from acp_server.transports.http.rest_events import SseSubscriber
 from acp_server.transports.http.rest_request import refusal
 
 from .http_helpers import TIMEOUT_S, assert_http_error_valid, check_error_body, http_server
@@ -117,3 +119,48 @@ def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one(ms: int, heade
                                                   "retry_after_ms": ms})
     _status, headers, _raw = refusal(exc, [])
     assert dict(headers)[b"retry-after"] == header.encode()
+
+
+async def test_workspace_sessions_page_with_the_cursor_and_only_that_cwd() -> None:
+    """``GET /workspace/:cwd/sessions`` returns pages of 100 with ``nextCursor`` until the last; other
+    cwds' sessions are not listed; a cursor that is not one of ours is a 400 with a valid body."""
+    with trio.fail_after(TIMEOUT_S):
+        async with http_server(Limits(max_sessions=0)) as (_s, _n, url), httpx.AsyncClient(timeout=10) as c:
+            made = {(await c.post(url + "/session", json={"cwd": "/srv/p", "sessionScope": "thread"})).json()["sessionId"]
+                    for _ in range(230)}
+            await c.post(url + "/session", json={"cwd": "/srv/other", "sessionScope": "thread"})
+            listed: list[str] = []
+            pages = 0
+            cursor: str | None = None
+            while True:
+                r = await c.get(url + "/workspace/%2Fsrv%2Fp/sessions", params={"cursor": cursor} if cursor else None)
+                assert r.status_code == 200, r.text
+                page = r.json()
+                pages += 1
+                listed += [s["sessionId"] for s in page["sessions"]]
+                assert all(s["cwd"] == "/srv/p" for s in page["sessions"])
+                cursor = page.get("nextCursor")
+                if cursor is None:
+                    break
+            assert (pages, len(listed), set(listed)) == (3, 230, made)
+            bad = await c.get(url + "/workspace/%2Fsrv%2Fp/sessions", params={"cursor": "not-a-cursor"})
+            assert bad.status_code == 400, bad.text
+            assert check_error_body(bad)["code"] == "invalid_params"
+
+
+def test_a_subscriber_queue_is_bounded_by_frames_and_by_bytes() -> None:
+    """The defaults are 256 frames and 2 MiB; the byte bound warns at 75 % and evicts past it, as the
+    frame bound does (``test_http_rest.py``)."""
+    default = SseSubscriber("s")
+    assert (default.max_frames, default.max_bytes) == (256, 2 * 1024 * 1024)
+    sub = SseSubscriber("s", max_frames=1000, max_bytes=1000)
+    frame = b"data: " + b"x" * 94 + b"\n\n"  # 102 bytes
+    for _ in range(7):
+        sub.push(frame)
+    assert not sub.warned and not sub.closed  # 714 bytes: under 75 %
+    sub.push(frame)
+    assert sub.warned and not sub.closed  # 816 bytes
+    for _ in range(3):
+        sub.push(frame)
+    assert sub.closed and sub.evicted
+    assert b"client_evicted" in sub.frames[-1]
