@@ -15,8 +15,11 @@ start-up and a warm-up, one for the counted prompts, one for the rest.
   then reads one request per read, so the count is steady from run to run. ``--probe`` chooses what
   watches the server instead of callgrind: ``strace`` (system calls per prompt, by name, between the
   two cuts), ``passes`` (trio scheduling passes, task steps and I/O waits per prompt, by an
-  instrument the server is started with) or ``cpu`` (the server's CPU time per prompt, user and
-  system, from ``/proc``: no tool in the way).
+  instrument the server is started with), ``cpu`` (the server's CPU time per prompt, user and
+  system, from ``/proc``: no tool in the way) or ``cachesim`` (callgrind with its cache simulation:
+  I1 and D1 of 32 KiB and a last level of ``--sim-ll-kb``, 64 KiB unless told; a prompt touches more
+  than that, so the last level's misses per prompt count the cache lines it touches, code and data:
+  what a prompt costs on caches a busy client evicted, repeatably, beside ``--sdk-agent``'s).
 
 Usage::
 
@@ -24,6 +27,7 @@ Usage::
     python bench/server_instr.py --stdio [--words 1] [--prompts 2000] [--probe callgrind|strace|passes|cpu]
     python bench/server_instr.py --stdio --probe cpu --pace-us 130   # at the official SDK client's pace
     python bench/server_instr.py --stdio --probe cpu --pollute-kb 4096 [--sdk-agent]   # on caches a busy client evicted
+    python bench/server_instr.py --stdio --probe cachesim [--sdk-agent] [--sim-ll-kb 64]   # the lines a prompt touches
 
 The TCP server gets ``--ephemeral`` unless other flags are given after ``--`` (e.g. ``-- --state-dir DIR``).
 With ``--stdio``, ``SERVER_INSTR_SCRIPT=FILE`` runs that Python file as the server instead (``python -c``
@@ -97,6 +101,17 @@ def _summaries(out: str) -> dict[int, tuple[int, str]]:
         if part and summary:
             parts[int(part.group(1))] = (int(summary.group(1)), path)
     return parts
+
+
+def _cache_events(out: str) -> dict[str, int]:
+    """The counted part's events of a ``--cache-sim=yes`` dump, by name (``Ir``, ``I1mr``, ``D1mr``, ...)."""
+    for path in glob.glob(f"{out}/callgrind.out*"):
+        text = Path(path).read_text(errors="replace")
+        part = re.search(r"^part: *(\d+)$", text, re.M)
+        names, summary = re.search(r"^events: *(.+)$", text, re.M), re.search(r"^summary: *(.+)$", text, re.M)
+        if part and int(part.group(1)) == 2 and names and summary:
+            return dict(zip(names.group(1).split(), map(int, summary.group(1).split()), strict=False))
+    raise SystemExit(f"server_instr: no dump of the counted prompts in {out}")
 
 
 def _tcp(args: argparse.Namespace) -> int:
@@ -224,8 +239,11 @@ def _stdio(args: argparse.Namespace) -> int:
     if os.environ.get("SERVER_INSTR_SCRIPT"):
         script = Path(os.environ["SERVER_INSTR_SCRIPT"]).read_text()
     argv = [sys.executable, "-c", script, *serve]
-    if probe == "callgrind":
-        argv = ["valgrind", "--tool=callgrind", "--dump-before=getsid", f"--callgrind-out-file={out}/callgrind.out", *argv]
+    if probe in ("callgrind", "cachesim"):
+        sim = []
+        if probe == "cachesim":
+            sim = ["--cache-sim=yes", "--I1=32768,8,64", "--D1=32768,8,64", f"--LL={args.sim_ll_kb * 1024},16,64"]
+        argv = ["valgrind", "--tool=callgrind", *sim, "--dump-before=getsid", f"--callgrind-out-file={out}/callgrind.out", *argv]
     elif probe == "strace":
         argv = ["strace", "-f", "-o", f"{out}/strace.out", *argv]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
@@ -244,7 +262,7 @@ def _stdio(args: argparse.Namespace) -> int:
         client.prompts(template, args.warmup)
         time.sleep(0.5)
         os.kill(target, signal.SIGUSR1)
-        time.sleep(1 if probe == "callgrind" else 0.3)
+        time.sleep(1 if probe in ("callgrind", "cachesim") else 0.3)
         before = cpu_seconds(server.pid) if probe == "cpu" else None
         user_sys = _user_sys(server.pid) if probe == "cpu" else None
         client.prompts(template, args.prompts, args.pace_us / 1e6, args.pollute_kb)
@@ -252,7 +270,7 @@ def _stdio(args: argparse.Namespace) -> int:
         user_sys_after = _user_sys(server.pid) if probe == "cpu" else None
         time.sleep(0.3)
         os.kill(target, signal.SIGUSR1)
-        time.sleep(1 if probe == "callgrind" else 0.3)
+        time.sleep(1 if probe in ("callgrind", "cachesim") else 0.3)
     finally:
         try:
             _, err = server.communicate(timeout=120)  # closes the server's stdin: it exits
@@ -266,6 +284,10 @@ def _stdio(args: argparse.Namespace) -> int:
             raise SystemExit(f"server_instr: no dump of the counted prompts in {out}")
         count, path = parts[2]
         print(f"server instructions per stdio prompt ({args.words} word(s)): {count / n:,.0f} (callgrind_annotate {path})")
+    elif probe == "cachesim":
+        events = _cache_events(out)
+        print(f"server per stdio prompt ({args.words} word(s)), simulated caches (I1/D1 32 KiB, LL {args.sim_ll_kb} KiB): "
+              + ", ".join(f"{k} {v / n:,.0f}" for k, v in events.items()))
     elif probe == "strace":
         calls = _strace_between_cuts(Path(out) / "strace.out")
         total = sum(calls.values())
@@ -353,7 +375,14 @@ def main() -> int:
         "this makes the cold-cache cost of a prompt repeatable",
     )
     parser.add_argument(
-        "--probe", choices=("callgrind", "strace", "passes", "cpu"), default="callgrind", help="--stdio: what watches the server"
+        "--sim-ll-kb",
+        type=int,
+        default=64,
+        help="--probe cachesim: the simulated last-level cache's size in KiB (default 64: smaller than what a "
+        "prompt touches, so its misses count the memory a prompt touches, as on caches a busy client evicted)",
+    )
+    parser.add_argument(
+        "--probe", choices=("callgrind", "cachesim", "strace", "passes", "cpu"), default="callgrind", help="--stdio: what watches the server"
     )
     parser.add_argument("serve_flags", nargs="*", help="flags for acp-server serve (default --ephemeral for TCP)")
     args = parser.parse_args()
