@@ -24,7 +24,7 @@ start-up and a warm-up, one for the counted prompts, one for the rest.
 Usage::
 
     python bench/server_instr.py [--prompts 4000] [--no-turn-states] [-- extra serve flags]
-    python bench/server_instr.py --stdio [--words 1] [--prompts 2000] [--probe callgrind|strace|passes|cpu]
+    python bench/server_instr.py --stdio [--words 1] [--prompts 2000] [--probe callgrind|cachesim|strace|passes|cpu]
     python bench/server_instr.py --stdio --probe cpu --pace-us 130   # at the official SDK client's pace
     python bench/server_instr.py --stdio --probe cpu --pollute-kb 4096 [--sdk-agent]   # on caches a busy client evicted
     python bench/server_instr.py --stdio --probe cachesim [--sdk-agent] [--sim-ll-kb 64]   # the lines a prompt touches
@@ -93,25 +93,27 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _summaries(out: str) -> dict[int, tuple[int, str]]:
-    parts: dict[int, tuple[int, str]] = {}
-    for path in glob.glob(f"{out}/callgrind.out*"):
-        text = Path(path).read_text(errors="replace")
-        part, summary = re.search(r"^part: *(\d+)$", text, re.M), re.search(r"^summary: *(\d+)$", text, re.M)
-        if part and summary:
-            parts[int(part.group(1))] = (int(summary.group(1)), path)
-    return parts
+#: ``--probe cachesim``'s simulated first-level caches (instructions and data alike): size, ways, line
+_SIM_L1_KB = 32
+_SIM_L1 = f"{_SIM_L1_KB * 1024},8,64"
 
 
-def _cache_events(out: str) -> dict[str, int]:
-    """The counted part's events of a ``--cache-sim=yes`` dump, by name (``Ir``, ``I1mr``, ``D1mr``, ...)."""
+def _dumps(out: str) -> dict[int, tuple[dict[str, int], str]]:
+    """Each callgrind dump in ``out`` by part: its summary's events by name (``Ir`` first; with
+    ``--cache-sim=yes`` also ``I1mr``, ``D1mr``, ...) and its path."""
+    parts: dict[int, tuple[dict[str, int], str]] = {}
     for path in glob.glob(f"{out}/callgrind.out*"):
         text = Path(path).read_text(errors="replace")
         part = re.search(r"^part: *(\d+)$", text, re.M)
         names, summary = re.search(r"^events: *(.+)$", text, re.M), re.search(r"^summary: *(.+)$", text, re.M)
-        if part and int(part.group(1)) == 2 and names and summary:
-            return dict(zip(names.group(1).split(), map(int, summary.group(1).split()), strict=False))
-    raise SystemExit(f"server_instr: no dump of the counted prompts in {out}")
+        if part and names and summary:
+            parts[int(part.group(1))] = (dict(zip(names.group(1).split(), map(int, summary.group(1).split()), strict=True)), path)
+    return parts
+
+
+def _summaries(out: str) -> dict[int, tuple[int, str]]:
+    """Each dump's instruction count by part, and its path."""
+    return {part: (events["Ir"], path) for part, (events, path) in _dumps(out).items()}
 
 
 def _tcp(args: argparse.Namespace) -> int:
@@ -242,7 +244,7 @@ def _stdio(args: argparse.Namespace) -> int:
     if probe in ("callgrind", "cachesim"):
         sim = []
         if probe == "cachesim":
-            sim = ["--cache-sim=yes", "--I1=32768,8,64", "--D1=32768,8,64", f"--LL={args.sim_ll_kb * 1024},16,64"]
+            sim = ["--cache-sim=yes", f"--I1={_SIM_L1}", f"--D1={_SIM_L1}", f"--LL={args.sim_ll_kb * 1024},16,64"]
         argv = ["valgrind", "--tool=callgrind", *sim, "--dump-before=getsid", f"--callgrind-out-file={out}/callgrind.out", *argv]
     elif probe == "strace":
         argv = ["strace", "-f", "-o", f"{out}/strace.out", *argv]
@@ -285,8 +287,11 @@ def _stdio(args: argparse.Namespace) -> int:
         count, path = parts[2]
         print(f"server instructions per stdio prompt ({args.words} word(s)): {count / n:,.0f} (callgrind_annotate {path})")
     elif probe == "cachesim":
-        events = _cache_events(out)
-        print(f"server per stdio prompt ({args.words} word(s)), simulated caches (I1/D1 32 KiB, LL {args.sim_ll_kb} KiB): "
+        dumps = _dumps(out)
+        if 2 not in dumps:
+            raise SystemExit(f"server_instr: no dump of the counted prompts in {out}")
+        events = dumps[2][0]
+        print(f"server per stdio prompt ({args.words} word(s)), simulated caches (I1/D1 {_SIM_L1_KB} KiB, LL {args.sim_ll_kb} KiB): "
               + ", ".join(f"{k} {v / n:,.0f}" for k, v in events.items()))
     elif probe == "strace":
         calls = _strace_between_cuts(Path(out) / "strace.out")
