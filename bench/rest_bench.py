@@ -4,7 +4,12 @@
    - ``rest_sdk``: qwen's own SDK (``@qwen-code/sdk``'s ``DaemonSessionClient`` in Node, from
      ``tests/node``; ``bench/rest_sdk_driver.mjs``): one ``events()`` subscription, each prompt posted
      with ``submitPrompt`` and done at its ``turn_complete`` (the goal's row: qwen's client is what the
-     API serves; Node's fetch writes a request's head and body in one write);
+     API serves; Node's fetch writes a request's head and body in one write). Node runs with
+     ``--single-threaded``: V8 then does its collector's and compilers' work on the main thread, between
+     the client's own steps, instead of in background threads that run on the machine's other CPU
+     while the server works and slow it (bench/README.md, "Scenario 8: Node's threads and the server's
+     CPU");
+   - ``rest_sdk_threads``: the same with Node as it comes (its background threads on), for reference;
    - ``rest``: the same prompts from httpx (``POST /session/:id/prompt`` (202) and its
      ``turn_complete`` read on the session's ``GET /session/:id/events`` stream, one subscriber);
      httpx writes a request's head and its body apart, so the server reads each POST twice;
@@ -13,7 +18,9 @@
 2. SSE fan-out: the same REST prompts with 1, 10 and 64 subscribers on the session, each prompt done
    once every subscriber has its ``turn_complete``: server CPU per prompt, and per subscriber-frame.
 
-CPU is the server process's own, from ``/proc``, read around each timed run.
+CPU is the server process's own, from ``/proc``, read around each timed run. ``BENCH_REST_PIN=1``
+runs the scenario with the server's threads on the first CPU this process may use and every client
+(this process, Node and its threads) on the others.
 
 ``python bench/rest_bench.py --instr`` counts instead the instructions the server runs per REST prompt
 (both clients) and per TCP prompt (the same clients and prompts, one server under ``valgrind --tool=callgrind``,
@@ -148,11 +155,15 @@ async def _rest_run(
             await client.delete(f"{base}/session/{sid}")
 
 
+_NODE_ARGS = ("--single-threaded",)  # V8 without background threads (rest_sdk); () for rest_sdk_threads
+
+
 async def _sdk_run(
     base: str, pid: int, warmup: int, prompts: int, text: str, out: Totals, meter: Callable[[int], float] = cpu_seconds,
+    node_args: tuple[str, ...] = _NODE_ARGS,
 ) -> None:
     """``prompts`` sequential REST prompts from qwen's SDK (``rest_sdk_driver.mjs``), timed by ``meter``."""
-    argv = [str(shutil.which("node")), str(_SDK_DRIVER), str(_SDK_ENTRY), base, str(warmup), str(prompts), text]
+    argv = [str(shutil.which("node")), *node_args, str(_SDK_DRIVER), str(_SDK_ENTRY), base, str(warmup), str(prompts), text]
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "NODE_NO_WARNINGS": "1"},
@@ -199,15 +210,36 @@ def _start(argv: list[str]) -> tuple[_Process, str, str]:
     return server, f"http://127.0.0.1:{ports[b'http on http']}", f"tcp://127.0.0.1:{ports[b'listening on tcp']}"
 
 
+def _cpu_split() -> tuple[set[int], set[int]] | None:
+    """The server's CPU and the clients' (the others this process may use), or None with one."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return ({cpus[0]}, set(cpus[1:])) if len(cpus) >= 2 else None
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus`` (the threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+            got = os.sched_getaffinity(int(tid))
+        except ProcessLookupError:  # a thread that just ended
+            continue
+        if got != cpus:
+            raise BenchError(f"thread {tid} of the server kept CPUs {sorted(got)}, not {sorted(cpus)}")
+
+
 def run_rest(sizes: HttpSizes) -> tuple[dict[str, Any], str]:
     """Every round over the targets, then the fan-out runs; the figures and the server command."""
     argv = [*acp_server_argv(), *_SERVE]
     server, http, tcp = _start(argv)
+    allowed = os.sched_getaffinity(0)
+    split = _cpu_split() if os.environ.get("BENCH_REST_PIN") == "1" else None
     try:
         pid = server.proc.pid
-        rest, rest_sdk, acp_sse, acp_tcp = Totals(), Totals(), AcpRun(), AcpRun()
+        rest, rest_sdk, rest_sdk_threads, acp_sse, acp_tcp = Totals(), Totals(), Totals(), AcpRun(), AcpRun()
         fanout = {n: Totals() for n in FANOUT}
-        targets = ("rest_sdk", "rest", "acp_sse", "tcp") if sdk_missing() is None else ("rest", "acp_sse", "tcp")
+        sdk_rows = ("rest_sdk", "rest_sdk_threads") if sdk_missing() is None else ()
+        targets = (*sdk_rows, "rest", "acp_sse", "tcp")
 
         async def rounds() -> None:
             for r in range(sizes.rounds):
@@ -216,6 +248,8 @@ def run_rest(sizes: HttpSizes) -> tuple[dict[str, Any], str]:
                         await _rest_run(http, pid, 1, sizes.warmup, sizes.prompts, sizes.text, rest)
                     elif target == "rest_sdk":
                         await _sdk_run(http, pid, sizes.warmup, sizes.prompts, sizes.text, rest_sdk)
+                    elif target == "rest_sdk_threads":
+                        await _sdk_run(http, pid, sizes.warmup, sizes.prompts, sizes.text, rest_sdk_threads, node_args=())
                     elif target == "acp_sse":
                         await _one("ours_sse", http + "/acp", pid, sizes, acp_sse)
                     else:
@@ -224,8 +258,12 @@ def run_rest(sizes: HttpSizes) -> tuple[dict[str, Any], str]:
                 for n in FANOUT if r % 2 == 0 else FANOUT[::-1]:
                     await _rest_run(http, pid, n, sizes.warmup, max(10, sizes.prompts // 3), sizes.text, fanout[n])
 
+        if split is not None:
+            _pin(pid, split[0])
+            os.sched_setaffinity(0, split[1])  # this process, and the clients it starts
         asyncio.run(rounds())
     finally:
+        os.sched_setaffinity(0, allowed)
         server.stop()
 
     def per(t: Any) -> dict[str, Any]:
@@ -233,7 +271,10 @@ def run_rest(sizes: HttpSizes) -> tuple[dict[str, Any], str]:
                 "rounds": t.rounds}
 
     out: dict[str, Any] = {"rest": per(rest), "rest_sdk": per(rest_sdk) if rest_sdk.prompts else None,
-                           "rest_sdk_missing": sdk_missing(), "acp_sse": per(acp_sse), "tcp": per(acp_tcp), "fanout": {}}
+                           "rest_sdk_threads": per(rest_sdk_threads) if rest_sdk_threads.prompts else None,
+                           "node_args": list(_NODE_ARGS), "rest_sdk_missing": sdk_missing(), "acp_sse": per(acp_sse),
+                           "tcp": per(acp_tcp), "fanout": {},
+                           "pinned": None if split is None else {"server": sorted(split[0]), "clients": sorted(split[1])}}
     for n, t in fanout.items():
         out["fanout"][str(n)] = {**per(t), "frames_per_prompt": t.frames / t.prompts,
                                  "cpu_us_per_frame": t.cpu_s * 1e6 / t.frames if t.frames else None}
@@ -277,7 +318,9 @@ def _tcp_meter(meter: Callable[[int], float]) -> Iterator[None]:
         http_ab.cpu_seconds = saved
 
 
-def run_instr(prompts: int, warmup: int, text: str, keep: Path | None = None) -> dict[str, Any]:
+def run_instr(
+    prompts: int, warmup: int, text: str, keep: Path | None = None, node_args: tuple[str, ...] = _NODE_ARGS,
+) -> dict[str, Any]:
     """Instructions per REST prompt (httpx's, and qwen's SDK's when it is installed) and per TCP prompt
     (sequential echo prompts, as :func:`run_rest`); ``keep``: a directory for the callgrind dumps
     (``rest.callgrind``, ``rest_sdk.callgrind``, ``tcp.callgrind``, for ``callgrind_annotate``)."""
@@ -298,7 +341,7 @@ def run_instr(prompts: int, warmup: int, text: str, keep: Path | None = None) ->
         async def both() -> None:
             await _rest_run(http, pid, 1, warmup, prompts, text, rest, meter)
             if sdk_missing() is None:
-                await _sdk_run(http, pid, warmup, prompts, text, rest_sdk, meter)
+                await _sdk_run(http, pid, warmup, prompts, text, rest_sdk, meter, node_args)
             with _tcp_meter(meter):
                 await _one("ours_tcp", tcp, pid, HttpSizes(1, warmup, prompts, text), acp_tcp)
 
@@ -385,7 +428,7 @@ def _strace_counts(text: str) -> dict[str, int]:
     return counts
 
 
-def run_kernel(prompts: int, warmup: int, text: str, strace: bool) -> dict[str, Any]:
+def run_kernel(prompts: int, warmup: int, text: str, strace: bool, node_args: tuple[str, ...] = _NODE_ARGS) -> dict[str, Any]:
     """System calls and context switches per prompt: REST from httpx, from qwen's SDK, and TCP."""
     server, http, tcp = _start([*acp_server_argv(), *_SERVE])
     meter = _KernelMeter(strace)
@@ -396,7 +439,7 @@ def run_kernel(prompts: int, warmup: int, text: str, strace: bool) -> dict[str, 
         async def all_three() -> None:
             await _rest_run(http, pid, 1, warmup, prompts, text, Totals(), meter)
             if sdk_missing() is None:
-                await _sdk_run(http, pid, warmup, prompts, text, Totals(), meter)
+                await _sdk_run(http, pid, warmup, prompts, text, Totals(), meter, node_args)
             with _tcp_meter(meter):
                 await _one("ours_tcp", tcp, pid, HttpSizes(1, warmup, prompts, text), AcpRun())
 
@@ -420,12 +463,15 @@ if __name__ == "__main__":
     parser.add_argument("--keep", type=Path, metavar="DIR", help="with --instr: keep the callgrind dumps in DIR")
     parser.add_argument("--kernel", action="store_true", help="count system calls and context switches (see above)")
     parser.add_argument("--strace", action="store_true", help="with --kernel: every system call by name (strace -c)")
+    parser.add_argument("--node-threads", action="store_true",
+                        help="with --instr or --kernel: Node as it comes (V8's background threads on), not --single-threaded")
     args = parser.parse_args()
     if not args.instr and not args.kernel:
         parser.error("run scenario 8 with: python bench/run.py --only rest (this script alone: --instr or --kernel)")
     from run import TEXT
 
+    node_args = () if args.node_threads else _NODE_ARGS
     if args.kernel:
-        print(json.dumps(run_kernel(args.prompts, args.warmup, TEXT, args.strace), indent=2))
+        print(json.dumps(run_kernel(args.prompts, args.warmup, TEXT, args.strace, node_args), indent=2))
     else:
-        print(json.dumps(run_instr(args.prompts, args.warmup, TEXT, args.keep), indent=2))
+        print(json.dumps(run_instr(args.prompts, args.warmup, TEXT, args.keep, node_args), indent=2))

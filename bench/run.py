@@ -326,6 +326,9 @@ def scenario_rest(report: Report, sizes: Sizes) -> None:
                goal="<= 2x our TCP", met=None if sdk is None else sdk <= 2 * tcp)
     if sdk is None:
         report.skipped.append(f"rest: qwen's SDK client row ({per['rest_sdk_missing']})")
+    else:  # the same client with V8's background threads on: they run beside the server and slow it
+        report.add("rest", "REST prompt + SSE events, qwen's SDK client, Node's background threads on: server CPU per prompt",
+                   "µs", per["rest_sdk_threads"]["cpu_us_per_prompt"])
     report.add("rest", "REST prompt + SSE events, httpx client: server CPU per prompt", "µs", rest)
     report.add("rest", "REST prompt + SSE events: prompts/s (sequential, 1 session, httpx)", "1/s", per["rest"]["prompts_per_s"])
     for n, fig in per["fanout"].items():
@@ -334,10 +337,14 @@ def scenario_rest(report: Report, sizes: Sizes) -> None:
     report.notes.append(
         f"Scenario 8: {hs.prompts} sequential echo prompts of {len(hs.text.split())} words per run on one session; "
         "REST posts each prompt (202) and waits for its turn_complete on the session's SSE stream, from qwen's "
-        "SDK (@qwen-code/sdk in Node, bench/rest_sdk_driver.mjs: the goal's row) and from httpx (which writes a "
-        "request's head and body apart); /acp "
+        "SDK (@qwen-code/sdk in Node, bench/rest_sdk_driver.mjs: the goal's row, Node run "
+        f"{' '.join(per['node_args'])}, V8's collector and compilers on its main thread; again with its "
+        "background threads on, which run beside the server on a 2-CPU machine and slow it: bench/README.md) "
+        "and from httpx (which writes a request's head and body apart); /acp "
         "and TCP are the official SDK client. Fan-out: each prompt waits until every subscriber has its "
-        "turn_complete. CPU is the server process's own, from /proc."
+        "turn_complete. CPU is the server process's own, from /proc"
+        + ("." if per["pinned"] is None else
+           f"; BENCH_REST_PIN=1: the server ran on CPU {per['pinned']['server']}, the clients on {per['pinned']['clients']}.")
     )
 
 

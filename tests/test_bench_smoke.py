@@ -58,6 +58,9 @@ def test_bench_tiny_prints_the_table_and_writes_json(tmp_path: pathlib.Path) -> 
     assert added["unit"] == "ms" and added["ours"] is not None
     rest = report["scenarios"]["rest"]
     assert all(rest[k]["prompts"] > 0 for k in ("rest", "acp_sse", "tcp"))
+    if rest["rest_sdk_missing"] is None:  # qwen's SDK, Node --single-threaded (the goal's row), and as it comes
+        assert rest["rest_sdk"]["prompts"] == rest["rest_sdk_threads"]["prompts"] > 0
+        assert rest["node_args"] == ["--single-threaded"] and rest["pinned"] is None
     assert [rest["fanout"][n]["frames_per_prompt"] for n in ("1", "10", "64")] == sorted(
         rest["fanout"][n]["frames_per_prompt"] for n in ("1", "10", "64"))  # more subscribers, more frames
     overload = report["scenarios"]["overload"]
