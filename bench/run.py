@@ -43,7 +43,7 @@ from typing import Any
 from http_ab import HttpSizes, run_http
 from loadgen import raise_nofile_limit
 from openai_bench import OpenAISizes, run_openai
-from procfs import cpu_source, percentile
+from procfs import cpu_source, describe_idle, idle_policy, percentile
 from rest_bench import FANOUT, run_rest
 from sdk_ab import AbSizes, Totals, run_ab
 from servers import BENCH, BenchError, TcpServer, acp_server_argv, sdk_echo_argv, server_flags, shell_command
@@ -268,7 +268,16 @@ def scenario_sdk(report: Report, sizes: Sizes) -> None:
                 "sdk", f"{label}: server CPU per prompt", "µs", cpu_o, sdk=cpu_s, goal="<= 1/3 of SDK", met=met
             )
     scenario_startup(report, sizes, raw)
+    raw["idle_cpus"] = idle = idle_policy()
     report.scenarios["sdk"] = raw
+    if idle.get("guest_halt_poll_ns") == "0":
+        report.notes.append(
+            "Scenario 1: this VM's idle vCPUs halt at once (haltpoll's guest_halt_poll_ns is 0), so each sequential "
+            "prompt's wait ends in a wake-up from the hypervisor, which both agents pay for in CPU; it weighs most "
+            "on the 1-word sequential row. `python bench/sdk_ab.py --words 1 --guest-halt-poll-ns 200000` runs "
+            "the same A/B with the vCPUs polling first (root; put back after): bench/README.md, "
+            "\"Goal 2's 1-word gap is this VM's halt\"."
+        )
     words = len(ab.text.split())
     report.notes.append(
         f"Scenario 1: prompts of {words} words ({words} updates each), then of one word (rows '1 word'), over "
@@ -887,7 +896,8 @@ def markdown(report: Report) -> str:
         f"## acp-server benchmarks{mode}",
         "",
         f"{os.cpu_count()} CPUs, load average {load} at the start (a busy machine makes rates noisy; "
-        "CPU per operation is the steadier figure). Scenario numbers follow bench/README.md.",
+        f"CPU per operation is the steadier figure); {describe_idle(idle_policy())}. Scenario numbers follow "
+        "bench/README.md.",
         "",
         "| # | figure | unit | ours | SDK | ours/SDK | goal | met | reproduce |",
         "|---|---|---|--:|--:|--:|---|---|---|",
@@ -935,6 +945,7 @@ def to_json(report: Report, selected: Sequence[str], started: float) -> dict[str
             "agent_client_protocol": _version("agent-client-protocol"),
             "git_commit": _git_commit(),
             "cpu_time_source": cpu_source(os.getpid()),
+            "idle_cpus": idle_policy(),
             "load_average_at_start": report.load_at_start,
             "load_average_at_end": list(os.getloadavg()),
             "command": "python bench/run.py" + (" --tiny" if report.tiny else ""),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import shlex
 import sys
@@ -26,7 +27,7 @@ from typing import Any, cast
 
 from acp import PROTOCOL_VERSION, Client, spawn_agent_process, text_block
 from acp.schema import AgentMessageChunk, TextContentBlock
-from procfs import cpu_seconds, percentile
+from procfs import cpu_seconds, describe_idle, guest_halt_poll, idle_policy, percentile
 from servers import BenchError, acp_server_argv, sdk_echo_argv
 
 __all__ = ["AbSizes", "Totals", "kernel_counts", "run_ab"]
@@ -223,11 +224,25 @@ def main() -> None:
     parser.add_argument("--sequential", type=int, default=1000, help="timed prompts on one session")
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--per-session", type=int, default=150, help="timed prompts per session at once")
+    parser.add_argument(
+        "--guest-halt-poll-ns",
+        type=int,
+        metavar="NS",
+        help="for this run only, set the VM's guest halt polling window (the haltpoll cpuidle driver's "
+        "guest_halt_poll_ns; root; machine-wide, put back after) to show what an idle vCPU's halt costs a "
+        "sequential prompt, e.g. 200000 (the driver's stock default) against 0",
+    )
     args = parser.parse_args()
     agents = dict(args.agent or [_agent("ours"), _agent("sdk")])
     sizes = AbSizes(args.rounds, args.warmup, args.sequential, args.sessions, args.per_session, " ".join(["hello"] * args.words))
-    totals = run_ab(agents, sizes)
-    print(f"{args.words} word(s), {args.rounds} rounds, {args.sessions} sessions x {args.per_session}; {sizes.sequential} sequential")
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(guest_halt_poll(args.guest_halt_poll_ns))
+        except (ValueError, OSError) as exc:
+            parser.error(f"--guest-halt-poll-ns: {exc}")
+        idle = describe_idle(idle_policy())
+        totals = run_ab(agents, sizes)
+    print(f"{args.words} word(s), {args.rounds} rounds, {args.sessions} sessions x {args.per_session}; {sizes.sequential} sequential; {idle}")
     for workload in ("sequential", "concurrent"):
         for name, per in totals.items():
             t = per[workload]

@@ -37,6 +37,7 @@ with the serve arguments, e.g. a profiler of one's own that starts and stops at 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import re
@@ -53,7 +54,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import loadgen  # noqa: E402
-from procfs import cpu_seconds  # noqa: E402
+from procfs import cpu_seconds, describe_idle, guest_halt_poll, idle_policy  # noqa: E402
 
 _SERVER = (
     "import os, signal, sys; signal.signal(signal.SIGUSR1, lambda *a: os.getsid(0)); "
@@ -389,13 +390,30 @@ def main() -> int:
     parser.add_argument(
         "--probe", choices=("callgrind", "cachesim", "strace", "passes", "cpu"), default="callgrind", help="--stdio: what watches the server"
     )
+    parser.add_argument(
+        "--guest-halt-poll-ns",
+        type=int,
+        metavar="NS",
+        help="--stdio: for this run only, set the VM's guest halt polling window (haltpoll's "
+        "guest_halt_poll_ns; root; machine-wide, put back after): with --probe cpu, e.g. 200000 against 0 "
+        "shows what an idle vCPU's halt between two prompts costs the server",
+    )
     parser.add_argument("serve_flags", nargs="*", help="flags for acp-server serve (default --ephemeral for TCP)")
     args = parser.parse_args()
-    if args.stdio:
-        args.prompts = args.prompts or 2000
+    if not args.stdio:
+        if args.guest_halt_poll_ns is not None:
+            parser.error("--guest-halt-poll-ns goes with --stdio (the TCP workload never lets the server sleep)")
+        args.prompts = args.prompts or 4000
+        return _tcp(args)
+    args.prompts = args.prompts or 2000
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(guest_halt_poll(args.guest_halt_poll_ns))
+        except (ValueError, OSError) as exc:
+            parser.error(f"--guest-halt-poll-ns: {exc}")
+        if args.probe == "cpu":
+            print(describe_idle(idle_policy()))
         return _stdio(args)
-    args.prompts = args.prompts or 4000
-    return _tcp(args)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,10 @@ def test_bench_tiny_prints_the_table_and_writes_json(tmp_path: pathlib.Path) -> 
     assert set(report) == {"meta", "figures", "scenarios", "skipped", "notes", "errors"}
     assert report["errors"] == {}
     assert report["meta"]["tiny"] is True
+    # How idle CPUs wait is recorded beside the figures (it moves a sequential prompt's CPU by 2.5x in a VM)
+    idle = report["meta"]["idle_cpus"]
+    assert isinstance(idle, dict) and report["scenarios"]["sdk"]["idle_cpus"] == idle
+    assert "idle CPUs: " in proc.stdout
     assert set(report["scenarios"]) == {"sdk", "pipelined", "overload", "scale", "openai", "coordinator", "http", "rest"}
     figures = report["figures"]
     assert {f["scenario"] for f in figures} == {"1", "2", "3", "4", "5", "6", "7", "8"}
