@@ -177,12 +177,12 @@ def run_http(sizes: HttpSizes) -> tuple[dict[str, Run], dict[str, str]]:
     ]
     sdk_port = _free_port()
     sdk_argv = [sys.executable, str(BENCH / "peers" / "sdk_http_server.py"), str(sdk_port)]
-    ours = _Process(ours_argv, rb"acp-server: (?:listening on tcp|http on http)://127\.0\.0\.1:(\d+)")
+    listening = rb"acp-server: (listening on tcp|http on http)://127\.0\.0\.1:(\d+)"
+    ours = _Process(ours_argv, listening)
     try:
-        while len(ours.found) < 2:
+        while len(ours.found) < 2:  # (both lines, with the same two groups, however fast they came)
             time.sleep(0.05)
-            ours.found = list(re.finditer(rb"acp-server: (listening on tcp|http on http)://127\.0\.0\.1:(\d+)",
-                                          Path(ours.log.name).read_bytes()))
+            ours.found = list(re.finditer(listening, Path(ours.log.name).read_bytes()))
         ports = {m.group(1): int(m.group(2)) for m in ours.found}
         sdk = _Process(sdk_argv, rb"listening")
         _wait_accepting(sdk_port)  # the SDK's server prints before hypercorn binds

@@ -45,6 +45,7 @@ from ...errors import (
 )
 from .auth import TENANT_HEADER, HttpCaller, HttpGuard, HttpRefusal, current_caller
 from .console import CONSOLE_PREFIX, serve_console
+from .lean_ws import FRAMES_EXTENSION
 from .peer import MessagePeer
 from .rules import (
     ACP_PATH,
@@ -571,7 +572,11 @@ class AcpHttpApp:
                         shell_done.set()
 
                 nursery.start_soon(shell)
-                await pump_websocket(conn.peer, send, receive, shell_done, limits.max_message_bytes)
+                frames = scope.get("extensions", {}).get(FRAMES_EXTENSION)  # (offered at the accept)
+                await pump_websocket(
+                    conn.peer, send, receive, shell_done, limits.max_message_bytes,
+                    frames["send_texts_nowait"] if frames else None,
+                )
         finally:
             self.connections.pop(conn.id, None)
 

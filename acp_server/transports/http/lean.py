@@ -32,7 +32,9 @@ request asked to (``Connection: close``), its body was not read to its end, it w
 ``keep_alive_max_requests``, or the app failed mid-response, as hypercorn does. A request that comes
 while one read without h11 is served waits for its answer (h11's ``PAUSED``).
 
-Anything else keeps hypercorn's own stream: a WebSocket upgrade, ``h2c``, HTTP/1.0, ``HEAD``,
+A WebSocket upgrade gets hypercorn's stream with its usual frames read and written without wsproto
+(:class:`~.lean_ws.LeanWSStream`; once open, a read goes to it without the h11 loop). Anything else
+keeps hypercorn's own stream: ``h2c``, HTTP/1.0, ``HEAD``,
 ``Expect: 100-continue``, ``server_names`` or raw headers in the config. Backpressure is hypercorn's:
 a body whose messages the app does not read stops the reader at ``max_app_queue_size`` messages, and
 writes go through the server's bound (:class:`~.wire.BatchedWrites`).
@@ -41,11 +43,12 @@ writes go through the server's bound (:class:`~.wire.BatchedWrites`).
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 import h11
 from hypercorn.events import Closed, RawData, Updated
-from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.events import Request
+from hypercorn.protocol.h11 import STREAM_ID, H11Protocol, H11WSConnection
 
 from .http1 import (
     _CLOSE,
@@ -61,12 +64,29 @@ from .http1 import (
     simple_request,
 )
 from .lean_stream import LeanStream
+from .lean_ws import LeanWSStream
 from .wire import BatchedWrites
 
 __all__ = ["PARTIAL_MAX", "LeanH11Protocol", "LeanStream", "SimpleRequest", "simple_request"]
 
 #: what the connection tells its server as a request comes in, and as it is over (frozen: made once)
 _BUSY, _IDLE = Updated(idle=False), Updated(idle=True)
+
+
+def _is_websocket_upgrade(request: h11.Request) -> bool:
+    """hypercorn's test for a WebSocket upgrade (``H11Protocol._create_stream``): ``GET`` with an
+    ``upgrade`` token in ``Connection`` and ``Upgrade: websocket`` (h11 lowercased the names)."""
+    upgrade = connection = b""
+    for name, value in request.headers:
+        if name == b"upgrade":
+            upgrade = value.strip()
+        elif name == b"connection":
+            connection = value.strip()
+    return (
+        request.method.upper() == b"GET"
+        and upgrade.lower() == b"websocket"
+        and any(token.strip() == b"upgrade" for token in connection.lower().split(b","))
+    )
 
 
 def _never(method: bytes, path: bytes) -> bool:
@@ -119,6 +139,10 @@ class LeanH11Protocol(H11Protocol):
         part of one is kept until the rest is in); anything else goes through hypercorn's h11 loop."""
         if isinstance(event, RawData):
             data = event.data
+            stream = self.stream
+            if data and type(stream) is LeanWSStream and stream.lean_in:
+                await stream.receive_frames(data)  # an open WebSocket's frames: no h11 loop, no event
+                return
             if data:
                 while isinstance(self.stream, LeanStream) and self.stream.fast:
                     await self.can_read.clear()  # the next request waits for this one's response (h11's PAUSED)
@@ -311,9 +335,31 @@ class LeanH11Protocol(H11Protocol):
 
     async def _create_stream(self, request: h11.Request) -> None:
         if not self._plain:
-            await super()._create_stream(request)
+            if _is_websocket_upgrade(request) and not self.config.h11_pass_raw_headers:
+                await self._open_websocket(request)
+            else:
+                await super()._create_stream(request)
             return
         self._open_stream(request.method, request.target, self._headers, keep_alive=not self._close_asked)
+        self.keep_alive_requests += 1
+        await self._mark_request()
+
+    async def _open_websocket(self, request: h11.Request) -> None:
+        """hypercorn's ``_create_stream`` for a WebSocket upgrade, with :class:`LeanWSStream`."""
+        stream = LeanWSStream(
+            self.app, self.config, self.context, self.task_group, self.ssl, self.client, self.server,
+            self.stream_send, STREAM_ID,
+        )
+        stream.batched = getattr(self, "batched", None)
+        self.stream = stream
+        self.connection = H11WSConnection(cast(h11.Connection, self.connection))
+        await stream.handle(
+            Request(
+                stream_id=STREAM_ID, headers=list(request.headers), http_version=request.http_version.decode(),
+                method=request.method.decode("ascii").upper(), raw_path=request.target,
+                state=self.connection_state,
+            )
+        )
         self.keep_alive_requests += 1
         await self._mark_request()
 

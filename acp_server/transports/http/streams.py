@@ -77,13 +77,20 @@ async def pump_sse(
 
 
 async def pump_websocket(
-    peer: MessagePeer, send: Send, receive: Receive, shell_done: trio.Event, max_message_bytes: int
+    peer: MessagePeer,
+    send: Send,
+    receive: Receive,
+    shell_done: trio.Event,
+    max_message_bytes: int,
+    send_texts_nowait: Callable[[list[bytes]], bool] | None = None,
 ) -> None:
     """Carry one JSON-RPC message per text frame both ways until either side ends.
 
     Text frames go to :meth:`MessagePeer.feed`; binary frames are ignored. When the client leaves,
     the peer's input ends (the shell closes as after a socket's end); when the shell is done, what is
-    queued is sent and the socket is closed.
+    queued is sent and the socket is closed. ``send_texts_nowait`` (the server's frame writer, where
+    it offers one: :data:`~.lean_ws.FRAMES_EXTENSION`) sends what the queue holds in one write; where
+    it cannot (past the write bound, closing), each message goes as a ``websocket.send``.
     """
     queue = peer.connection
     with peer.reading(queue):
@@ -106,8 +113,9 @@ async def pump_websocket(
                 lines = await queue.take()
                 if lines is None:
                     break
-                for line in lines:
-                    await send({"type": "websocket.send", "text": line.decode()})
+                if send_texts_nowait is None or not send_texts_nowait(lines):
+                    for line in lines:
+                        await send({"type": "websocket.send", "text": line.decode()})
                 queue.sent(lines)
             await shell_done.wait()
             await send({"type": "websocket.close", "code": 1000})
