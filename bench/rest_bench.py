@@ -202,8 +202,8 @@ _LISTENING = rb"acp-server: (listening on tcp|http on http)://127\.0\.0\.1:(\d+)
 
 def _start(argv: list[str]) -> tuple[_Process, str, str]:
     """The server of ``argv``, once both listeners are up: the process, its HTTP and its TCP address."""
-    server = _Process(argv, rb"acp-server: (?:listening on tcp|http on http)://127\.0\.0\.1:(\d+)")
-    while len(server.found) < 2:
+    server = _Process(argv, _LISTENING)
+    while len(server.found) < 2:  # (both lines, with the same two groups, however fast they came)
         time.sleep(0.05)
         server.found = list(re.finditer(_LISTENING, Path(server.log.name).read_bytes()))
     ports = {m.group(1): int(m.group(2)) for m in server.found}
