@@ -166,6 +166,45 @@ async def test_peer_send_all_waits_for_a_reader_and_input_reads_as_a_stream() ->
         await peer.send_all(b"{}\n")
 
 
+async def test_a_websocket_peer_writes_through_its_frame_writer_only_when_nothing_waits_before() -> None:
+    """With a frame writer (a lean WebSocket's), the shell's write goes straight to it while the queue
+    is empty and no reader is handing lines on; otherwise, or when the writer says no (its socket's
+    bound), the lines queue and count as before, so that nothing overtakes what is queued."""
+    peer = MessagePeer(limit=1 << 20, multiplex=True)
+    written: list[list[bytes]] = []
+    accept = True
+
+    def frames(lines: list[bytes]) -> bool:
+        if accept:
+            written.append(list(lines))
+        return accept
+
+    peer.frames = frames
+    queue = peer.connection
+    await peer.send_all(b'{"a":1}\n{"b":2}\n')
+    assert written == [[b'{"a":1}', b'{"b":2}']] and queue.lines == [] and queue.nbytes == 0
+
+    accept = False  # past the socket's bound: queued, counted
+    await peer.send_all(b'{"c":3}\n')
+    assert queue.lines == [b'{"c":3}'] and queue.nbytes == 7
+    accept = True  # lines wait in the queue: the next write queues behind them
+    await peer.send_all(b'{"d":4}\n')
+    assert queue.lines == [b'{"c":3}', b'{"d":4}'] and len(written) == 1
+    lines = await queue.take()
+    assert lines is not None
+    queue.handing = True  # the reader still hands them on: a write may not pass them
+    await peer.send_all(b'{"e":5}\n')
+    assert queue.lines == [b'{"e":5}'] and len(written) == 1
+    queue.handing = False
+    queue.sent(lines)
+    assert await queue.take() == [b'{"e":5}']
+    await peer.send_all(b'{"f":' + b"6}\n{")  # a line not ended yet stays partial
+    assert written[-1] == [b'{"f":6}']
+    await peer.send_all(b'"g":7}\n')
+    assert written[-1] == [b'{"g":7}']
+    await peer.aclose()
+
+
 async def test_batched_writes_join_a_burst_and_report_a_broken_peer() -> None:
     """Writes made in one burst arrive in order, in one read; once the peer is gone, the next write
     fails with ``BrokenResourceError`` (as the socket's own would)."""

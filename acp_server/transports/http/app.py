@@ -573,10 +573,12 @@ class AcpHttpApp:
 
                 nursery.start_soon(shell)
                 frames = scope.get("extensions", {}).get(FRAMES_EXTENSION)  # (offered at the accept)
-                await pump_websocket(
-                    conn.peer, send, receive, shell_done, limits.max_message_bytes,
-                    frames["send_texts_nowait"] if frames else None,
-                )
+                writer = frames["send_texts_nowait"] if frames else None
+                conn.peer.frames = writer
+                if frames:
+                    peer, most = conn.peer, limits.max_message_bytes
+                    frames["set_feed"](lambda text: peer.feed_when_room(text, most))
+                await pump_websocket(conn.peer, send, receive, shell_done, limits.max_message_bytes, writer)
         finally:
             self.connections.pop(conn.id, None)
 

@@ -9,11 +9,14 @@ so that path was most of a WebSocket prompt's CPU (bench/README.md, scenario 6).
 hypercorn has them, and does the usual frames itself once the socket is open:
 
 - **Outbound**: a ``websocket.send`` of text while the connection is open is framed here (FIN, text
-  opcode, the length, the payload; a server's frames are not masked, RFC 6455 5.1) and queued on the
-  connection's :class:`~.wire.BatchedWrites` without a wait when it fits under its bound; past the
-  bound it goes the way hypercorn sends (which waits for room). The app may also skip the ASGI
+  opcode, the length, the payload; a server's frames are not masked, RFC 6455 5.1) and handed to the
+  connection's :class:`~.wire.BatchedWrites` without a wait when it fits under its bound (written at
+  once when nothing is queued before it); past the bound it goes the way hypercorn sends (which waits
+  for room). The app may also skip the ASGI
   message: the scope's extension :data:`FRAMES_EXTENSION` (set at the accept) frames a list of texts
-  into one queued write (``/acp``'s pump sends what its queue holds at once that way).
+  into one queued write (``/acp``'s pump sends what its queue holds at once that way, and the peer
+  what the shell writes when nothing is queued before it), and ``set_feed`` hands the texts read to
+  the app's own function (``/acp``: the peer the shell reads) without a message each.
 - **Inbound**: whole unfragmented masked text frames of valid UTF-8, no longer than
   ``websocket_max_message_size``, are unmasked here and handed to the app as ``websocket.receive``. At
   the first frame that is anything else (a control frame such as ping or close, a fragment, a binary
@@ -31,6 +34,7 @@ prompt for JSON-RPC messages of a few hundred bytes, on a loopback or LAN where 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hypercorn.protocol.events import Data
@@ -109,13 +113,24 @@ class LeanWSStream(WSStream):
     _partial = b""
     #: the connection's write queue, where frames go without a wait (the protocol sets it)
     batched: Any = None
+    #: where the texts read go instead of ``websocket.receive`` messages (see :meth:`set_feed`)
+    feed: Callable[[bytes], Awaitable[None]] | None = None
 
     async def _accept(self, message: Any) -> None:
         self.handshake.extensions = None  # agree no extension (permessage-deflate): see the docstring
         await super()._accept(message)
         self.lean = self.lean_in = not self.connection._proto.extensions  # (none agreed: none enabled)
         if self.lean:
-            self.scope["extensions"][FRAMES_EXTENSION] = {"send_texts_nowait": self.send_texts_nowait}
+            self.scope["extensions"][FRAMES_EXTENSION] = {
+                "send_texts_nowait": self.send_texts_nowait,
+                "set_feed": self.set_feed,
+            }
+
+    def set_feed(self, feed: Callable[[bytes], Awaitable[None]] | None) -> None:
+        """Hand the texts read from now on to ``feed`` (UTF-8 checked, as bytes) instead of as
+        ``websocket.receive`` messages; it may wait, which pauses the reading as a full channel would.
+        What wsproto reads after a hand-off still comes as messages, and so does the disconnect."""
+        self.feed = feed
 
     def send_texts_nowait(self, payloads: list[bytes]) -> bool:
         """Frame each of ``payloads`` (UTF-8 text) and queue them in one write without a wait. ``False``:
@@ -129,6 +144,10 @@ class LeanWSStream(WSStream):
             or self.connection.state is not _OPEN
         ):
             return False
+        # One call brings a whole burst (the shell's writes of a pass are joined before they come):
+        # written at once when nothing is queued before it, as a socket's writes are, not joined by the
+        # flusher in a pass of its own (hypercorn's own sends, which come a frame at a time, set it back).
+        batched.join = False
         return bool(batched.send_nowait(b"".join([frame_text(p) for p in payloads])))
 
     async def app_send(self, message: Any) -> None:
@@ -160,10 +179,15 @@ class LeanWSStream(WSStream):
         (from the first frame that is not plain) given to wsproto for good."""
         buf = self._partial + data if self._partial else data
         texts, taken, other = parse_text_frames(buf, self.config.websocket_max_message_size)
-        put = self.app_put
-        assert put is not None  # (accepted: the app runs)
-        for text in texts:
-            await put({"type": "websocket.receive", "bytes": None, "text": text})
+        feed = self.feed
+        if feed is not None:
+            for text in texts:
+                await feed(text.encode())
+        else:
+            put = self.app_put
+            assert put is not None  # (accepted: the app runs)
+            for text in texts:
+                await put({"type": "websocket.receive", "bytes": None, "text": text})
         if other:
             self.lean_in = False
             self._partial = b""

@@ -25,7 +25,7 @@ HTTP layer answers its later POSTs 429 ``connection_evicted``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -71,13 +71,15 @@ class OutQueue:
     (:meth:`sent`), so a stream whose client does not read keeps its bytes counted.
     """
 
-    __slots__ = ("_peer", "_ready", "closed", "lines", "nbytes", "reader")
+    __slots__ = ("_peer", "_ready", "closed", "handing", "lines", "nbytes", "reader")
 
     def __init__(self, peer: MessagePeer) -> None:
         self._peer = peer
         self.lines: list[bytes] = []
         self.nbytes = 0
         self.closed = False
+        #: the reader holds lines it took and has not handed to the server yet (nothing may pass them)
+        self.handing = False
         #: the cancel scope of the reader serving this queue now (``None``: no stream open)
         self.reader: trio.CancelScope | None = None
         self._ready = trio.Event()
@@ -155,6 +157,9 @@ class MessagePeer(trio.abc.Stream):
         self._streams_changed = trio.Event()
         #: the ``reason`` of the ``_acp_server/evicted`` the shell sent before closing (``None``: not evicted)
         self.evicted: str | None = None
+        #: a WebSocket's frame writer (``lean_ws``): what the shell writes goes straight to the socket
+        #: when nothing is queued before it and it fits the socket's write bound (``False``: queue it)
+        self.frames: Callable[[list[bytes]], bool] | None = None
 
     # --- inbound: the HTTP layer feeds, the shell reads ----------------------------------------------
 
@@ -242,6 +247,12 @@ class MessagePeer(trio.abc.Stream):
         self._partial = lines.pop()
         if self.multiplex:
             queue = self.connection
+            frames = self.frames
+            if frames is not None and not queue.lines and not queue.handing and not queue.closed:
+                lines = [line for line in lines if line]
+                if not lines or frames(lines):  # written (or nothing to write): in order, nothing counted
+                    await trio.lowlevel.checkpoint()
+                    return
             for line in lines:
                 if line:
                     queue.push(line)

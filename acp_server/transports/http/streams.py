@@ -114,8 +114,12 @@ async def pump_websocket(
                 if lines is None:
                     break
                 if send_texts_nowait is None or not send_texts_nowait(lines):
-                    for line in lines:
-                        await send({"type": "websocket.send", "text": line.decode()})
+                    queue.handing = True  # (the shell's writes queue behind these meanwhile)
+                    try:
+                        for line in lines:
+                            await send({"type": "websocket.send", "text": line.decode()})
+                    finally:
+                        queue.handing = False
                 queue.sent(lines)
             await shell_done.wait()
             await send({"type": "websocket.close", "code": 1000})
