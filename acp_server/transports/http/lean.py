@@ -73,22 +73,6 @@ __all__ = ["PARTIAL_MAX", "LeanH11Protocol", "LeanStream", "SimpleRequest", "sim
 _BUSY, _IDLE = Updated(idle=False), Updated(idle=True)
 
 
-def _is_websocket_upgrade(request: h11.Request) -> bool:
-    """hypercorn's test for a WebSocket upgrade (``H11Protocol._create_stream``): ``GET`` with an
-    ``upgrade`` token in ``Connection`` and ``Upgrade: websocket`` (h11 lowercased the names)."""
-    upgrade = connection = b""
-    for name, value in request.headers:
-        if name == b"upgrade":
-            upgrade = value.strip()
-        elif name == b"connection":
-            connection = value.strip()
-    return (
-        request.method.upper() == b"GET"
-        and upgrade.lower() == b"websocket"
-        and any(token.strip() == b"upgrade" for token in connection.lower().split(b","))
-    )
-
-
 def _never(method: bytes, path: bytes) -> bool:
     return False
 
@@ -102,6 +86,8 @@ class LeanH11Protocol(H11Protocol):
 
     _headers: list[tuple[bytes, bytes]]
     _plain = False
+    #: the request being read is a WebSocket upgrade (set with ``_plain``, for a request that is not plain)
+    _websocket = False
     #: the connection's stream (the server sets it): where a held head is queued
     batched: BatchedWrites
     #: the connection's server (it sets itself), whose keep-alive timer is told busy and idle by a
@@ -317,13 +303,18 @@ class LeanH11Protocol(H11Protocol):
         self._headers = headers
         upgrade = expect = False
         close = False
+        upgrade_value = connection_value = b""  # (the last of each, as hypercorn reads them)
         for name, value in headers:
             if name == b"upgrade" or name == b"http2-settings":
                 upgrade = True
+                if name == b"upgrade":
+                    upgrade_value = value
             elif name == b"expect":
                 expect = True
-            elif name == b"connection" and b"close" in _tokens(value):
-                close = True
+            elif name == b"connection":
+                connection_value = value
+                if b"close" in _tokens(value):
+                    close = True
         config = self.config
         self._plain = not (
             upgrade or expect or event.http_version != b"1.1" or event.method.upper() in (b"HEAD", b"PRI")
@@ -331,11 +322,18 @@ class LeanH11Protocol(H11Protocol):
         )
         self._close_asked = close
         if not self._plain:
+            # hypercorn's test for a WebSocket upgrade (``H11Protocol._create_stream``), on the same walk
+            self._websocket = (
+                event.method.upper() == b"GET"
+                and upgrade_value.lower() == b"websocket"
+                and b"upgrade" in _tokens(connection_value)
+                and not config.h11_pass_raw_headers
+            )
             await super()._check_protocol(event)
 
     async def _create_stream(self, request: h11.Request) -> None:
         if not self._plain:
-            if _is_websocket_upgrade(request) and not self.config.h11_pass_raw_headers:
+            if self._websocket:
                 await self._open_websocket(request)
             else:
                 await super()._create_stream(request)

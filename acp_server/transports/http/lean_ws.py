@@ -35,11 +35,14 @@ prompt for JSON-RPC messages of a few hundred bytes, on a loopback or LAN where 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hypercorn.protocol.events import Data
 from hypercorn.protocol.ws_stream import ASGIWebsocketState, WSStream
 from wsproto.connection import ConnectionState
+
+if TYPE_CHECKING:
+    from .wire import BatchedWrites
 
 __all__ = ["FRAMES_EXTENSION", "LeanWSStream", "frame_text", "parse_text_frames"]
 
@@ -112,7 +115,7 @@ class LeanWSStream(WSStream):
     #: the bytes of a frame not all in yet
     _partial = b""
     #: the connection's write queue, where frames go without a wait (the protocol sets it)
-    batched: Any = None
+    batched: BatchedWrites | None = None
     #: where the texts read go instead of ``websocket.receive`` messages (see :meth:`set_feed`)
     feed: Callable[[bytes], Awaitable[None]] | None = None
 
@@ -148,25 +151,14 @@ class LeanWSStream(WSStream):
         # written at once when nothing is queued before it, as a socket's writes are, not joined by the
         # flusher in a pass of its own (hypercorn's own sends, which come a frame at a time, set it back).
         batched.join = False
-        return bool(batched.send_nowait(b"".join([frame_text(p) for p in payloads])))
+        return batched.send_nowait(b"".join([frame_text(p) for p in payloads]))
 
     async def app_send(self, message: Any) -> None:
-        if (
-            self.lean
-            and message is not None
-            and message["type"] == "websocket.send"
-            and not self.closed
-            and self.state is _CONNECTED
-            and self.connection.state is _OPEN
-        ):
+        if self.lean and message is not None and message["type"] == "websocket.send":
             text = message.get("text")
-            if isinstance(text, str) and message.get("bytes") is None:
-                frame = frame_text(text.encode())
-                batched = self.batched
-                if batched is None or not batched.send_nowait(frame):
-                    await self.send(Data(stream_id=self.stream_id, data=frame))
+            if isinstance(text, str) and message.get("bytes") is None and self.send_texts_nowait([text.encode()]):
                 return
-        await super().app_send(message)
+        await super().app_send(message)  # (past the bound: wsproto frames it as we do, and the send waits)
 
     async def handle(self, event: Any) -> None:
         if self.lean_in and isinstance(event, Data) and not self.closed:
