@@ -43,6 +43,7 @@ from typing import Any
 from http_ab import HttpSizes, run_http
 from loadgen import raise_nofile_limit
 from openai_bench import OpenAISizes, run_openai
+from pipe_floor import pipe_floor
 from procfs import cpu_source, describe_idle, idle_policy, percentile
 from rest_bench import FANOUT, run_rest
 from sdk_ab import AbSizes, Totals, run_ab
@@ -203,6 +204,8 @@ def median_run(results: list[dict[str, Any]], key: str) -> dict[str, Any]:
 
 # --- scenario 1 ----------------------------------------------------------------------------------
 
+FLOOR_THINK_US = 100.0  # about the SDK client's own CPU per 1-word prompt here (82-136 us)
+
 
 def scenario_sdk(report: Report, sizes: Sizes) -> None:
     ab = sizes.ab
@@ -267,6 +270,23 @@ def scenario_sdk(report: Report, sizes: Sizes) -> None:
             report.add(
                 "sdk", f"{label}: server CPU per prompt", "µs", cpu_o, sdk=cpu_s, goal="<= 1/3 of SDK", met=met
             )
+    # The floor under the sequential rows: a child that only copies stdin to stdout, driven like an
+    # agent with a client's turn-around between an answer and the next request.
+    floor = pipe_floor(
+        round_trips=max(5 * ab.sequential, 100), think_us=FLOOR_THINK_US, warmup=min(ab.warmup * 10, 500)
+    )
+    raw["pipe_floor"] = floor
+    report.add(
+        "sdk", "1 word: sequential prompts, 1 session: a bare pipe echo's CPU per round trip (the floor)", "µs",
+        floor["cpu_us_per_round_trip"], sdk=raw["one_word_sequential"]["sdk"]["cpu_us_per_prompt"],
+    )
+    report.notes.append(
+        f"Scenario 1, the floor row: a child process that only copies stdin to stdout (bench/pipe_floor.py), "
+        f"{floor['round_trips']} round trips of {floor['bytes']} B with {FLOOR_THINK_US:g} us of turn-around in "
+        "its driver, CPU read from /proc like an agent's, beside the SDK agent's 1-word sequential figure: no "
+        "stdio agent costs less per sequential prompt on this machine, and where the ratio is near 1/3 the "
+        "goal leaves no room for an agent's own work."
+    )
     scenario_startup(report, sizes, raw)
     raw["idle_cpus"] = idle = idle_policy()
     report.scenarios["sdk"] = raw
