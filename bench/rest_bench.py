@@ -23,8 +23,8 @@ runs the scenario with the server's threads on the first CPU this process may us
 (this process, Node and its threads) on the others.
 
 ``python bench/rest_bench.py --instr`` counts instead the instructions the server runs per REST prompt
-(both clients) and per TCP prompt (the same clients and prompts, one server under ``valgrind --tool=callgrind``,
-instrumented only while the timed prompts run): a figure that a busy machine does not move, unlike CPU
+(both clients), per TCP prompt and per ``/acp`` WebSocket prompt (scenario 6's; the same prompts, one
+server under ``valgrind --tool=callgrind``, instrumented only while the timed prompts run): a figure that a busy machine does not move, unlike CPU
 time (the ratio of the two is the goal's, without the kernel's share and the caches' misses).
 
 ``python bench/rest_bench.py --kernel`` counts what the server asks of the kernel per prompt on the
@@ -318,9 +318,10 @@ def _tcp_meter(meter: Callable[[int], float]) -> Iterator[None]:
 def run_instr(
     prompts: int, warmup: int, text: str, keep: Path | None = None, node_args: tuple[str, ...] = _NODE_ARGS,
 ) -> dict[str, Any]:
-    """Instructions per REST prompt (httpx's, and qwen's SDK's when it is installed) and per TCP prompt
-    (sequential echo prompts, as :func:`run_rest`); ``keep``: a directory for the callgrind dumps
-    (``rest.callgrind``, ``rest_sdk.callgrind``, ``tcp.callgrind``, for ``callgrind_annotate``)."""
+    """Instructions per REST prompt (httpx's, and qwen's SDK's when it is installed), per TCP prompt and
+    per ``/acp`` WebSocket prompt (the official SDK's clients; sequential echo prompts, as
+    :func:`run_rest`); ``keep``: a directory for the callgrind dumps (``rest.callgrind``,
+    ``rest_sdk.callgrind``, ``tcp.callgrind``, ``ws.callgrind``, for ``callgrind_annotate``)."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise BenchError("--instr needs valgrind (Debian: apt-get install valgrind)")
     out = Path(f"/tmp/acp-bench-rest-{int(time.time())}.callgrind")
@@ -331,7 +332,7 @@ def run_instr(
     http_ab._START_TIMEOUT_S = 300.0  # type: ignore[attr-defined]  # (imports are ~50x slower under valgrind)
     server, http, tcp = _start(argv)
     meter = _Callgrind(out)
-    rest, rest_sdk, acp_tcp = Totals(), Totals(), AcpRun()
+    rest, rest_sdk, acp_tcp, acp_ws = Totals(), Totals(), AcpRun(), AcpRun()
     try:
         pid = server.proc.pid
 
@@ -341,20 +342,28 @@ def run_instr(
                 await _sdk_run(http, pid, warmup, prompts, text, rest_sdk, meter, node_args)
             with _tcp_meter(meter):
                 await _one("ours_tcp", tcp, pid, HttpSizes(1, warmup, prompts, text), acp_tcp)
+                ws = http.replace("http://", "ws://", 1) + "/acp"
+                await _one("ours_ws", ws, pid, HttpSizes(1, warmup, prompts, text), acp_ws)
 
         asyncio.run(both())
     finally:
         server.stop()
-        names = {f"{out.name}.{n}": name for n, name in enumerate(("rest", "rest_sdk", "tcp"), 1)}
-        if not rest_sdk.prompts:
-            names[f"{out.name}.2"] = "tcp"
+        order = ("rest", "rest_sdk", "tcp", "ws") if rest_sdk.prompts else ("rest", "tcp", "ws")
+        names = {f"{out.name}.{n}": name for n, name in enumerate(order, 1)}
         for dump in out.parent.glob(out.name + "*"):
             if keep is not None and dump.name in names:
                 keep.mkdir(parents=True, exist_ok=True)
                 shutil.copy(dump, keep / f"{names[dump.name]}.callgrind")
             dump.unlink()
     per_rest, per_tcp = rest.cpu_s / rest.prompts, acp_tcp.cpu_s / acp_tcp.prompts
-    out: dict[str, Any] = {"rest_instructions_per_prompt": per_rest, "tcp_instructions_per_prompt": per_tcp, "ratio": per_rest / per_tcp}
+    per_ws = acp_ws.cpu_s / acp_ws.prompts
+    out: dict[str, Any] = {
+        "rest_instructions_per_prompt": per_rest,
+        "tcp_instructions_per_prompt": per_tcp,
+        "ratio": per_rest / per_tcp,
+        "ws_instructions_per_prompt": per_ws,  # scenario 6's /acp WebSocket, the SDK's websocket client
+        "ws_ratio": per_ws / per_tcp,
+    }
     if rest_sdk.prompts:
         per_sdk = rest_sdk.cpu_s / rest_sdk.prompts
         out |= {"rest_sdk_instructions_per_prompt": per_sdk, "sdk_ratio": per_sdk / per_tcp}

@@ -300,3 +300,163 @@ async def test_a_close_frame_is_answered_and_the_server_sends_nothing_after_it()
             proto = FrameProtocol(client=True, extensions=[])
             proto.receive_bytes(tail)
             assert [f.opcode for f in proto.received_frames()] in ([], [Opcode.CLOSE])
+
+
+async def test_sequential_prompts_are_written_without_the_outboxs_writer_task(monkeypatch: Any) -> None:
+    """A WebSocket's shell writes as a socket's does: what a pass queued leaves at its end, a pass's
+    first answer at once, through the peer's ``write_nowait``; its outbox's writer task, and the
+    peer's ``send_all`` behind it, are not used."""
+    from acp_server.transports.http.peer import MessagePeer
+
+    calls = {"send_all": 0, "write_nowait": 0}
+    send_all, write_nowait = MessagePeer.send_all, MessagePeer.write_nowait
+
+    async def counted_send_all(self: MessagePeer, data: Any) -> None:
+        calls["send_all"] += 1
+        await send_all(self, data)
+
+    def counted_write_nowait(self: MessagePeer, data: bytes) -> int:
+        calls["write_nowait"] += 1
+        return write_nowait(self, data)
+
+    monkeypatch.setattr(MessagePeer, "send_all", counted_send_all)
+    monkeypatch.setattr(MessagePeer, "write_nowait", counted_write_nowait)
+    with trio.fail_after(TIMEOUT_S):
+        async with http_server() as (_, _, url), _ws(url) as ws:
+            sid = await _session(ws)
+            for n in range(2, 12):
+                await ws.sock.send_all(_client_frames([_prompt(n, sid, "one two three")]))
+                assert (await ws.answer(n))["result"]["stopReason"] == "end_turn"
+    assert calls["send_all"] == 0 and calls["write_nowait"] >= 10
+
+
+async def test_a_reader_with_a_small_window_gets_every_message_in_order(monkeypatch: Any) -> None:
+    """Bursts the kernel takes only part of are queued on the socket's writer (also when the outbox
+    writes them at the end of a pass, just before trio waits for I/O: the run loop is woken for that
+    writer); bursts past the writer's bound go through the peer's queue. A client that reads late,
+    through a small receive window, gets every message of every turn, in order."""
+    import socket as stdlib_socket
+
+    from acp_server.transports.http import lean_ws
+
+    queued = {"bursts": 0}
+    original = lean_ws.LeanWSStream.send_texts_nowait
+
+    def counted(self: Any, payloads: list[bytes]) -> bool:
+        done = original(self, payloads)
+        queued["bursts"] += bool(done and self.batched is not None and self.batched.queued)
+        return done
+
+    monkeypatch.setattr(lean_ws.LeanWSStream, "send_texts_nowait", counted)
+    real_socket = trio.socket.socket
+
+    def small_window(*args: Any, **kwargs: Any) -> Any:
+        sock = real_socket(*args, **kwargs)
+        sock.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_RCVBUF, 4096)
+        return sock
+
+    words = [f"w{i:04d} " for i in range(600)]
+    with trio.fail_after(TIMEOUT_S):
+        async with http_server() as (_, _, url):
+            monkeypatch.setattr(trio.socket, "socket", small_window)  # the client's socket only
+            async with _ws(url) as ws:
+                monkeypatch.setattr(trio.socket, "socket", real_socket)
+                sid = await _session(ws)
+                prompts = [_prompt(n, sid, "".join(words[: 100 * n])) for n in (2, 3, 4, 5)]
+                await ws.sock.send_all(_client_frames(prompts))
+                await trio.sleep(0.3)  # not reading meanwhile
+                seen: dict[str, list[str]] = {}
+                order: list[int] = []
+                while len(order) < 4:
+                    message = await ws.message()
+                    if message.get("method") == "session/update":
+                        update = message["params"]["update"]
+                        if update["sessionUpdate"] == "agent_message_chunk":
+                            seen.setdefault(str(len(order) + 2), []).append(update["content"]["text"])
+                    elif "id" in message:
+                        assert message["result"]["stopReason"] == "end_turn"
+                        order.append(message["id"])
+    assert order == [2, 3, 4, 5]
+    assert all(seen[str(n)] == words[: 100 * n] for n in order)
+    assert queued["bursts"] >= 1  # (the kernel did take less than a burst: the case this is about)
+
+
+def _blocking_turn(url: str, words: list[str], rcvbuf: int) -> tuple[list[str], float, str]:
+    """In a thread (the server's run loop is not woken by this client's reads): a WebSocket client of
+    ``/acp`` with stdlib blocking sockets and a small receive window; one prompt of ``words``. Returns
+    the chunks read, how long after the prompt the last one came, and the answer's stop reason."""
+    import socket as stdlib_socket
+    import time
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = stdlib_socket.socket()
+    sock.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(TIMEOUT_S)
+    sock.connect((host, int(port)))
+    ws = WSConnection(ConnectionType.CLIENT)
+    events: list[Any] = []
+
+    def event() -> Any:
+        while not events:
+            data = sock.recv(65536)
+            ws.receive_data(data or None)
+            events.extend(ws.events())
+            assert data or events, "the server closed the socket"
+        return events.pop(0)
+
+    def message() -> dict[str, Any]:
+        text = ""
+        while True:
+            got = event()
+            if isinstance(got, TextMessage):
+                text += got.data
+                if got.message_finished:
+                    return dict(json.loads(text))
+            else:
+                assert isinstance(got, (AcceptConnection, Pong)), got
+
+    def answer(request_id: int) -> dict[str, Any]:
+        while True:
+            got = message()
+            if got.get("id") == request_id and "method" not in got:
+                return got
+
+    try:
+        sock.sendall(ws.send(WsRequest(host=f"{host}:{port}", target="/acp")))
+        assert isinstance(event(), AcceptConnection)
+        sock.sendall(_client_frames([json.dumps(INIT)]))
+        answer(0)
+        sock.sendall(_client_frames([_request(1, "session/new", cwd="/tmp", mcpServers=[])]))
+        sid = str(answer(1)["result"]["sessionId"])
+        sock.sendall(_client_frames([_prompt(2, sid, "".join(words))]))
+        sent = time.monotonic()
+        chunks: list[str] = []
+        while len(chunks) < len(words):
+            got = message()
+            assert "id" not in got, "the answer came before the turn's updates"
+            if got.get("method") == "session/update":
+                update = got["params"]["update"]
+                if update["sessionUpdate"] == "agent_message_chunk":
+                    chunks.append(update["content"]["text"])
+        took = time.monotonic() - sent
+        return chunks, took, answer(2)["result"]["stopReason"]
+    finally:
+        sock.close()
+
+
+async def test_a_burst_queued_at_the_end_of_a_pass_is_written_on_before_the_turn_ends() -> None:
+    """A turn still under way (its answer seconds off) whose updates the kernel takes only part of: the
+    rest is queued on the socket's writer by the outbox's write at the end of the pass, just before trio
+    waits for I/O, and the run loop is woken for that writer then, so the updates arrive while the turn
+    runs, not when some timer next wakes the loop. The client is a thread with blocking sockets: its
+    reads do not wake the server's run loop, as an in-process trio client's would."""
+    from acp_server.backends.echo import EchoBackend
+
+    words = [f"w{i:04d} " for i in range(600)]
+    delay_s = 3.0
+    with trio.fail_after(TIMEOUT_S + delay_s):
+        async with http_server(backend=EchoBackend(delay_ms=int(delay_s * 1000))) as (_, _, url):
+            chunks, took, stop = await trio.to_thread.run_sync(_blocking_turn, url, words, 4096)
+    assert chunks == words and stop == "end_turn"
+    # ~0.02 s here; without the wake-up they wait for the loop's next timer (~1 s: a second's tick)
+    assert took < 0.5, f"the updates waited {took:.2f} s for the run loop to come round"

@@ -166,28 +166,34 @@ async def test_peer_send_all_waits_for_a_reader_and_input_reads_as_a_stream() ->
         await peer.send_all(b"{}\n")
 
 
+class _FrameWriter:
+    """A lean WebSocket's frame writer, by hand: what it took, and whether it takes more (its socket's bound)."""
+
+    def __init__(self) -> None:
+        self.written: list[list[bytes]] = []
+        self.accept = True
+
+    def __call__(self, lines: list[bytes]) -> bool:
+        if self.accept:
+            self.written.append(list(lines))
+        return self.accept
+
+
 async def test_a_websocket_peer_writes_through_its_frame_writer_only_when_nothing_waits_before() -> None:
     """With a frame writer (a lean WebSocket's), the shell's write goes straight to it while the queue
     is empty and no reader is handing lines on; otherwise, or when the writer says no (its socket's
     bound), the lines queue and count as before, so that nothing overtakes what is queued."""
     peer = MessagePeer(limit=1 << 20, multiplex=True)
-    written: list[list[bytes]] = []
-    accept = True
-
-    def frames(lines: list[bytes]) -> bool:
-        if accept:
-            written.append(list(lines))
-        return accept
-
-    peer.frames = frames
+    frames = peer.frames = _FrameWriter()
+    written = frames.written
     queue = peer.connection
     await peer.send_all(b'{"a":1}\n{"b":2}\n')
     assert written == [[b'{"a":1}', b'{"b":2}']] and queue.lines == [] and queue.nbytes == 0
 
-    accept = False  # past the socket's bound: queued, counted
+    frames.accept = False  # past the socket's bound: queued, counted
     await peer.send_all(b'{"c":3}\n')
     assert queue.lines == [b'{"c":3}'] and queue.nbytes == 7
-    accept = True  # lines wait in the queue: the next write queues behind them
+    frames.accept = True  # lines wait in the queue: the next write queues behind them
     await peer.send_all(b'{"d":4}\n')
     assert queue.lines == [b'{"c":3}', b'{"d":4}'] and len(written) == 1
     lines = await queue.take()
@@ -203,6 +209,78 @@ async def test_a_websocket_peer_writes_through_its_frame_writer_only_when_nothin
     await peer.send_all(b'"g":7}\n')
     assert written[-1] == [b'{"g":7}']
     await peer.aclose()
+
+
+async def test_a_websocket_peer_is_written_without_the_outboxs_writer_task() -> None:
+    """With a frame writer the peer says it writes without a wait (the outbox then writes it at the end
+    of each pass and a pass's first answer at once, as a socket); ``write_nowait`` takes whole lines or
+    nothing, and nothing when lines wait before them, so the writer's ``send_all`` queues them in order."""
+    from acp_server.transports.outbox import _writes_nowait
+
+    assert not _writes_nowait(MessagePeer(limit=1 << 20, multiplex=False))  # HTTP+SSE: the writer task
+    peer = MessagePeer(limit=1 << 20, multiplex=True)
+    assert not _writes_nowait(peer)  # a WebSocket without a frame writer (not the lean stream)
+    frames = peer.frames = _FrameWriter()
+    written = frames.written
+    assert _writes_nowait(peer)
+    queue = peer.connection
+    data = b'{"a":1}\n{"b":2}\n'
+    assert peer.write_nowait(data) == len(data) and written == [[b'{"a":1}', b'{"b":2}']]
+    assert peer.write_nowait(b'{"c":') == 0  # not a whole line: the writer's send_all keeps the part
+    frames.accept = False  # past the socket's bound: nothing taken, nothing queued here
+    assert peer.write_nowait(b'{"c":3}\n') == 0 and queue.lines == [] and len(written) == 1
+    frames.accept = True
+    queue.push(b'{"q":0}')  # lines wait for the pump: a write may not pass them
+    assert peer.write_nowait(b'{"d":4}\n') == 0 and len(written) == 1
+    assert await queue.take() == [b'{"q":0}']
+    queue.handing = True
+    assert peer.write_nowait(b'{"d":4}\n') == 0
+    queue.handing = False
+    await peer.send_all(b'{"e":')  # a part kept by send_all: the next whole lines go after it, there
+    assert peer.write_nowait(b'{"f":6}\n') == 0
+    await peer.send_all(b'5}\n')
+    assert written[-1] == [b'{"e":5}']
+    await peer.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        peer.write_nowait(b"{}\n")
+
+
+async def test_a_read_that_waited_returns_in_the_step_it_wakes_in() -> None:
+    """``receive_some`` yields once: in its wait, when it waited (no second pass for the shell to take
+    what woke it), else at a schedule point of its own."""
+    peer = MessagePeer(limit=1 << 20, multiplex=True)
+    steps: dict[str, int] = {"reader": 0}
+    got: list[bytes] = []
+
+    class Steps(trio.abc.Instrument):
+        def after_task_step(self, task: trio.lowlevel.Task) -> None:
+            if task.name.endswith("reader"):
+                steps["reader"] += 1
+
+    async def reader() -> None:
+        got.append(await peer.receive_some())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()
+        trio.lowlevel.add_instrument(instrument := Steps())
+        try:
+            peer.feed(b'{"a":1}')
+            await trio.testing.wait_all_tasks_blocked()
+        finally:
+            trio.lowlevel.remove_instrument(instrument)
+    assert got == [b'{"a":1}\n'] and steps["reader"] == 1
+    # Already there: it still lets the others run first (a schedule point of its own).
+    peer.feed(b'{"b":2}')
+    other = trio.Event()
+
+    async def runs_meanwhile() -> None:
+        other.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(runs_meanwhile)
+        assert await peer.receive_some() == b'{"b":2}\n'
+        assert other.is_set()
 
 
 async def test_batched_writes_join_a_burst_and_report_a_broken_peer() -> None:

@@ -15,7 +15,9 @@ woken only when the kernel takes less than all of it (a full socket or pipe) or 
 ``send_all`` then meets the error and closes the connection). A sequential prompt then costs no writer
 step and no scheduling pass of its own. A connection that has just handed a request to another task
 (:meth:`Outbox.hold`) is flushed one pass later, so that the answer that task queues leaves with what
-came before it. Other streams (TLS, HTTP) are written by the writer task, woken at the first message.
+came before it. A lean WebSocket's peer is written the same way (``write_nowait``, the stream saying
+so with ``writes_nowait``). Other streams (TLS, HTTP+SSE) are written by the writer task, woken at the
+first message.
 
 The first answer of a pass does not wait for the pass's end: :meth:`Outbox.reply` writes it at once,
 with what was queued before it, and the pass's later output joins the write at its end (at most two
@@ -188,7 +190,11 @@ def at_pass_end(callback: Callable[[], bool]) -> None:
 
 
 def _writes_nowait(stream: object) -> bool:
-    """Whether ``stream`` can be written without waiting (``write_nowait``, or a plain trio socket)."""
+    """Whether ``stream`` can be written without waiting (``write_nowait``, or a plain trio socket); a
+    stream that has ``write_nowait`` for some of its kinds says which with ``writes_nowait``."""
+    says = getattr(stream, "writes_nowait", None)
+    if says is not None:
+        return bool(says)
     return hasattr(stream, "write_nowait") or type(stream) is trio.SocketStream
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import trio
 from hypercorn.protocol.events import Data
 from hypercorn.protocol.ws_stream import ASGIWebsocketState, WSStream
 from wsproto.connection import ConnectionState
@@ -53,6 +54,10 @@ _OPEN = ConnectionState.OPEN
 _CONNECTED = ASGIWebsocketState.CONNECTED
 _FIN_TEXT = 0x81
 _MASKED = 0x80
+
+
+def _noop() -> None:
+    pass
 
 
 def frame_text(payload: bytes) -> bytes:
@@ -151,7 +156,14 @@ class LeanWSStream(WSStream):
         # written at once when nothing is queued before it, as a socket's writes are, not joined by the
         # flusher in a pass of its own (hypercorn's own sends, which come a frame at a time, set it back).
         batched.join = False
-        return batched.send_nowait(b"".join([frame_text(p) for p in payloads]))
+        if not batched.send_nowait(b"".join([frame_text(p) for p in payloads])):
+            return False
+        if batched.queued:
+            # Queued, not written (the kernel took less, or a write is under way): its writer was woken.
+            # The shell's outbox may be calling from the end of a pass, just before trio waits for I/O:
+            # make sure the run loop comes round for that writer.
+            trio.lowlevel.current_trio_token().run_sync_soon(_noop)
+        return True
 
     async def app_send(self, message: Any) -> None:
         if self.lean and message is not None and message["type"] == "websocket.send":

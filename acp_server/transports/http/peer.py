@@ -13,7 +13,10 @@ a session (``session/new``, ``load``, ``resume``, ``_acp_server/fork``) register
 connection. A request or notification whose ``params.sessionId`` is a session established here goes to
 that session's stream; anything else (replays before the session is established, other sessions')
 to the connection stream. A queue whose stream is not open yet keeps its messages for it. Over a
-WebSocket, everything goes to the one socket in order, with nothing decoded.
+WebSocket, everything goes to the one socket in order, with nothing decoded; on a lean WebSocket
+(``lean_ws``: :attr:`MessagePeer.frames` set) the shell's outbox writes it as it writes a socket, at
+the end of each scheduling pass and a pass's first answer at once, through
+:meth:`MessagePeer.write_nowait`, without its writer task, while nothing waits in the queue before it.
 
 Backpressure: :meth:`MessagePeer.send_all` returns once every queue it wrote to is back under
 ``limit`` bytes. A reader that falls behind therefore stops the shell's writer, whose own queue then
@@ -191,12 +194,14 @@ class MessagePeer(trio.abc.Stream):
         return len(self._inbound)
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        waited = False
         while not self._inbound:
             if self._eof or self._closed:
                 await trio.lowlevel.checkpoint()
                 return b""
             self._inbound_ready = trio.Event()
             await self._inbound_ready.wait()
+            waited = True
         size = max_bytes or 65536
         self._inbound_taken.set()
         if len(self._inbound) <= size:
@@ -205,7 +210,8 @@ class MessagePeer(trio.abc.Stream):
         else:
             data = bytes(self._inbound[:size])
             del self._inbound[:size]
-        await trio.lowlevel.cancel_shielded_checkpoint()
+        if not waited:  # (a wait was this call's checkpoint: no second pass for what it woke to)
+            await trio.lowlevel.cancel_shielded_checkpoint()
         return data
 
     # --- the requests routing needs to know about ----------------------------------------------------
@@ -236,6 +242,34 @@ class MessagePeer(trio.abc.Stream):
         return session_id in self.established or session_id in self._establishing
 
     # --- outbound: the shell writes, queues take -----------------------------------------------------
+
+    @property
+    def writes_nowait(self) -> bool:
+        """Whether the shell's outbox writes here without its writer task (:meth:`write_nowait`, at the
+        end of each pass and for a pass's first answer, as on a socket): a WebSocket with a frame writer."""
+        return self.multiplex and self.frames is not None
+
+    def write_nowait(self, data: bytes) -> int:
+        """Frame the whole lines of ``data`` and hand them to the socket without a wait: ``len(data)``
+        when they went (or were queued by the socket's writer, under its bound), 0 when they did not
+        (nothing taken: the outbox's writer task sends them with :meth:`send_all`, which queues them
+        in order behind what is queued already and waits for room). A WebSocket's only."""
+        if self._closed:
+            raise trio.ClosedResourceError("the connection is closed")
+        frames, queue = self.frames, self.connection
+        if (
+            frames is None
+            or self._partial
+            or queue.lines
+            or queue.handing
+            or queue.closed
+            or not data.endswith(b"\n")
+        ):
+            return 0
+        lines = [line for line in data.split(b"\n") if line]
+        if lines and not frames(lines):
+            return 0
+        return len(data)
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         if self._closed:

@@ -146,6 +146,11 @@ class BatchedWrites(trio.abc.HalfCloseableStream):
         self._room.set()
         self._idle.set()
 
+    @property
+    def queued(self) -> bool:
+        """Something waits for the flusher task (queued, or being written)."""
+        return bool(self._out) or self._writing
+
     def send_nowait(self, data: bytes | bytearray | memoryview) -> bool:
         """Write or queue ``data`` if that needs no wait (``False``: broken, or past ``limit``: use
         :meth:`send_all`). On plain HTTP/1.1 (no joining) what the socket takes is written at once."""
