@@ -270,17 +270,21 @@ async def test_a_read_that_waited_returns_in_the_step_it_wakes_in() -> None:
         finally:
             trio.lowlevel.remove_instrument(instrument)
     assert got == [b'{"a":1}\n'] and steps["reader"] == 1
-    # Already there: it still lets the others run first (a schedule point of its own).
+    # Already there: a schedule point of its own all the same (this task's step ends in it, once).
     peer.feed(b'{"b":2}')
-    other = trio.Event()
+    me = trio.lowlevel.current_task()
+    mine = {"steps": 0}
 
-    async def runs_meanwhile() -> None:
-        other.set()
+    class MySteps(trio.abc.Instrument):
+        def after_task_step(self, task: trio.lowlevel.Task) -> None:
+            mine["steps"] += task is me
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(runs_meanwhile)
+    trio.lowlevel.add_instrument(instrument := MySteps())
+    try:
         assert await peer.receive_some() == b'{"b":2}\n'
-        assert other.is_set()
+    finally:
+        trio.lowlevel.remove_instrument(instrument)
+    assert mine["steps"] == 1
 
 
 async def test_batched_writes_join_a_burst_and_report_a_broken_peer() -> None:
