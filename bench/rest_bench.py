@@ -24,8 +24,9 @@ runs the scenario with the server's threads on the first CPU this process may us
 
 ``python bench/rest_bench.py --instr`` counts instead the instructions the server runs per REST prompt
 (both clients), per TCP prompt and per ``/acp`` WebSocket prompt (scenario 6's; the same prompts, one
-server under ``valgrind --tool=callgrind``, instrumented only while the timed prompts run): a figure that a busy machine does not move, unlike CPU
-time (the ratio of the two is the goal's, without the kernel's share and the caches' misses).
+server under ``valgrind --tool=callgrind``, instrumented only while the timed prompts run): a figure
+that a busy machine does not move, unlike CPU time (the ratio of the two is the goal's, without the
+kernel's share and the caches' misses).
 
 ``python bench/rest_bench.py --kernel`` counts what the server asks of the kernel per prompt on the
 same three paths (REST from httpx, REST from qwen's SDK, TCP): read and write system calls (all

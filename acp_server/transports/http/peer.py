@@ -256,20 +256,18 @@ class MessagePeer(trio.abc.Stream):
         in order behind what is queued already and waits for room). A WebSocket's only."""
         if self._closed:
             raise trio.ClosedResourceError("the connection is closed")
+        if self._partial or not data.endswith(b"\n"):
+            return 0
+        return len(data) if self._frames_now(data.split(b"\n")) else 0
+
+    def _frames_now(self, lines: list[bytes]) -> bool:
+        """Hand ``lines`` (empty ones skipped) to the frame writer if nothing waits in the queue before
+        them; whether they went (or there was nothing to write): in order, nothing counted."""
         frames, queue = self.frames, self.connection
-        if (
-            frames is None
-            or self._partial
-            or queue.lines
-            or queue.handing
-            or queue.closed
-            or not data.endswith(b"\n")
-        ):
-            return 0
-        lines = [line for line in data.split(b"\n") if line]
-        if lines and not frames(lines):
-            return 0
-        return len(data)
+        if frames is None or queue.lines or queue.handing or queue.closed:
+            return False
+        lines = [line for line in lines if line]
+        return not lines or frames(lines)
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         if self._closed:
@@ -281,12 +279,9 @@ class MessagePeer(trio.abc.Stream):
         self._partial = lines.pop()
         if self.multiplex:
             queue = self.connection
-            frames = self.frames
-            if frames is not None and not queue.lines and not queue.handing and not queue.closed:
-                lines = [line for line in lines if line]
-                if not lines or frames(lines):  # written (or nothing to write): in order, nothing counted
-                    await trio.lowlevel.checkpoint()
-                    return
+            if self._frames_now(lines):
+                await trio.lowlevel.checkpoint()
+                return
             for line in lines:
                 if line:
                     queue.push(line)
